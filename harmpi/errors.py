@@ -1,0 +1,36 @@
+"""The one exception family of harmpi.
+
+Every error harmpi raises derives from :class:`HarmpiError`, so callers can
+catch the library's failures without catching unrelated ones.
+"""
+
+__all__ = [
+    "HarmpiError",
+    "HarmpiArgumentError",
+    "HarmpiMismatchError",
+    "HarmpiTimeoutError",
+    "HarmpiTransportError",
+]
+
+
+class HarmpiError(RuntimeError):
+    """Base class of every error raised by harmpi."""
+
+
+class HarmpiArgumentError(HarmpiError, ValueError):
+    """A caller passed something harmpi cannot use (dtype, layout, op, ...).
+
+    Raised on the calling rank before any data moves.
+    """
+
+
+class HarmpiMismatchError(HarmpiError):
+    """Ranks disagreed about a collective (size, dtype, op); raised on every rank."""
+
+
+class HarmpiTimeoutError(HarmpiError, TimeoutError):
+    """A peer did not arrive before the deadline (HARMPI_TIMEOUT_S)."""
+
+
+class HarmpiTransportError(HarmpiError):
+    """A cross-node transport failed or is unavailable."""
