@@ -1,0 +1,96 @@
+"""Hierarchical allgather: shm gather plus one rail exchange.
+
+Every rank contributes x (same shape everywhere); every rank receives the
+concatenation, in communicator rank order, along the first dimension.
+
+Steps (G nodes of L ranks, per chunk of at most slot/G elements of x):
+  1. post the rail exchange: receive the chunk of each rail peer (same
+     local rank, node g') straight into block g' of my next slot, send my
+     chunk to every rail peer from the caller's buffer (G-1 messages each
+     way, all in flight at once: one exchange round, not log G);
+  2. while that flies, copy my own chunk into block g (my node) of my slot;
+  3. complete the exchange, post (size, kind), publish, wait for the node;
+  4. every rank copies block g' of slot l' to the output block of the rank
+     that is local rank l' of node g', for all (g', l').
+
+Invariants: pure copies, so every rank holds the same bytes. Writing into
+the next step's slot before publishing is safe: that slot was last read two
+steps ago, and this rank has passed the previous step's wait.
+
+Cost: per rank (G-1) messages of m bytes on its own rail (all rails in
+parallel), one copy-in, one flag round, and a copy-out of G*L*m bytes.
+
+Uneven nodes (rails that miss some node) take MPI_Allgather on the whole
+communicator instead; that choice is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .. import node
+from ..transports import tag_for
+from .base import recv_check
+
+__all__ = ["HierAllgather"]
+
+log = logging.getLogger(__name__)
+
+
+class HierAllgather:
+    name = "hier_allgather"
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        topo = ctx.topo
+        self.G, self.g, self.L = topo.node_count, topo.node_index, topo.local_size
+        self.uniform = topo.uniform
+        if not self.uniform:
+            ctx.log_once(f"allgather: nodes hold {list(topo.node_sizes)} ranks (uneven), so rails "
+                         "do not span every node; using MPI_Allgather on the communicator")
+            return
+        self.transport = ctx.rail_transport() if self.G > 1 else None
+        # table[l, g] = communicator rank of local rank l on node g
+        self.table = np.array([[topo.node_ranks[g][l] for g in range(self.G)]
+                               for l in range(self.L)], dtype=np.int64)
+
+    def run(self, call, out_addr):
+        ctx = self.ctx
+        isz = call.itemsize
+        if not self.uniform:
+            size = ctx.topo.size
+            ctx.comm.Allgather(ctx.view(call.addr, call.nbytes),
+                               ctx.view(out_addr, call.nbytes * size))
+            return
+        ctl = ctx.ctl
+        G, g = self.G, self.g
+        chunk = max(1, ctx.config.slot_nbytes // G // isz)
+        tag = tag_for(call.nbytes, call.code)
+        start = 0
+        while True:
+            m = min(chunk, call.n - start)
+            nb = m * isz
+            src = call.addr + start * isz
+            slot = node.next_slot_addr(ctl, ctx.topo.local_rank)
+            pending = None
+            if G > 1:
+                peers = [p for p in range(G) if p != g]
+                pending = self.transport.post(
+                    [(p, ctx.view(src, nb), tag) for p in peers],
+                    [(p, ctx.view(slot + p * nb, nb)) for p in peers])
+            node.copy_bytes(slot + g * nb, src, nb)
+            poisoned = False
+            if pending is not None:
+                for got in self.transport.complete(pending, ctx.config.timeout_s, call):
+                    poisoned = poisoned or recv_check(got, nb, tag)
+            code = node.POISON_CODE if poisoned else call.code
+            rc = node.stage(ctl, 0, 0, 0, call.nbytes, code, call.fmt, call.w)
+            if rc:
+                ctx.fail(rc, call, rail_poison=poisoned)
+            node.copy_blocks(ctl, out_addr, call.n, start, m, self.table, call.w)
+            start += m
+            if start >= call.n:
+                return
+

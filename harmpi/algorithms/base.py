@@ -1,0 +1,113 @@
+"""What every algorithm receives: a described buffer, and shared helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import node
+from ..errors import HarmpiMismatchError
+from ..transports import POISON_TAG
+
+__all__ = ["Call", "rail_allreduce", "recv_check", "mismatch_error", "FMT_NAMES"]
+
+
+FMT_NAMES = ("bf16", "f16", "f32", "f64")
+
+
+class Call:
+    """One collective call, already validated: x[:n] at ``addr``.
+
+    ``code`` is the kind word every rank compares: storage format in bits
+    0-7, algorithm id in bits 8-15, collective id in bits 16-23, a shape
+    digest (allgather) above.
+    """
+
+    __slots__ = ("addr", "n", "itemsize", "fmt", "w", "code", "op")
+
+    def __init__(self, addr, n, itemsize, fmt, w, code, op):
+        self.addr = addr
+        self.n = n
+        self.itemsize = itemsize
+        self.fmt = fmt
+        self.w = w
+        self.code = code
+        self.op = op
+
+    @property
+    def nbytes(self):
+        return self.n * self.itemsize
+
+    def __str__(self):
+        return f"{self.op} of {self.n} {FMT_NAMES[self.fmt]}"
+
+    def describe_code(self, code=None):
+        code = self.code if code is None else code
+        if code < 0:
+            return "failed"
+        fmt, algo = code & 0xFF, (code >> 8) & 0xFF
+        from . import ALGORITHM_IDS  # noqa: PLC0415 - avoid an import cycle
+        names = {v: k for k, v in ALGORITHM_IDS.items()}
+        return (f"{FMT_NAMES[fmt] if fmt < len(FMT_NAMES) else fmt}, "
+                f"algorithm {names.get(algo, algo)}")
+
+
+def recv_check(got, expect_nbytes, expect_tag):
+    """True if a received (nbytes, tag) is not what this rank expected."""
+    nbytes, tag = got
+    return nbytes != expect_nbytes or tag != expect_tag
+
+
+def rail_allreduce(transport, comm_rank, comm_size, addr, m, call, recv_buf, tag, timeout_s,
+                   poisoned=False):
+    """Sum m elements at ``addr`` over the ranks of ``transport`` in place.
+
+    Recursive doubling, folding the ranks beyond the largest power of two P
+    onto ranks [0, G-P) first and sending them the result last. At every
+    doubling step both partners compute a + b from the same two values
+    (fp addition commutes), so every rank ends with the same bits.
+    Returns True if this collective is poisoned (a peer disagreed on size or
+    kind, or sent the poison tag); the caller then fails on every rank.
+    """
+    G, g = comm_size, comm_rank
+    if G == 1:
+        return poisoned
+    nbytes = m * call.itemsize
+    data = MPI.buffer.fromaddress(addr, nbytes) if nbytes else np.empty(0, np.uint8)
+    recv = recv_buf[:nbytes]
+    recv_addr = recv_buf.ctypes.data
+    P = 1 << (G.bit_length() - 1)
+
+    def send_tag():
+        return POISON_TAG if poisoned else tag
+
+    if g >= P:
+        # extra rank: hand our data to the partner, get the total back
+        transport.complete(transport.post([(g - P, data, send_tag())], []), timeout_s, call)
+        (got,) = transport.complete(transport.post([], [(g - P, data)]), timeout_s, call)
+        return poisoned or recv_check(got, nbytes, tag)
+    if g < G - P:
+        (got,) = transport.complete(transport.post([], [(g + P, recv)]), timeout_s, call)
+        if recv_check(got, nbytes, tag):
+            poisoned = True
+        else:
+            node.add_into(addr, recv_addr, m, call.fmt, call.w)
+    k = 1
+    while k < P:
+        peer = g ^ k
+        (got,) = transport.complete(transport.post([(peer, data, send_tag())], [(peer, recv)]),
+                                    timeout_s, call)
+        if recv_check(got, nbytes, tag):
+            poisoned = True
+        elif not poisoned:
+            node.add_into(addr, recv_addr, m, call.fmt, call.w)
+        k <<= 1
+    if g < G - P:
+        transport.complete(transport.post([(g + P, data, send_tag())], []), timeout_s, call)
+    return poisoned
+
+
+def mismatch_error(rank, what, detail):
+    return HarmpiMismatchError(
+        f"rank {rank}: {what}: ranks disagree ({detail}); every rank must pass a tensor of the "
+        "same size and dtype, with the same op and algorithm, in the same order")

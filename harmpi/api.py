@@ -1,0 +1,252 @@
+"""The public collectives: argument checks, context lookup, algorithm dispatch.
+
+Checks that need no communication (dtype, layout, writability, op,
+algorithm name) run first on every rank and raise HarmpiArgumentError
+before any data moves. Checks that need the other ranks (sizes and kinds
+agree) ride along with the first publish of the collective and raise
+HarmpiMismatchError on every rank, again before the caller's buffer is
+written.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+from . import node
+from .algorithms import ALGORITHM_IDS
+from .algorithms.base import Call
+from .config import ALGORITHMS, Config
+from .context import Context
+from .errors import HarmpiArgumentError, HarmpiError, HarmpiTimeoutError
+
+__all__ = ["init", "finalize", "allreduce", "allgather", "barrier", "info"]
+
+log = logging.getLogger("harmpi")
+
+_NUMPY_KINDS = {
+    np.dtype(np.float16): (node.FMT_F16, np.empty(0, np.uint16), 2),
+    np.dtype(np.float32): (node.FMT_F32, np.empty(0, np.float32), 4),
+    np.dtype(np.float64): (node.FMT_F64, np.empty(0, np.float64), 8),
+}
+_BF16 = (node.FMT_BF16, np.empty(0, np.uint16), 2)
+_OP_SUM = 1
+_OPS = {"sum": _OP_SUM}
+_COLL_ALLREDUCE, _COLL_ALLGATHER = 1, 2
+
+
+class _Contexts:
+    """The one explicit piece of module state: contexts by communicator."""
+
+    def __init__(self):
+        self.by_comm = {}
+        self.atexit_registered = False
+
+    def get(self, comm):
+        key = MPI.COMM_WORLD if comm is None else comm
+        ctx = self.by_comm.get(key.handle if hasattr(key, "handle") else id(key))
+        if ctx is None:
+            ctx = self.create(key)
+        return ctx
+
+    def create(self, comm):
+        if not MPI.Is_initialized() or MPI.Is_finalized():
+            raise HarmpiError("MPI is not initialised (or already finalised); import mpi4py's MPI "
+                              "and run under mpirun")
+        ctx = Context(comm, Config.from_env())
+        self.by_comm[comm.handle] = ctx
+        if not self.atexit_registered:
+            # Runs before mpi4py's own finalisation (atexit is last-in, first-out).
+            atexit.register(self.free_all)
+            self.atexit_registered = True
+        return ctx
+
+    def free_all(self):
+        if MPI.Is_finalized():
+            self.by_comm.clear()
+            return
+        for ctx in list(self.by_comm.values()):
+            if ctx.broken is None or ctx.broken == "finalized":
+                ctx.free()
+        self.by_comm.clear()
+
+
+_CONTEXTS = _Contexts()
+
+
+def init(comm=None):
+    """Set up harmpi for ``comm`` (default MPI.COMM_WORLD); collective, optional.
+
+    The first collective on a communicator initialises it anyway; calling
+    init() first keeps the set-up (window allocation, kernel loading) out of
+    timed code. Returns the context (see :func:`info` for what it knows).
+    """
+    return _CONTEXTS.get(comm)
+
+
+def finalize():
+    """Free every window, transport and communicator harmpi made (collective)."""
+    _CONTEXTS.free_all()
+
+
+def _context(comm):
+    ctx = _CONTEXTS.get(comm)
+    if ctx.broken is not None:
+        raise HarmpiError(f"harmpi context is unusable: {ctx.broken}")
+    return ctx
+
+
+def _describe(x, dtype, writable):
+    """(addr, n, fmt, witness, itemsize, is_torch) of x, or HarmpiArgumentError."""
+    if type(x) is np.ndarray:
+        kind = _NUMPY_KINDS.get(x.dtype)
+        if dtype is not None:
+            if dtype not in ("bf16", "bfloat16"):
+                raise HarmpiArgumentError(f"dtype={dtype!r}: only 'bf16' may be given, for uint16 "
+                                          "arrays holding bfloat16 bits")
+            if x.dtype != np.uint16:
+                raise HarmpiArgumentError(f"dtype='bf16' needs a uint16 array, got {x.dtype}")
+            kind = _BF16
+        elif kind is None and x.dtype.name == "bfloat16" and x.dtype.itemsize == 2:
+            kind = _BF16  # ml_dtypes.bfloat16
+        if kind is None:
+            raise HarmpiArgumentError(
+                f"unsupported array dtype {x.dtype}; harmpi reduces float16, float32, float64, "
+                "and bfloat16 (torch.bfloat16 tensors, or uint16 arrays with dtype='bf16')")
+        if not x.flags.c_contiguous:
+            raise HarmpiArgumentError(
+                f"array of shape {x.shape} is not C-contiguous; pass np.ascontiguousarray(x)")
+        if writable and not x.flags.writeable:
+            raise HarmpiArgumentError("array is read-only; the collective writes its result in "
+                                      "place (pass a writable copy)")
+        fmt, w, itemsize = kind
+        return x.ctypes.data, x.size, fmt, w, itemsize, False
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if dtype is not None:
+            raise HarmpiArgumentError("dtype= is only for numpy uint16 arrays; a tensor has its own")
+        from . import torch as _torch  # noqa: PLC0415 - torch only when a tensor is seen
+        return _torch.describe(x, writable) + (True,)
+    raise HarmpiArgumentError(
+        f"expected a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def _op_id(op):
+    if op is MPI.SUM:
+        return _OP_SUM
+    opid = _OPS.get(op) if isinstance(op, str) else None
+    if opid is None:
+        raise HarmpiArgumentError(f"op={op!r} is not supported; harmpi all-reduce sums (op='sum')")
+    return opid
+
+
+def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
+    """Sum ``x`` element-wise over every rank of ``comm``, in place; return ``x``.
+
+    Before: rank r holds x_r (same shape and dtype on every rank).
+    After:  every rank holds x_0 + x_1 + ... + x_{n-1}, bitwise identical.
+
+    ``x``: contiguous, writable CPU torch tensor or numpy array of bfloat16,
+    float16, float32 or float64 (for numpy bf16 pass a uint16 array and
+    ``dtype="bf16"``); any shape, zero elements allowed. ``op``: "sum" (or
+    MPI.SUM); anything else is rejected. ``comm``: an mpi4py communicator
+    (default COMM_WORLD). ``algorithm``: None/"auto" or one of
+    harmpi.ALGORITHMS (default HARMPI_ALGORITHM).
+
+    bf16/f16 sums accumulate in float32 and round to nearest even once per
+    stage (node sum, and each cross-node combine).
+    """
+    opid = _op_id(op)
+    addr, n, fmt, w, itemsize, _ = _describe(x, dtype, True)
+    ctx = _context(comm)
+    name = algorithm or ctx.config.algorithm
+    if name != "auto" and name not in ALGORITHMS:
+        raise HarmpiArgumentError(
+            f"unknown algorithm {name!r}; choose 'auto' or one of {', '.join(ALGORITHMS)}")
+    if ctx.topo.size == 1:
+        return x
+    algo = ctx.allreduce_algorithm(name, n * itemsize)
+    code = fmt | (ALGORITHM_IDS[name] << 8) | (_COLL_ALLREDUCE << 16) | (opid << 20)
+    try:
+        algo.run(Call(addr, n, itemsize, fmt, w, code, "allreduce"))
+    except HarmpiTimeoutError as exc:
+        ctx.broken = ctx.broken or str(exc)
+        raise
+    return x
+
+
+def allgather(x, comm=None, dtype=None):
+    """Concatenate every rank's ``x`` along the first dimension; return a new array/tensor.
+
+    Before: rank r holds x_r, shape (d0, d1, ...) on every rank.
+    After:  every rank gets cat([x_0, ..., x_{n-1}]), shape (n*d0, d1, ...),
+            in communicator rank order (a 0-d x counts as shape (1,)).
+    ``x`` is only read. Same dtypes as :func:`allreduce`.
+    """
+    addr, n, fmt, w, itemsize, is_torch = _describe(x, dtype, False)
+    ctx = _context(comm)
+    size = ctx.topo.size
+    if is_torch:
+        from . import torch as _torch  # noqa: PLC0415
+        out = _torch.empty_like_gathered(x, size)
+        out_addr = out.data_ptr()
+    else:
+        shape = x.shape or (1,)
+        out = np.empty((shape[0] * size,) + shape[1:], dtype=x.dtype)
+        out_addr = out.ctypes.data
+    if size == 1:
+        node.copy_bytes(out_addr, addr, n * itemsize)
+        return out
+    shape_digest = zlib.crc32(repr(tuple(x.shape)).encode()) & 0xFFFFFF
+    code = fmt | (_COLL_ALLGATHER << 16) | (shape_digest << 24)
+    try:
+        ctx.allgather_algorithm().run(Call(addr, n, itemsize, fmt, w, code, "allgather"),
+                                      out_addr)
+    except HarmpiTimeoutError as exc:
+        ctx.broken = ctx.broken or str(exc)
+        raise
+    return out
+
+
+def barrier(comm=None):
+    """Wait until every rank of ``comm`` has called barrier (node flags + rail)."""
+    ctx = _context(comm)
+    if ctx.topo.size == 1:
+        return
+    allreduce(np.zeros(1, np.float32), comm=comm, algorithm="auto")
+
+
+def info(comm=None):
+    """What harmpi knows about ``comm``: topology, transport and thresholds (a dict)."""
+    from . import __version__  # noqa: PLC0415 - the package imports this module
+    ctx = _CONTEXTS.get(comm)
+    topo = ctx.topo
+    cfg = ctx.config
+    return {
+        "version": __version__,
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip().rstrip(","),
+        "mpi_thread_level": {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                             MPI.THREAD_SERIALIZED: "serialized",
+                             MPI.THREAD_MULTIPLE: "multiple"}.get(MPI.Query_thread(), "?"),
+        "ranks": topo.size,
+        "nodes": topo.node_count,
+        "ranks_per_node": list(topo.node_sizes),
+        "virtual_nodes": topo.virtual,
+        "node_index": topo.node_index,
+        "local_rank": topo.local_rank,
+        "hostname": topo.hostname,
+        "transport": ctx.rail_transport().name if ctx.rail_transport() else "none",
+        "transport_reason": ctx.transport_reason,
+        "algorithm": cfg.algorithm,
+        "thresholds": {"small_max_nbytes": cfg.small_max_nbytes,
+                       "har_latency_max_nbytes": cfg.har_latency_max_nbytes,
+                       "slot_nbytes": cfg.slot_nbytes},
+        "spin_count": ctx.spin_count,
+        "oversubscribed": ctx.oversubscribed,
+        "timeout_s": cfg.timeout_s,
+    }

@@ -1,0 +1,101 @@
+"""Configuration read from the environment, once, into an immutable object.
+
+Every knob has a default that suits an inference box; each can be overridden
+by an environment variable so that launch scripts need no code changes.
+
+=========================  =========  ==========================================
+variable                   default    meaning
+=========================  =========  ==========================================
+HARMPI_TIMEOUT_S           60         deadline of every wait on a peer, seconds
+HARMPI_SPIN_COUNT          20000      busy-poll iterations before yielding
+HARMPI_SLOT_BYTES          4194304    bytes per rank per buffer in the node arena;
+                                      larger tensors are processed in chunks
+HARMPI_SMALL_MAX_BYTES     65536      up to this size on one node every rank sums
+                                      all slots; above it, reduce-scatter+allgather
+HARMPI_HAR_LATENCY_MAX_BYTES 262144   up to this size across nodes the full tensor
+                                      crosses the rail; above it, only 1/L of it
+HARMPI_ALGORITHM           auto       force an all-reduce algorithm by name
+HARMPI_TRANSPORT           auto       cross-node transport: auto, mpi or verbs
+HARMPI_RANKS_PER_NODE      (unset)    split each host into virtual nodes of k
+                                      consecutive ranks (testing multi-node paths)
+=========================  =========  ==========================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .errors import HarmpiArgumentError
+
+__all__ = ["Config", "ALGORITHMS", "TRANSPORTS"]
+
+#: All-reduce algorithms by name. "auto" picks among them by size and topology.
+ALGORITHMS = ("shm", "shm_rsag", "har_latency", "har_bandwidth", "leader", "flat_ring")
+TRANSPORTS = ("auto", "mpi", "verbs")
+
+
+def _int(env, name, default, minimum):
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(float(raw)) if "e" in raw.lower() else int(raw, 0)
+    except ValueError:
+        raise HarmpiArgumentError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise HarmpiArgumentError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _float(env, name, default, minimum):
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise HarmpiArgumentError(f"{name}={raw!r} is not a number") from None
+    if not value > minimum:
+        raise HarmpiArgumentError(f"{name}={value} must be > {minimum}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tunables of one harmpi context (see the module docstring)."""
+
+    timeout_s: float = 60.0
+    spin_count: int = 20000
+    slot_nbytes: int = 4 << 20
+    small_max_nbytes: int = 64 << 10
+    har_latency_max_nbytes: int = 256 << 10
+    algorithm: str = "auto"
+    transport: str = "auto"
+    ranks_per_node: int | None = None
+
+    def __post_init__(self):
+        if self.algorithm != "auto" and self.algorithm not in ALGORITHMS:
+            raise HarmpiArgumentError(
+                f"unknown algorithm {self.algorithm!r}; choose auto or one of {', '.join(ALGORITHMS)}")
+        if self.transport not in TRANSPORTS:
+            raise HarmpiArgumentError(
+                f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if self.slot_nbytes % 64:
+            raise HarmpiArgumentError(f"slot size {self.slot_nbytes} must be a multiple of 64 bytes")
+
+    @classmethod
+    def from_env(cls, env=None) -> "Config":
+        env = os.environ if env is None else env
+        rpn = env.get("HARMPI_RANKS_PER_NODE")
+        return cls(
+            timeout_s=_float(env, "HARMPI_TIMEOUT_S", cls.timeout_s, 0.0),
+            spin_count=_int(env, "HARMPI_SPIN_COUNT", cls.spin_count, 0),
+            slot_nbytes=_int(env, "HARMPI_SLOT_BYTES", cls.slot_nbytes, 64),
+            small_max_nbytes=_int(env, "HARMPI_SMALL_MAX_BYTES", cls.small_max_nbytes, 0),
+            har_latency_max_nbytes=_int(env, "HARMPI_HAR_LATENCY_MAX_BYTES",
+                                        cls.har_latency_max_nbytes, 0),
+            algorithm=(env.get("HARMPI_ALGORITHM") or "auto").strip().lower(),
+            transport=(env.get("HARMPI_TRANSPORT") or "auto").strip().lower(),
+            ranks_per_node=None if rpn in (None, "") else _int(env, "HARMPI_RANKS_PER_NODE", 0, 1),
+        )

@@ -1,0 +1,191 @@
+"""One harmpi context per communicator: topology, arena, transports, algorithms.
+
+Creating a context is collective over its communicator (it splits
+communicators and allocates the shared window); so is freeing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from . import node, transports
+from .algorithms import ALLREDUCE, HierAllgather
+from .algorithms.shm import ShmAllreduce
+from .config import Config
+from .errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError, HarmpiTimeoutError
+from .shm import Arena
+from .topology import discover
+
+__all__ = ["Context"]
+
+log = logging.getLogger("harmpi")
+
+#: spins before yielding when ranks outnumber cores (a spinning waiter would
+#: hold the core its peer needs to arrive)
+OVERSUBSCRIBED_SPIN_COUNT = 64
+
+
+def _cores_available():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class Context:
+    """Everything harmpi keeps for one communicator."""
+
+    def __init__(self, comm, config: Config | None = None):
+        self.config = config or Config.from_env()
+        self.comm = comm
+        self.topo, self.node_comm, self.rail_comm = discover(comm, self.config.ranks_per_node)
+        # Ranks of the node share the host's cores: decide spin vs yield from
+        # how many of them there are (HARMPI_SPIN_COUNT overrides).
+        host_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.oversubscribed = host_ranks.Get_size() > _cores_available()
+        host_ranks.Free()
+        spin = self.config.spin_count
+        if "HARMPI_SPIN_COUNT" not in os.environ and self.oversubscribed:
+            spin = OVERSUBSCRIBED_SPIN_COUNT
+        self.spin_count = spin
+        self.arena = Arena(self.node_comm, self.config.slot_nbytes)
+        self.ctl = node.new_ctl(self.arena, spin, self.config.timeout_s)
+        self.broken = None
+        self._logged = set()
+        self._allreduce = {}
+        self._allgather = None
+        self._rail_transport = None
+        self._world_transport = None
+        self._recv_buf = None
+        if self.topo.node_count > 1:
+            self._rail_transport, self.transport_reason = transports.select(
+                self.config.transport, self.rail_comm, spin)
+            self.log_once(f"cross-node transport: {self._rail_transport.name} "
+                          f"({self.transport_reason})")
+        else:
+            self.transport_reason = "one node: no cross-node transport needed"
+
+    # -- pieces the algorithms ask for --------------------------------------
+
+    def rail_transport(self):
+        return self._rail_transport
+
+    def world_transport(self):
+        if self._world_transport is None:
+            self._world_transport, _ = transports.select(self.config.transport, self.comm,
+                                                         self.spin_count)
+        return self._world_transport
+
+    def rail_recv_buffer(self):
+        if self._recv_buf is None:
+            self._recv_buf = np.empty(self.config.slot_nbytes, dtype=np.uint8)
+        return self._recv_buf
+
+    @staticmethod
+    def view(addr, nbytes):
+        """A writable buffer over raw memory, for the transports."""
+        return MPI.buffer.fromaddress(addr, nbytes) if nbytes else np.empty(0, np.uint8)
+
+    def require_uniform(self, name):
+        if not self.topo.uniform:
+            raise HarmpiArgumentError(
+                f"algorithm {name!r} needs every node to hold the same number of ranks; "
+                f"nodes hold {list(self.topo.node_sizes)}. Use 'leader' or 'auto'.")
+        if self.topo.node_count < 2:
+            raise HarmpiArgumentError(
+                f"algorithm {name!r} is a multi-node algorithm and this job runs on one node; "
+                "use 'shm', 'shm_rsag' or 'auto' (or set HARMPI_RANKS_PER_NODE to split the host)")
+
+    def log_once(self, message):
+        if message not in self._logged:
+            self._logged.add(message)
+            if self.topo.rank == 0:
+                log.info(message)
+            else:
+                log.debug(message)
+
+    # -- choosing and running ----------------------------------------------
+
+    def allreduce_algorithm(self, name, nbytes):
+        """The algorithm object for ``name`` ("auto" resolves by size and topology)."""
+        if name == "auto":
+            topo = self.topo
+            if topo.node_count == 1:
+                name = "auto_shm"
+            elif not topo.uniform:
+                self.log_once(f"allreduce: nodes hold {list(topo.node_sizes)} ranks (uneven); "
+                              "using the leader algorithm")
+                name = "leader"
+            elif nbytes <= self.config.har_latency_max_nbytes:
+                name = "har_latency"
+            else:
+                name = "har_bandwidth"
+        algo = self._allreduce.get(name)
+        if algo is None:
+            algo = self._allreduce[name] = self._make(name)
+        return algo
+
+    def _make(self, name):
+        if name == "auto_shm":
+            algo = ShmAllreduce(self)
+            algo.small_max_nbytes = self.config.small_max_nbytes
+            return algo
+        cls = ALLREDUCE[name]
+        if name in ("shm", "shm_rsag") and self.topo.node_count > 1:
+            raise HarmpiArgumentError(
+                f"algorithm {name!r} works inside one node; this job spans "
+                f"{self.topo.node_count} nodes. Use 'auto', 'har_latency', 'har_bandwidth' "
+                "or 'leader'.")
+        return cls(self)
+
+    def allgather_algorithm(self):
+        if self._allgather is None:
+            self._allgather = HierAllgather(self)
+        return self._allgather
+
+    def fail(self, rc, call, rail_poison=False, after_rail=False):
+        """Turn a compiled step's status into the right exception."""
+        topo = self.topo
+        ctl = self.ctl
+        who = f"rank {topo.rank} (node {topo.node_index}, local rank {topo.local_rank})"
+        peer = int(ctl[node.C_ERR_PEER])
+        peer_rank = topo.node_ranks[topo.node_index][peer]
+        a, b = int(ctl[node.C_ERR_A]), int(ctl[node.C_ERR_B])
+        if rc == node.TIMEOUT:
+            self.broken = (f"{who}: {call}: local rank {peer} (rank {peer_rank}) did not publish "
+                           f"step {a} within {self.config.timeout_s:g} s; its flag shows {b}")
+            raise HarmpiTimeoutError(
+                self.broken + ". It crashed, hangs, or never called this collective "
+                "(HARMPI_TIMEOUT_S sets the deadline); this context is unusable now.")
+        if rc == node.MISMATCH:
+            if rail_poison or after_rail or b == node.POISON_CODE:
+                detail = ("the cross-node exchange saw a peer node pass a different size, dtype, "
+                          "op or algorithm")
+            else:
+                detail = (f"this rank passes {call.nbytes} bytes (kind {call.describe_code()}), "
+                          f"local rank {peer} (rank {peer_rank}) passes {a} bytes "
+                          f"(kind {call.describe_code(b)})")
+            raise HarmpiMismatchError(
+                f"{who}: {call}: ranks disagree: {detail}. Every rank must pass a tensor of the "
+                "same size and dtype, with the same op and algorithm, in the same order.")
+        raise HarmpiError(f"{who}: {call}: unexpected step status {rc}")
+
+    # -- teardown -----------------------------------------------------------
+
+    def free(self):
+        """Release the window, transports and communicators (collective)."""
+        for t in (self._rail_transport, self._world_transport):
+            if t is not None:
+                t.close()
+        self._rail_transport = self._world_transport = None
+        if not self.arena.freed:
+            self.arena.free()
+        for c in (self.node_comm, self.rail_comm):
+            if c is not None and c != MPI.COMM_NULL:
+                c.Free()
+        self.node_comm = self.rail_comm = None
+        self.broken = "finalized"

@@ -1,0 +1,357 @@
+"""Compiled node-level steps of every algorithm: stage, publish, wait, sum, copy.
+
+Each function here is ``@njit`` with explicit signatures (one per storage
+type: uint16 for bf16/f16, float32, float64) and ``cache=True``, so they
+compile once per machine and load in milliseconds afterwards. They receive
+raw addresses (``tensor.data_ptr()``) and a small int64 control array
+``ctl`` that holds the arena geometry and this rank's counters, so the
+Python around a collective stays at one or two compiled calls.
+
+Sequence protocol (every rank runs the same steps in the same order):
+
+1. A collective is cut into *steps* of at most one slot. Step k uses slot
+   parity p = k % 2 (``ctl[C_STEPS]`` counts steps).
+2. ``stage``: a rank writes its contribution into slot(p, me) and the
+   step's meta (total bytes, kind code) into meta word pair p of its flag
+   line, then publishes ``epoch + 1`` with a release store, then waits until
+   every local flag >= that epoch, then compares every rank's meta with its
+   own. A mismatch is seen identically by every rank, so every rank
+   returns the same error and the counters stay aligned.
+3. Multi-phase algorithms (reduce-scatter + allgather, leader) publish and
+   wait once more per phase (``publish_wait``); every phase bumps the epoch.
+
+Why two buffers are enough: rank r writes slot(p, r) again at step k+2
+only after passing step k+1's first wait, which needs every rank to have
+published step k+1's first phase, which each rank does only after it has
+finished reading everything of step k. So no trailing barrier is needed.
+
+        step k      step k+1      step k+2
+  r0:  write p0 ... write p1 ...  write p0   (r0 passed k+1's wait)
+  r1:  read  p0 ... (must finish reading p0 before publishing k+1)
+
+Return codes: OK, TIMEOUT (ctl[C_ERR_*] hold local peer, the epoch awaited
+and the value seen), MISMATCH (ctl[C_ERR_*] hold the peer and its meta).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic, overload
+
+from . import reduce as _reduce
+from .shm import FLAG_LINE_NBYTES, W_EPOCH, W_META, W_STATUS
+from .sync import load_acquire, store_release, wait_flags_ge
+
+__all__ = ["new_ctl", "stage", "publish_wait", "sum_slots", "sum_own_part",
+           "gather_parts", "shm_allreduce", "part_bounds", "OK", "TIMEOUT", "MISMATCH",
+           "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F64", "add_into", "copy_slot",
+           "publish_wait_status", "POISON_CODE"]
+
+OK, TIMEOUT, MISMATCH = 0, 1, 2
+#: meta code of a rank whose part of the collective already failed (every rank then fails)
+POISON_CODE = -1
+FMT_BF16, FMT_F16, FMT_F32, FMT_F64 = 0, 1, 2, 3
+
+# ctl layout (int64 words)
+C_EPOCH, C_STEPS, C_FLAGS, C_SLOTS, C_SLOT_NBYTES, C_L, C_ME, C_SPIN, C_TIMEOUT_NS = range(9)
+C_ERR_PEER, C_ERR_A, C_ERR_B = 9, 10, 11
+C_LEN = 16
+
+_LINE = FLAG_LINE_NBYTES
+_WORD = 8
+#: partitions of reduce-scatter are multiples of this many bytes (cache lines)
+PART_ALIGN_NBYTES = 64
+
+
+def new_ctl(arena, spin_count: int, timeout_s: float) -> np.ndarray:
+    ctl = np.zeros(C_LEN, dtype=np.int64)
+    ctl[C_FLAGS] = arena.flags_addr
+    ctl[C_SLOTS] = arena.slots_addr
+    ctl[C_SLOT_NBYTES] = arena.slot_nbytes
+    ctl[C_L] = arena.local_size
+    ctl[C_ME] = arena.local_rank
+    ctl[C_SPIN] = spin_count
+    ctl[C_TIMEOUT_NS] = int(timeout_s * 1e9)
+    return ctl
+
+
+@intrinsic
+def _voidptr(typingctx, addr):
+    sig = types.voidptr(types.intp)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+
+    return sig, codegen
+
+
+# -- dtype dispatch resolved at compile time --------------------------------
+
+def _sum_rows(src, lo, hi, out, out_lo, fmt):  # pragma: no cover - typing stub
+    raise NotImplementedError("compiled-only dispatch")
+
+
+def _sum2(a, b, out, fmt):  # pragma: no cover - typing stub
+    raise NotImplementedError("compiled-only dispatch")
+
+
+@overload(_sum_rows, inline="always")
+def _ov_sum_rows(src, lo, hi, out, out_lo, fmt):
+    if src.dtype == types.uint16:
+        def impl(src, lo, hi, out, out_lo, fmt):
+            if fmt == FMT_F16:
+                _reduce.sum_rows_f16(src, lo, hi, out, out_lo)
+            else:
+                _reduce.sum_rows_bf16(src, lo, hi, out, out_lo)
+        return impl
+    if src.dtype == types.float32:
+        return lambda src, lo, hi, out, out_lo, fmt: _reduce.sum_rows_f32(src, lo, hi, out, out_lo)
+    if src.dtype == types.float64:
+        return lambda src, lo, hi, out, out_lo, fmt: _reduce.sum_rows_f64(src, lo, hi, out, out_lo)
+
+
+@overload(_sum2, inline="always")
+def _ov_sum2(a, b, out, fmt):
+    if a.dtype == types.uint16:
+        def impl(a, b, out, fmt):
+            if fmt == FMT_F16:
+                _reduce.sum2_f16(a, b, out)
+            else:
+                _reduce.sum2_bf16(a, b, out)
+        return impl
+    if a.dtype == types.float32:
+        return lambda a, b, out, fmt: _reduce.sum2_f32(a, b, out)
+    if a.dtype == types.float64:
+        return lambda a, b, out, fmt: _reduce.sum2_f64(a, b, out)
+
+
+def _sigs(ret, *args):
+    """One signature per storage type; ``W`` in args stands for the witness array."""
+    out = []
+    for t in (types.uint16, types.float32, types.float64):
+        out.append(ret(*[t[::1] if a == "W" else a for a in args]))
+    return out
+
+
+_i64 = types.int64
+_ctl = types.int64[::1]
+
+
+@numba.njit(cache=True, nogil=True)
+def _slots2d(ctl, parity, w):
+    L = ctl[C_L]
+    elems = ctl[C_SLOT_NBYTES] // w.itemsize
+    base = ctl[C_SLOTS] + parity * L * ctl[C_SLOT_NBYTES]
+    return numba.carray(_voidptr(base), (L, elems), w.dtype)
+
+
+@numba.njit(cache=True, nogil=True)
+def part_bounds(m, L, j, itemsize):
+    """[lo, hi) of rank j's share of m elements (cache-line aligned parts)."""
+    align = PART_ALIGN_NBYTES // itemsize
+    part = ((m + L - 1) // L + align - 1) // align * align
+    lo = min(j * part, m)
+    return lo, min(lo + part, m)
+
+
+@numba.njit(_i64(_ctl), cache=True, nogil=True)
+def publish_wait(ctl):
+    """Publish the next epoch and wait until every local rank has published it."""
+    epoch = ctl[C_EPOCH] + 1
+    ctl[C_EPOCH] = epoch
+    flags = ctl[C_FLAGS]
+    store_release(flags + ctl[C_ME] * _LINE + W_EPOCH * _WORD, epoch)
+    j = wait_flags_ge(flags + W_EPOCH * _WORD, _LINE, ctl[C_L], epoch, ctl[C_SPIN],
+                      ctl[C_TIMEOUT_NS])
+    if j >= 0:
+        ctl[C_ERR_PEER] = j
+        ctl[C_ERR_A] = epoch
+        ctl[C_ERR_B] = load_acquire(flags + j * _LINE + W_EPOCH * _WORD)
+        return TIMEOUT
+    return OK
+
+
+@numba.njit(_sigs(_i64, _ctl, types.intp, types.intp, _i64, _i64, _i64, _i64, "W"),
+            cache=True, nogil=True)
+def stage(ctl, x_addr, r_addr, m, total_nbytes, code, fmt, w):
+    """Start a step: slot(p, me) = x[:m] (+ r[:m] when r_addr != 0), post meta,
+    publish, wait for all, check metas. Returns OK / TIMEOUT / MISMATCH."""
+    parity = ctl[C_STEPS] & 1
+    ctl[C_STEPS] += 1
+    me = ctl[C_ME]
+    slots = _slots2d(ctl, parity, w)
+    mine = slots[me]
+    if m > 0:
+        x = numba.carray(_voidptr(x_addr), (m,), w.dtype)
+        if r_addr != 0:
+            r = numba.carray(_voidptr(r_addr), (m,), w.dtype)
+            _sum2(x, r, mine[:m], fmt)
+        else:
+            mine[:m] = x
+    line = ctl[C_FLAGS] + me * _LINE
+    meta = line + (W_META + 2 * parity) * _WORD
+    store_release(meta, total_nbytes)
+    store_release(meta + _WORD, code)
+    status = publish_wait(ctl)
+    if status != OK:
+        return status
+    for j in range(ctl[C_L]):
+        peer_meta = ctl[C_FLAGS] + j * _LINE + (W_META + 2 * parity) * _WORD
+        a = load_acquire(peer_meta)
+        b = load_acquire(peer_meta + _WORD)
+        if a != total_nbytes or b != code:
+            ctl[C_ERR_PEER] = j
+            ctl[C_ERR_A] = a
+            ctl[C_ERR_B] = b
+            return MISMATCH
+    return OK
+
+
+@numba.njit(_sigs(types.void, _ctl, types.intp, _i64, _i64, _i64, "W"), cache=True, nogil=True)
+def sum_slots(ctl, out_addr, lo, hi, fmt, w):
+    """out[0:hi-lo] = sum over local ranks, in rank order, of slot[lo:hi] (current step)."""
+    if hi <= lo:
+        return
+    slots = _slots2d(ctl, (ctl[C_STEPS] - 1) & 1, w)
+    out = numba.carray(_voidptr(out_addr), (hi - lo,), w.dtype)
+    _sum_rows(slots, lo, hi, out, 0, fmt)
+
+
+@numba.njit(_sigs(types.void, _ctl, _i64, _i64, _i64, "W"), cache=True, nogil=True)
+def sum_own_part(ctl, lo, hi, fmt, w):
+    """Reduce-scatter step: slot(p, me)[lo:hi] = sum over ranks of slot[lo:hi]."""
+    if hi <= lo:
+        return
+    slots = _slots2d(ctl, (ctl[C_STEPS] - 1) & 1, w)
+    _sum_rows(slots, lo, hi, slots[ctl[C_ME]], lo, fmt)
+
+
+@numba.njit(_sigs(types.void, _ctl, types.intp, _i64, "W"), cache=True, nogil=True)
+def gather_parts(ctl, out_addr, m, w):
+    """Allgather step: out[lo_j:hi_j] = slot(p, j)[lo_j:hi_j] for every local rank j."""
+    if m <= 0:
+        return
+    slots = _slots2d(ctl, (ctl[C_STEPS] - 1) & 1, w)
+    out = numba.carray(_voidptr(out_addr), (m,), w.dtype)
+    L = ctl[C_L]
+    for j in range(L):
+        lo, hi = part_bounds(m, L, j, w.itemsize)
+        out[lo:hi] = slots[j, lo:hi]
+
+
+@numba.njit(_sigs(_i64, _ctl, types.intp, _i64, _i64, _i64, _i64, "W"), cache=True, nogil=True)
+def shm_allreduce(ctl, x_addr, n, code, fmt, small_max_elems, w):
+    """Whole single-node all-reduce of x[:n] in place, chunk by chunk.
+
+    Steps of at most ``small_max_elems`` elements: every rank sums all slots
+    (L*m reads each). Larger steps: reduce-scatter + allgather (each rank
+    sums its 1/L share into its own slot, publishes, all copy all shares:
+    ~3m traffic per rank). Always at least one step, so a zero-size call
+    still checks that every rank agrees.
+    """
+    chunk = ctl[C_SLOT_NBYTES] // w.itemsize
+    total = n * w.itemsize
+    L = ctl[C_L]
+    start = 0
+    while True:
+        m = min(chunk, n - start)
+        addr = x_addr + start * w.itemsize
+        status = stage(ctl, addr, 0, m, total, code, fmt, w)
+        if status != OK:
+            return status
+        if m <= small_max_elems or L == 1:
+            sum_slots(ctl, addr, 0, m, fmt, w)
+        else:
+            lo, hi = part_bounds(m, L, ctl[C_ME], w.itemsize)
+            sum_own_part(ctl, lo, hi, fmt, w)
+            status = publish_wait(ctl)
+            if status != OK:
+                return status
+            gather_parts(ctl, addr, m, w)
+        start += m
+        if start >= n:
+            return OK
+
+
+@numba.njit(_i64(_ctl, _i64), cache=True, nogil=True)
+def publish_wait_status(ctl, status):
+    """Like publish_wait, but each rank also posts ``status`` (0 = fine) for
+    the current step; returns MISMATCH on every rank if any rank posted
+    non-zero (peer in ctl[C_ERR_PEER], its status in ctl[C_ERR_A])."""
+    parity = (ctl[C_STEPS] - 1) & 1
+    word = (W_STATUS + parity) * _WORD
+    store_release(ctl[C_FLAGS] + ctl[C_ME] * _LINE + word, status)
+    rc = publish_wait(ctl)
+    if rc != OK:
+        return rc
+    for j in range(ctl[C_L]):
+        s = load_acquire(ctl[C_FLAGS] + j * _LINE + word)
+        if s != 0:
+            ctl[C_ERR_PEER] = j
+            ctl[C_ERR_A] = s
+            ctl[C_ERR_B] = 0
+            return MISMATCH
+    return OK
+
+
+@numba.njit(_sigs(types.void, types.intp, types.intp, _i64, _i64, "W"), cache=True, nogil=True)
+def add_into(a_addr, b_addr, m, fmt, w):
+    """a[:m] = a[:m] + b[:m] (one rounding to the storage type)."""
+    if m <= 0:
+        return
+    a = numba.carray(_voidptr(a_addr), (m,), w.dtype)
+    b = numba.carray(_voidptr(b_addr), (m,), w.dtype)
+    _sum2(a, b, a, fmt)
+
+
+@numba.njit(_sigs(types.void, _ctl, _i64, types.intp, _i64, _i64, "W"), cache=True, nogil=True)
+def copy_slot(ctl, j, out_addr, lo, hi, w):
+    """out[0:hi-lo] = slot(p, j)[lo:hi] for the current step."""
+    if hi <= lo:
+        return
+    slots = _slots2d(ctl, (ctl[C_STEPS] - 1) & 1, w)
+    out = numba.carray(_voidptr(out_addr), (hi - lo,), w.dtype)
+    out[:] = slots[j, lo:hi]
+
+
+@numba.njit(_i64(_ctl, _i64), cache=True, nogil=True)
+def slot_addr(ctl, j):
+    """Address of slot(p, j) of the current step."""
+    L = ctl[C_L]
+    parity = (ctl[C_STEPS] - 1) & 1
+    return ctl[C_SLOTS] + (parity * L + j) * ctl[C_SLOT_NBYTES]
+
+
+@numba.njit(_i64(_ctl, _i64), cache=True, nogil=True)
+def next_slot_addr(ctl, j):
+    """Address of slot(p, j) of the step that the next ``stage`` will start."""
+    L = ctl[C_L]
+    parity = ctl[C_STEPS] & 1
+    return ctl[C_SLOTS] + (parity * L + j) * ctl[C_SLOT_NBYTES]
+
+
+@numba.njit(types.void(types.intp, types.intp, _i64), cache=True, nogil=True)
+def copy_bytes(dst_addr, src_addr, nbytes):
+    if nbytes <= 0:
+        return
+    dst = numba.carray(_voidptr(dst_addr), (nbytes,), np.uint8)
+    src = numba.carray(_voidptr(src_addr), (nbytes,), np.uint8)
+    dst[:] = src
+
+
+@numba.njit(_sigs(types.void, _ctl, types.intp, _i64, _i64, _i64, types.int64[:, ::1], "W"),
+            cache=True, nogil=True)
+def copy_blocks(ctl, out_addr, n, start, m, table, w):
+    """Allgather copy-out: block g of slot(p, l) (m elements) goes to
+    out[table[l, g]*n + start :][:m] for every local rank l and node g."""
+    if m <= 0:
+        return
+    L, G = table.shape[0], table.shape[1]
+    slots = _slots2d(ctl, (ctl[C_STEPS] - 1) & 1, w)
+    out = numba.carray(_voidptr(out_addr), (table.size * n,), w.dtype)
+    for l in range(L):
+        for g in range(G):
+            o = table[l, g] * n + start
+            out[o:o + m] = slots[l, g * m:(g + 1) * m]

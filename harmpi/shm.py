@@ -1,0 +1,89 @@
+"""The node arena: one MPI shared-memory window per node communicator.
+
+Layout (offsets from the window base; L ranks on the node)::
+
+    [0, L*64)                 flag lines, one 64-byte line per local rank
+    [F, F + 2*L*S)            payload slots, F = flags rounded up to 4 KiB,
+                              slot(p, l) = F + (p*L + l) * S
+
+where S = ``slot_nbytes`` and p = the parity of the collective step. Slots
+of one parity are contiguous, so a step sees them as one C-contiguous
+(L, S/itemsize) array: row l is rank l's slot.
+
+Flag line of rank l, int64 words:
+
+    0      EPOCH    last published phase number (monotonic, starts at 0)
+    1, 2   meta of parity 0: total bytes of the collective, kind code
+    3, 4   meta of parity 1
+    5, 6   step status of parity 0, 1 (non-zero: this rank's part failed)
+    7      unused
+
+The meta words are double-buffered like the slots: a rank may write the
+next step's meta while a slow peer still checks this step's.
+
+The window is allocated once per communicator and freed by
+:meth:`Arena.free` (``harmpi.finalize()`` or interpreter exit); MPI unlinks
+its backing segment then, so nothing remains in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["Arena", "FLAG_LINE_NBYTES", "W_EPOCH", "W_META", "W_STATUS"]
+
+FLAG_LINE_NBYTES = 64
+W_EPOCH = 0   # word index of the epoch in a flag line
+W_META = 1    # first meta word; parity p uses words W_META + 2p, W_META + 2p + 1
+W_STATUS = 5  # parity p uses word W_STATUS + p
+_PAGE = 4096
+
+
+class Arena:
+    """Shared flags and double-buffered slots of one node (collective over ``node_comm``)."""
+
+    def __init__(self, node_comm, slot_nbytes: int):
+        self.local_size = node_comm.Get_size()
+        self.local_rank = node_comm.Get_rank()
+        self.slot_nbytes = int(slot_nbytes)
+        self.flags_nbytes = -(-self.local_size * FLAG_LINE_NBYTES // _PAGE) * _PAGE
+        self.nbytes = self.flags_nbytes + 2 * self.local_size * self.slot_nbytes
+        self._win = MPI.Win.Allocate_shared(
+            self.nbytes if self.local_rank == 0 else 0, 1, comm=node_comm)
+        buf, _ = self._win.Shared_query(0)
+        self.mem = np.frombuffer(buf, dtype=np.uint8, count=self.nbytes)
+        self.base_addr = self.mem.ctypes.data
+        self.flags_addr = self.base_addr
+        self.slots_addr = self.base_addr + self.flags_nbytes
+        # The window is not guaranteed zeroed: the owner clears the flags and
+        # the barrier orders that before any rank's first wait.
+        self._win.Lock_all()
+        if self.local_rank == 0:
+            self.mem[: self.flags_nbytes] = 0
+        self._win.Sync()
+        node_comm.Barrier()
+        self._win.Sync()
+        self._win.Unlock_all()
+
+    def slot_offset(self, parity: int, local_rank: int) -> int:
+        return self.flags_nbytes + (parity * self.local_size + local_rank) * self.slot_nbytes
+
+    def slot(self, parity: int, local_rank: int, dtype=np.uint8) -> np.ndarray:
+        off = self.slot_offset(parity, local_rank)
+        return self.mem[off: off + self.slot_nbytes].view(dtype)
+
+    def flags(self) -> np.ndarray:
+        """(L, 8) int64 view of the flag lines (for diagnostics and tests)."""
+        return self.mem[: self.local_size * FLAG_LINE_NBYTES].view(np.int64).reshape(self.local_size, 8)
+
+    @property
+    def freed(self) -> bool:
+        return self._win is None
+
+    def free(self):
+        """Release the window (collective over the node communicator)."""
+        if self._win is not None:
+            self.mem = None
+            self._win.Free()
+            self._win = None

@@ -1,0 +1,169 @@
+"""Flag publication and waiting: the only code that touches sequence flags.
+
+Ranks of one node talk through 64-byte flag lines in the shared arena. A
+rank *publishes* by a release store of a sequence number into its own line
+and *waits* by acquire loads of its peers' lines. Release/acquire pairs make
+every payload byte written before the publish visible to a peer that has seen
+the new sequence number.
+
+Why intrinsics: numba (LLVM) treats a plain load in a loop as loop-invariant
+and hoists it, so ``while flags[i] < s: pass`` spins forever. The loads and
+stores below are LLVM atomic instructions, which cannot be hoisted.
+
+Backoff: a wait polls with ``pause`` for ``spin_count`` iterations (cheap and
+fastest when every rank owns a core), then calls ``sched_yield`` so that an
+oversubscribed peer (4 ranks on 2 cores) gets the core it needs to arrive,
+and after ``SLEEP_AFTER_NS`` of yielding it sleeps 50 us per poll so a long
+wait does not burn a core. Every wait has a deadline; on expiry it returns
+the index of the flag that never reached the target instead of raising, and
+the caller (which knows ranks and sequence numbers) raises a clear error.
+
+All helpers are numba intrinsics or ``@njit`` functions callable from other
+compiled code; they refer to libc symbols by name, so callers stay cacheable.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["load_acquire", "store_release", "cpu_relax", "sched_yield", "monotonic_ns",
+           "sleep_us", "wait_flags_ge", "SLEEP_AFTER_NS"]
+
+#: after this long yielding, a waiter sleeps between polls
+SLEEP_AFTER_NS = 20_000_000
+
+_I64 = ir.IntType(64)
+_I32 = ir.IntType(32)
+
+
+@intrinsic
+def load_acquire(typingctx, addr):
+    """int64 load with acquire ordering from the integer address ``addr``."""
+    sig = types.int64(types.intp)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _I64.as_pointer())
+        return builder.load_atomic(ptr, "acquire", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def store_release(typingctx, addr, value):
+    """int64 store with release ordering to the integer address ``addr``."""
+    sig = types.void(types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _I64.as_pointer())
+        builder.store_atomic(args[1], ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_MACHINE = platform.machine().lower()
+# numba's code emitter has no inline-asm parser, so the hint is the LLVM
+# target intrinsic that lowers to the instruction.
+if _MACHINE in ("x86_64", "amd64", "i686", "x86"):
+    _RELAX = ("llvm.x86.sse2.pause", ())
+elif _MACHINE in ("aarch64", "arm64"):
+    _RELAX = ("llvm.aarch64.hint", (1,))  # hint #1 == yield
+else:  # no hint known: the atomic load alone keeps the loop honest
+    _RELAX = None
+
+
+@intrinsic
+def cpu_relax(typingctx):
+    """Spin-loop hint (x86 ``pause``, arm ``yield``)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        if _RELAX is not None:
+            name, consts = _RELAX
+            fnty = ir.FunctionType(ir.VoidType(), [_I32] * len(consts))
+            fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+            builder.call(fn, [ir.Constant(_I32, c) for c in consts])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def sched_yield(typingctx):
+    """libc ``sched_yield()``: give the core to another runnable process."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, []),
+                                            "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def sleep_us(typingctx, usec):
+    """libc ``usleep(usec)``."""
+    sig = types.void(types.int64)
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_I32]),
+                                            "usleep")
+        builder.call(fn, [builder.trunc(args[0], _I32)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def monotonic_ns(typingctx):
+    """CLOCK_MONOTONIC in nanoseconds (libc ``clock_gettime``)."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        ts_ty = ir.ArrayType(_I64, 2)  # struct timespec on 64-bit Linux
+        ts = cgutils.alloca_once(builder, ts_ty)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_I32, [_I32, ts_ty.as_pointer()]), "clock_gettime")
+        builder.call(fn, [ir.Constant(_I32, 1), ts])  # 1 == CLOCK_MONOTONIC
+        sec = builder.load(cgutils.gep(builder, ts, 0, 0))
+        nsec = builder.load(cgutils.gep(builder, ts, 0, 1))
+        return builder.add(builder.mul(sec, ir.Constant(_I64, 1_000_000_000)), nsec)
+
+    return sig, codegen
+
+
+@numba.njit(types.int64(types.intp, types.intp, types.int64, types.int64, types.int64, types.int64),
+            cache=True, nogil=True)
+def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns):
+    """Wait until the int64 at ``base_addr + j*stride`` is >= ``target`` for
+    every j in [0, count). Returns -1 once all are, or the first j still
+    below ``target`` when ``timeout_ns`` elapsed since the wait started
+    yielding (spinning is bounded, so the deadline is exact to ~spin time).
+    """
+    polls = 0
+    started = 0
+    for j in range(count):
+        addr = base_addr + j * stride
+        while load_acquire(addr) < target:
+            polls += 1
+            if polls <= spin_count:
+                cpu_relax()
+                continue
+            if started == 0:
+                started = monotonic_ns()
+            sched_yield()
+            if (polls & 31) == 0:
+                waited = monotonic_ns() - started
+                if waited > timeout_ns:
+                    return j
+                if waited > SLEEP_AFTER_NS:
+                    sleep_us(50)
+    return -1

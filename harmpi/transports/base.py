@@ -1,0 +1,61 @@
+"""The cross-node transport interface.
+
+A transport moves bytes between ranks of one communicator (the rail
+communicator for hierarchical algorithms, the whole communicator for the
+flat ring). It knows nothing about dtypes or reductions. An exchange is
+*posted* (non-blocking sends and receives, so local work can overlap the
+network) and later *completed* under a deadline.
+
+Every message carries a small integer tag chosen by the algorithm. The
+algorithms put a digest of (size, dtype, op) in it, so a receiver detects a
+peer that called a different collective without an extra message, and a
+reserved POISON tag spreads "this collective failed" along the exchange
+pattern so that every rank raises instead of some waiting forever.
+"""
+
+from __future__ import annotations
+
+import abc
+
+__all__ = ["Transport", "Pending", "POISON_TAG", "MAX_TAG", "tag_for"]
+
+MAX_TAG = 32000          # MPI guarantees tags up to 32767
+POISON_TAG = MAX_TAG + 1
+
+
+def tag_for(nbytes: int, code: int) -> int:
+    """A tag in [1, MAX_TAG] that differs when (nbytes, code) differ (almost always)."""
+    h = (nbytes * 0x9E3779B1 + code * 0x85EBCA77) & 0xFFFFFFFF
+    return 1 + h % MAX_TAG
+
+
+class Pending(abc.ABC):
+    """Handle of posted operations; completed by :meth:`Transport.complete`."""
+
+
+class Transport(abc.ABC):
+    """Moves byte buffers between ranks of ``comm``."""
+
+    #: short name shown in logs and benchmark headers
+    name = "abstract"
+
+    @abc.abstractmethod
+    def post(self, sends, recvs) -> Pending:
+        """Post non-blocking operations.
+
+        ``sends``: list of (peer, buffer, tag); ``recvs``: list of (peer, buffer).
+        Buffers are writable/readable objects exposing the buffer protocol
+        (numpy arrays); they must stay untouched until completion.
+        """
+
+    @abc.abstractmethod
+    def complete(self, pending: Pending, timeout_s: float, what: str) -> list:
+        """Wait for everything in ``pending``; return [(nbytes, tag)] per receive.
+
+        Raises HarmpiTimeoutError naming the peers still outstanding after
+        ``timeout_s``, and HarmpiMismatchError when a message is larger than
+        its receive buffer.
+        """
+
+    def close(self):
+        """Release resources (connections, registered memory)."""

@@ -1,0 +1,92 @@
+"""Portable transport: MPI point-to-point (Isend/Irecv) on a communicator.
+
+Works wherever MPI works (TCP, shared memory, UCX, ...). Completion polls
+``Testall`` with the same spin-then-yield backoff as the shared-memory
+waits, so oversubscribed ranks still progress, and gives up at a deadline
+with an error naming the peers that never answered.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from mpi4py import MPI
+
+from ..errors import HarmpiMismatchError, HarmpiTimeoutError
+from .base import Pending, Transport
+
+__all__ = ["MpiTransport"]
+
+
+class _MpiPending(Pending):
+    __slots__ = ("reqs", "statuses", "recv_peers", "send_peers", "nrecv")
+
+    def __init__(self, reqs, recv_peers, send_peers):
+        self.reqs = reqs
+        self.recv_peers = recv_peers
+        self.send_peers = send_peers
+        self.nrecv = len(recv_peers)
+        self.statuses = [MPI.Status() for _ in reqs]
+
+
+class MpiTransport(Transport):
+    name = "mpi"
+
+    def __init__(self, comm, spin_count: int = 2000):
+        # A private duplicate keeps our messages apart from the application's.
+        self.comm = comm.Dup()
+        self.rank = self.comm.Get_rank()
+        self.spin_count = spin_count
+
+    def post(self, sends, recvs):
+        comm = self.comm
+        reqs = [comm.Irecv(buf, source=peer, tag=MPI.ANY_TAG) for peer, buf in recvs]
+        reqs += [comm.Isend(buf, dest=peer, tag=tag) for peer, buf, tag in sends]
+        return _MpiPending(reqs, [p for p, _ in recvs], [p for p, _, _ in sends])
+
+    def complete(self, pending, timeout_s, what):
+        reqs, statuses = pending.reqs, pending.statuses
+        try:
+            polls = 0
+            deadline = None
+            while not MPI.Request.Testall(reqs, statuses):
+                polls += 1
+                if polls < self.spin_count:
+                    continue
+                os.sched_yield()
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + timeout_s
+                elif now > deadline:
+                    self._timeout(pending, timeout_s, what)
+        except MPI.Exception as exc:
+            if exc.Get_error_class() == MPI.ERR_TRUNCATE:
+                raise HarmpiMismatchError(
+                    f"rank {self.rank}: {what}: a peer sent more bytes than this rank expects; "
+                    "ranks passed tensors of different sizes") from None
+            raise
+        return [(st.Get_count(MPI.BYTE), st.Get_tag()) for st in statuses[: pending.nrecv]]
+
+    def _timeout(self, pending, timeout_s, what):
+        waiting = []
+        for i, req in enumerate(pending.reqs):
+            if not req.Test():
+                kind, peer = (("receive from", pending.recv_peers[i]) if i < pending.nrecv
+                              else ("send to", pending.send_peers[i - pending.nrecv]))
+                waiting.append(f"{kind} rank {peer}")
+        for req in pending.reqs:
+            if req != MPI.REQUEST_NULL:
+                try:
+                    req.Cancel()
+                except MPI.Exception:
+                    pass  # a request that completed meanwhile cannot be cancelled
+        raise HarmpiTimeoutError(
+            f"rank {self.rank} (of its {self.name} transport communicator): {what}: no progress "
+            f"after {timeout_s:g} s on {', '.join(waiting)}; that rank crashed, hangs, or called "
+            "a different collective (HARMPI_TIMEOUT_S sets the deadline)")
+
+    def close(self):
+        if self.comm is not None and self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+        self.comm = None
