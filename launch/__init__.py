@@ -1,0 +1,33 @@
+"""Launcher of harmpi: builds and runs the mpirun line for topology-aware CPU inference.
+
+``python -m launch -np 2 -- python script.py`` (or ``harmpi-launch``) picks the
+MPI found next to this Python or on PATH, maps ranks by NUMA node, binds them
+to cores, sizes OpenMP threads, keeps workers spinning when cores allow, and
+forwards HARMPI_* settings. ``python -m launch info`` shows the topology and
+the plan. The planning is a pure function, :func:`build_command`.
+"""
+
+from .errors import LaunchError, MpiNotFoundError
+from .hosts import Host, parse_hostfile, parse_hosts
+from .mpi import MpiInfo, find_mpi, parse_mpi_version
+from .plan import Layout, PlanInputs, build_command, plan_layout
+from .topology import Cpu, HostTopology, detect_topology, read_sysfs_topology
+
+__all__ = [
+    "Cpu",
+    "Host",
+    "HostTopology",
+    "Layout",
+    "LaunchError",
+    "MpiInfo",
+    "MpiNotFoundError",
+    "PlanInputs",
+    "build_command",
+    "detect_topology",
+    "find_mpi",
+    "parse_hostfile",
+    "parse_hosts",
+    "parse_mpi_version",
+    "plan_layout",
+    "read_sysfs_topology",
+]

@@ -1,0 +1,275 @@
+"""``harmpi-launch`` / ``python -m launch``: the command line.
+
+``python -m launch [OPTIONS] [--] COMMAND [ARGS]...`` runs COMMAND on every
+rank; ``python -m launch info [OPTIONS]`` describes this host and the plan. The
+only module of the launcher that prints.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import replace
+import sys
+from typing import Any, Sequence
+
+import click
+
+from .errors import LaunchError, MpiNotFoundError
+from .hosts import Host, parse_hostfile, parse_hosts
+from .mpi import MpiInfo, find_mpi
+from .plan import BIND_TO, MAP_BY, TRANSPORTS, Layout, PlanInputs, build_command, plan_layout
+from .runner import run_mpirun
+from .topology import HostTopology, detect_topology
+
+__all__ = ["cli", "main"]
+
+PROG = "harmpi-launch"
+
+
+def format_cpulist(cpus: Sequence[int]) -> str:
+    """(0, 1, 2, 5) -> "0-2,5"."""
+    parts: list[str] = []
+    run: list[int] = []
+    for c in sorted(cpus):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(parts)
+
+
+# --- click plumbing: `info` is a subcommand, everything else runs -----------
+
+
+class _LaunchGroup(click.Group):
+    """A group whose default command is ``run``: ``launch -np 2 -- cmd`` == ``launch run ...``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or args[0] not in self.commands:
+            ctx.meta["launch.implicit_run"] = True
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+class _RunContext(click.Context):
+    @property
+    def command_path(self) -> str:  # hide the implicit "run" in usage and errors
+        if self.parent is not None and self.meta.get("launch.implicit_run"):
+            return self.parent.command_path
+        return super().command_path
+
+
+class _RunCommand(click.Command):
+    context_class = _RunContext
+
+
+def _plan_options(f: Any) -> Any:
+    """The options shared by the run command and ``info``."""
+    options = [
+        click.option("-np", "-n", "--np", "np", type=click.IntRange(min=1), metavar="N",
+                     help="Number of ranks (info: default one per NUMA node of each host)."),
+        click.option("-H", "--hosts", "--host", "hosts", metavar="H1[:SLOTS],H2...",
+                     help="Comma-separated hosts; a host without :SLOTS gets as many "
+                          "slots as this host has cores."),
+        click.option("--hostfile", type=click.Path(exists=True, dir_okay=False),
+                     help="Hostfile ('host slots=N' or 'host:N' lines), passed to mpirun."),
+        click.option("--ranks-per-node", type=click.IntRange(min=1), metavar="K",
+                     help="Exactly K consecutive ranks on each host; -np must divide by K."),
+        click.option("--map-by", type=click.Choice(MAP_BY), default="numa", show_default=True,
+                     help="Domain ranks are spread over."),
+        click.option("--bind-to", type=click.Choice(BIND_TO), default="core",
+                     show_default=True, help="What each rank is bound to."),
+        click.option("--threads-per-rank", type=click.IntRange(min=1), metavar="T",
+                     help="OpenMP threads per rank [default: cores of one mapping domain "
+                          "divided among its ranks]."),
+        click.option("--spin/--no-spin", default=None,
+                     help="Keep OpenMP workers spinning (GOMP_SPINCOUNT=100000000, "
+                          "KMP_BLOCKTIME=infinite) [default: on when ranks x threads fit "
+                          "the cores of each host]."),
+        click.option("--transport", type=click.Choice(TRANSPORTS),
+                     help="Cross-node transport of harmpi (sets HARMPI_TRANSPORT)."),
+        click.option("--virtual-nodes", type=click.IntRange(min=1), metavar="K",
+                     help="Treat every K consecutive ranks of a host as one node "
+                          "(sets HARMPI_RANKS_PER_NODE=K; uneven splits allowed)."),
+        click.option("--oversubscribe", is_flag=True,
+                     help="Allow more ranks than slots (binding is then relaxed to none)."),
+        click.option("--mpi-arg", "mpi_args", multiple=True, metavar="ARGS",
+                     help="Extra mpirun arguments, split like a shell; repeatable, "
+                          "e.g. --mpi-arg '--mca btl tcp,self'."),
+        click.option("--mpirun", "mpirun", metavar="PATH",
+                     help="Use this mpirun/mpiexec instead of searching the "
+                          "virtualenv's bin and PATH."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _inputs(params: dict[str, Any], command: Sequence[str], np: int) -> PlanInputs:
+    if params["hosts"] and params["hostfile"]:
+        raise LaunchError("give either --hosts or --hostfile, not both")
+    hosts: tuple[Host, ...] = ()
+    if params["hosts"]:
+        hosts = parse_hosts(params["hosts"])
+    elif params["hostfile"]:
+        with open(params["hostfile"]) as fh:
+            hosts = parse_hostfile(fh.read(), where=params["hostfile"])
+    mpi_args: list[str] = []
+    for text in params["mpi_args"]:
+        try:
+            mpi_args += shlex.split(text)
+        except ValueError as exc:
+            raise LaunchError(f"--mpi-arg {text!r}: {exc}") from None
+    return PlanInputs(
+        np=np,
+        command=tuple(command),
+        hosts=hosts,
+        hostfile=params["hostfile"],
+        ranks_per_node=params["ranks_per_node"],
+        map_by=params["map_by"],
+        bind_to=params["bind_to"],
+        threads_per_rank=params["threads_per_rank"],
+        spin=params["spin"],
+        transport=params["transport"],
+        virtual_nodes=params["virtual_nodes"],
+        mpi_args=tuple(mpi_args),
+        oversubscribe=params["oversubscribe"],
+        run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+    )
+
+
+def _warn(ctx: click.Context, warnings: Sequence[str]) -> None:
+    prog = ctx.find_root().info_name or PROG
+    for w in warnings:
+        click.echo(f"{prog}: warning: {w}", err=True)
+
+
+def _plan_text(mpi: MpiInfo, lay: Layout, argv: Sequence[str], env: dict[str, str]) -> str:
+    lines = [f"# {mpi.describe()}", f"# plan: {lay.describe()}"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+    lines.append(shlex.join(argv))
+    return "\n".join(lines)
+
+
+# --- commands ---------------------------------------------------------------
+
+
+@click.group(cls=_LaunchGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Launch harmpi jobs with topology-aware placement."""
+
+
+_RUN_HELP = """Run COMMAND on every rank through mpirun, placed and bound for CPU inference.
+
+\b
+Examples:
+  python -m launch -np 2 -- python script.py
+  python -m launch -np 4 --virtual-nodes 2 --dry-run python bench.py
+  python -m launch -np 8 --hosts a,b --ranks-per-node 4 -- python tp.py
+  python -m launch info -np 4          # topology, MPI found and the plan
+
+The MPI (Open MPI, MPICH/Hydra or Intel MPI) is found next to this Python, then
+on PATH, and spoken to in its own dialect. OMP_NUM_THREADS, OpenMP binding and
+spin settings, HARMPI_* variables (set here or already in the environment) are
+forwarded to every rank. Options end at the first non-option word or `--`.
+"""
+
+
+@cli.command("run", cls=_RunCommand, help=_RUN_HELP, no_args_is_help=True,
+             context_settings={"allow_interspersed_args": False,
+                               "ignore_unknown_options": False})
+@_plan_options
+@click.option("--dry-run", is_flag=True,
+              help="Print the environment and the exact command line; start nothing.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[--] COMMAND [ARGS]...")
+@click.pass_context
+def run_cmd(ctx: click.Context, command: tuple[str, ...], dry_run: bool, **params: Any) -> None:
+    if not command:
+        raise click.UsageError(
+            "missing command: give the program to run after the options, "
+            "e.g. `-np 2 -- python script.py`", ctx)
+    if params["np"] is None:
+        raise click.UsageError("missing -np N: how many ranks to start", ctx)
+    try:
+        inputs = _inputs(params, command, params["np"])
+        topo = detect_topology()
+        plan_layout(inputs, topo)  # user mistakes first, even without an MPI
+        mpi = find_mpi(params["mpirun"])
+        argv, env, warnings = build_command(inputs, mpi, topo, os.environ)
+    except MpiNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    except LaunchError as exc:
+        raise click.UsageError(str(exc), ctx) from None
+    _warn(ctx, warnings)
+    if dry_run:
+        click.echo(_plan_text(mpi, plan_layout(inputs, topo), argv, env))
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    rc = run_mpirun(argv, {**os.environ, **env})
+    ctx.exit(rc)
+
+
+def _topology_text(topo: HostTopology) -> str:
+    lines = [
+        f"Host {topo.hostname} (read from {topo.source})",
+        f"  sockets            {topo.n_sockets}",
+        f"  NUMA nodes         {topo.n_numa_nodes}",
+    ]
+    for node in topo.numa_ids:
+        lines.append(
+            f"    node{node:<13}{topo.cores_of_numa(node)} cores, "
+            f"CPUs {format_cpulist(topo.cpus_of_numa(node))}"
+        )
+    tpc = topo.threads_per_core
+    lines += [
+        f"  cores              {topo.n_cores} ({topo.cores_per_numa} per NUMA node)",
+        f"  hardware threads   {topo.n_hwthreads} ({tpc} per core, "
+        f"hyperthreading {'on' if topo.hyperthreading else 'off'})",
+        f"  RDMA devices       {', '.join(topo.rdma_devices) or 'none'}",
+    ]
+    return "\n".join(lines)
+
+
+@cli.command("info", context_settings={"ignore_unknown_options": False})
+@_plan_options
+@click.pass_context
+def info_cmd(ctx: click.Context, **params: Any) -> None:
+    """Print this host's topology, the MPI found and the plan for -np N."""
+    topo = detect_topology()
+    click.echo(_topology_text(topo))
+    try:
+        inputs = _inputs(params, ("COMMAND",), params["np"] or 1)
+        if params["np"] is None:  # one rank per NUMA node (or K per node) of every host
+            per_host = params["ranks_per_node"] or topo.n_numa_nodes
+            inputs = replace(inputs, np=per_host * (len(inputs.hosts) or 1))
+        lay = plan_layout(inputs, topo)
+        mpi = find_mpi(params["mpirun"])
+        argv, env, warnings = build_command(inputs, mpi, topo, os.environ)
+    except MpiNotFoundError as exc:
+        click.echo("MPI\n  none found")
+        raise click.ClickException(str(exc)) from None
+    except LaunchError as exc:
+        raise click.UsageError(str(exc), ctx) from None
+    click.echo(f"MPI\n  {mpi.display_name} {mpi.version} at {mpi.path}")
+    why = ""
+    if params["np"] is None:
+        why = " (default: {} per host)".format(
+            "--ranks-per-node" if params["ranks_per_node"] else "one rank per NUMA node")
+    click.echo(f"Plan for -np {inputs.np}{why}")
+    click.echo(f"  {lay.describe()}")
+    for w in warnings:
+        click.echo(f"  warning: {w}")
+    for k, v in sorted(env.items()):
+        click.echo(f"  export {k}={shlex.quote(v)}")
+    click.echo(f"  {shlex.join(argv)}")
+
+
+def main(argv: Sequence[str] | None = None, prog_name: str = PROG) -> None:
+    """Console-script entry point (``harmpi-launch``)."""
+    cli.main(args=list(sys.argv[1:] if argv is None else argv), prog_name=prog_name)
