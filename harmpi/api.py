@@ -45,13 +45,20 @@ class _Contexts:
 
     def __init__(self):
         self.by_comm = {}
+        self.world = None           # fast path for comm=None
+        self.torch = None           # harmpi.torch, once a tensor has been seen
         self.atexit_registered = False
 
     def get(self, comm):
-        key = MPI.COMM_WORLD if comm is None else comm
-        ctx = self.by_comm.get(key.handle if hasattr(key, "handle") else id(key))
+        if comm is None:
+            if self.world is None:
+                self.world = self.create(MPI.COMM_WORLD)
+            return self.world
+        if not isinstance(comm, MPI.Comm):
+            raise HarmpiArgumentError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+        ctx = self.by_comm.get(comm.handle)
         if ctx is None:
-            ctx = self.create(key)
+            ctx = self.create(comm)
         return ctx
 
     def create(self, comm):
@@ -69,11 +76,13 @@ class _Contexts:
     def free_all(self):
         if MPI.Is_finalized():
             self.by_comm.clear()
+            self.world = None
             return
         for ctx in list(self.by_comm.values()):
-            if ctx.broken is None or ctx.broken == "finalized":
+            if ctx.broken is None:
                 ctx.free()
         self.by_comm.clear()
+        self.world = None
 
 
 _CONTEXTS = _Contexts()
@@ -95,7 +104,9 @@ def finalize():
 
 
 def _context(comm):
-    ctx = _CONTEXTS.get(comm)
+    ctx = _CONTEXTS.world if comm is None else None
+    if ctx is None:
+        ctx = _CONTEXTS.get(comm)
     if ctx.broken is not None:
         raise HarmpiError(f"harmpi context is unusable: {ctx.broken}")
     return ctx
@@ -125,13 +136,19 @@ def _describe(x, dtype, writable):
             raise HarmpiArgumentError("array is read-only; the collective writes its result in "
                                       "place (pass a writable copy)")
         fmt, w, itemsize = kind
-        return x.ctypes.data, x.size, fmt, w, itemsize, False
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
+        return node.address_of(x.reshape(-1)), x.size, fmt, w, itemsize, False
+    ht = _CONTEXTS.torch
+    if ht is None:
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(x, torch.Tensor):
+            raise HarmpiArgumentError(
+                f"expected a numpy array or a torch tensor, got {type(x).__name__}")
+        from . import torch as ht  # noqa: PLC0415 - torch only once a tensor is seen
+        _CONTEXTS.torch = ht
+    if isinstance(x, ht.Tensor):
         if dtype is not None:
             raise HarmpiArgumentError("dtype= is only for numpy uint16 arrays; a tensor has its own")
-        from . import torch as _torch  # noqa: PLC0415 - torch only when a tensor is seen
-        return _torch.describe(x, writable) + (True,)
+        return ht.describe(x, writable)
     raise HarmpiArgumentError(
         f"expected a numpy array or a torch tensor, got {type(x).__name__}")
 
@@ -192,8 +209,7 @@ def allgather(x, comm=None, dtype=None):
     ctx = _context(comm)
     size = ctx.topo.size
     if is_torch:
-        from . import torch as _torch  # noqa: PLC0415
-        out = _torch.empty_like_gathered(x, size)
+        out = _CONTEXTS.torch.empty_like_gathered(x, size)
         out_addr = out.data_ptr()
     else:
         shape = x.shape or (1,)
@@ -229,7 +245,7 @@ def info(comm=None):
     cfg = ctx.config
     return {
         "version": __version__,
-        "mpi_library": MPI.Get_library_version().splitlines()[0].strip().rstrip(","),
+        "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
         "mpi_thread_level": {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                              MPI.THREAD_SERIALIZED: "serialized",
                              MPI.THREAD_MULTIPLE: "multiple"}.get(MPI.Query_thread(), "?"),

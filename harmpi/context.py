@@ -29,11 +29,11 @@ log = logging.getLogger("harmpi")
 OVERSUBSCRIBED_SPIN_COUNT = 64
 
 
-def _cores_available():
+def _cpus_allowed():
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
 
 
 class Context:
@@ -45,8 +45,10 @@ class Context:
         self.topo, self.node_comm, self.rail_comm = discover(comm, self.config.ranks_per_node)
         # Ranks of the node share the host's cores: decide spin vs yield from
         # how many of them there are (HARMPI_SPIN_COUNT overrides).
+        # (each rank may be bound to one core: count the union of their CPUs)
         host_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.oversubscribed = host_ranks.Get_size() > _cores_available()
+        cpus = set().union(*host_ranks.allgather(_cpus_allowed()))
+        self.oversubscribed = host_ranks.Get_size() > len(cpus)
         host_ranks.Free()
         spin = self.config.spin_count
         if "HARMPI_SPIN_COUNT" not in os.environ and self.oversubscribed:

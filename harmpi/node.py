@@ -38,6 +38,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from . import reduce as _reduce
@@ -87,6 +88,22 @@ def _voidptr(typingctx, addr):
     return sig, codegen
 
 
+@intrinsic
+def _memcpy(typingctx, dst_addr, src_addr, nbytes):
+    """llvm.memcpy between raw addresses (numba's slice assignment is an
+    element loop that LLVM does not turn into a vector copy)."""
+    sig = types.void(types.intp, types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = context.get_value_type(types.voidptr)
+        dst = builder.inttoptr(args[0], i8p)
+        src = builder.inttoptr(args[1], i8p)
+        cgutils.raw_memcpy(builder, dst, src, args[2], 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # -- dtype dispatch resolved at compile time --------------------------------
 
 def _sum_rows(src, lo, hi, out, out_lo, fmt):  # pragma: no cover - typing stub
@@ -97,7 +114,7 @@ def _sum2(a, b, out, fmt):  # pragma: no cover - typing stub
     raise NotImplementedError("compiled-only dispatch")
 
 
-@overload(_sum_rows, inline="always")
+@overload(_sum_rows)
 def _ov_sum_rows(src, lo, hi, out, out_lo, fmt):
     if src.dtype == types.uint16:
         def impl(src, lo, hi, out, out_lo, fmt):
@@ -112,7 +129,7 @@ def _ov_sum_rows(src, lo, hi, out, out_lo, fmt):
         return lambda src, lo, hi, out, out_lo, fmt: _reduce.sum_rows_f64(src, lo, hi, out, out_lo)
 
 
-@overload(_sum2, inline="always")
+@overload(_sum2)
 def _ov_sum2(a, b, out, fmt):
     if a.dtype == types.uint16:
         def impl(a, b, out, fmt):
@@ -189,7 +206,7 @@ def stage(ctl, x_addr, r_addr, m, total_nbytes, code, fmt, w):
             r = numba.carray(_voidptr(r_addr), (m,), w.dtype)
             _sum2(x, r, mine[:m], fmt)
         else:
-            mine[:m] = x
+            _memcpy(mine.ctypes.data, x_addr, m * w.itemsize)
     line = ctl[C_FLAGS] + me * _LINE
     meta = line + (W_META + 2 * parity) * _WORD
     store_release(meta, total_nbytes)
@@ -234,11 +251,12 @@ def gather_parts(ctl, out_addr, m, w):
     if m <= 0:
         return
     slots = _slots2d(ctl, (ctl[C_STEPS] - 1) & 1, w)
-    out = numba.carray(_voidptr(out_addr), (m,), w.dtype)
     L = ctl[C_L]
+    isz = w.itemsize
     for j in range(L):
-        lo, hi = part_bounds(m, L, j, w.itemsize)
-        out[lo:hi] = slots[j, lo:hi]
+        lo, hi = part_bounds(m, L, j, isz)
+        if hi > lo:
+            _memcpy(out_addr + lo * isz, slots[j, lo:hi].ctypes.data, (hi - lo) * isz)
 
 
 @numba.njit(_sigs(_i64, _ctl, types.intp, _i64, _i64, _i64, _i64, "W"), cache=True, nogil=True)
@@ -312,8 +330,7 @@ def copy_slot(ctl, j, out_addr, lo, hi, w):
     if hi <= lo:
         return
     slots = _slots2d(ctl, (ctl[C_STEPS] - 1) & 1, w)
-    out = numba.carray(_voidptr(out_addr), (hi - lo,), w.dtype)
-    out[:] = slots[j, lo:hi]
+    _memcpy(out_addr, slots[j, lo:hi].ctypes.data, (hi - lo) * w.itemsize)
 
 
 @numba.njit(_i64(_ctl, _i64), cache=True, nogil=True)
@@ -336,9 +353,7 @@ def next_slot_addr(ctl, j):
 def copy_bytes(dst_addr, src_addr, nbytes):
     if nbytes <= 0:
         return
-    dst = numba.carray(_voidptr(dst_addr), (nbytes,), np.uint8)
-    src = numba.carray(_voidptr(src_addr), (nbytes,), np.uint8)
-    dst[:] = src
+    _memcpy(dst_addr, src_addr, nbytes)
 
 
 @numba.njit(_sigs(types.void, _ctl, types.intp, _i64, _i64, _i64, types.int64[:, ::1], "W"),
@@ -350,8 +365,14 @@ def copy_blocks(ctl, out_addr, n, start, m, table, w):
         return
     L, G = table.shape[0], table.shape[1]
     slots = _slots2d(ctl, (ctl[C_STEPS] - 1) & 1, w)
-    out = numba.carray(_voidptr(out_addr), (table.size * n,), w.dtype)
+    isz = w.itemsize
     for l in range(L):
         for g in range(G):
-            o = table[l, g] * n + start
-            out[o:o + m] = slots[l, g * m:(g + 1) * m]
+            o = (table[l, g] * n + start) * isz
+            _memcpy(out_addr + o, slots[l, g * m:].ctypes.data, m * isz)
+
+
+@numba.njit(cache=True, nogil=True)
+def address_of(a):
+    """Data address of a 1-d array (5x cheaper than ``a.ctypes.data`` in Python)."""
+    return a.ctypes.data

@@ -14,7 +14,9 @@ import torch
 from .errors import HarmpiArgumentError
 from .node import FMT_BF16, FMT_F16, FMT_F32, FMT_F64
 
-__all__ = ["KINDS", "describe", "empty_like_gathered"]
+__all__ = ["KINDS", "Tensor", "describe", "empty_like_gathered"]
+
+Tensor = torch.Tensor
 
 #: torch dtype -> (storage format, zero-length witness of the storage dtype, itemsize)
 KINDS = {
@@ -26,13 +28,13 @@ KINDS = {
 
 
 def describe(t, writable=True):
-    """(addr, numel, fmt, witness, itemsize) of a tensor, or HarmpiArgumentError."""
+    """(addr, numel, fmt, witness, itemsize, True) of a tensor, or HarmpiArgumentError."""
     kind = KINDS.get(t.dtype)
     if kind is None:
         raise HarmpiArgumentError(
             f"unsupported tensor dtype {t.dtype}; harmpi reduces torch.bfloat16, torch.float16, "
             "torch.float32 and torch.float64")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise HarmpiArgumentError(f"tensor is on {t.device}; harmpi works on CPU tensors")
     if not t.is_contiguous():
         raise HarmpiArgumentError(
@@ -43,7 +45,7 @@ def describe(t, writable=True):
             "tensor requires grad; an in-place collective would bypass autograd. Call it under "
             "torch.no_grad() or pass t.detach()")
     fmt, w, itemsize = kind
-    return t.data_ptr(), t.numel(), fmt, w, itemsize
+    return t.data_ptr(), t.numel(), fmt, w, itemsize, True
 
 
 def empty_like_gathered(t, nranks):
