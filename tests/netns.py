@@ -58,7 +58,11 @@ The recipe, and why each piece is needed
   both hosts bind their first rank to core 0, and two busy-polling ranks then
   share one core in 4 ms scheduler slices (the "flat 4 ms per message" seen
   before). Unbound, and yielding when idle (4 ranks on 2 cores), a 1-byte
-  cross-host round trip takes ~60 us instead of 8 ms.
+  cross-host round trip takes ~30-40 us instead of 8 ms (2 ranks, one per
+  host: ~27 us); a 10 KB float32 MPI_Allreduce over 2 x 2 ranks ~75-110 us.
+  Without mpi_yield_when_idle, 4 spinning ranks on 2 cores crawl (a 300-
+  iteration ping-pong did not finish in 60 s). All of it swings 10-100x
+  when other jobs load the 2 cores.
 * ``OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)=1`` (root), ``SHELL=/bin/sh`` (PRRTE
   builds the remote command for the local shell's syntax) and ``TMPDIR`` = a
   per-run directory, so PRRTE/PMIx session directories (``ompi.<pid>``,
@@ -573,6 +577,10 @@ class TwoHosts:
         if self.mpirun_path:
             bindir = os.path.dirname(self.mpirun_path)
             env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+        # an inherited exclude list would clash with our *_if_include
+        for key in ("OMPI_MCA_btl_tcp_if_exclude", "OMPI_MCA_oob_tcp_if_exclude",
+                    "PRTE_MCA_oob_tcp_if_exclude"):
+            env.pop(key, None)
         env.update(extra or {})
         return env
 

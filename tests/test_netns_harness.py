@@ -10,10 +10,14 @@ import textwrap
 
 import pytest
 
-try:  # tests/ as a package or as a plain directory on sys.path
+try:  # tests/ as a package, or as a plain directory on sys.path
     from . import netns
 except ImportError:
-    import netns
+    try:
+        import netns
+    except ImportError:  # e.g. --import-mode=importlib
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import netns
 
 OK, REASON = netns.can_make_namespaces()
 pytestmark = [
