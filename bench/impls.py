@@ -1,0 +1,366 @@
+"""Adapters for the implementations a benchmark compares.
+
+Each adapter turns "a collective of ``count`` elements of ``dtype``" into a
+prepared operation whose ``run()`` only moves data (allocation happens in
+``prepare``, as in Gloo's algorithm classes), plus ``result()`` to read the
+output back as a numpy storage array (bf16 as uint16 bits).
+
+``harmpi`` / ``harmpi:<algorithm>``
+    ``harmpi.allreduce(t)`` / ``harmpi.allgather(t)`` on a torch tensor of the
+    requested dtype (bf16 by default); ``:<algorithm>`` forces one of
+    ``harmpi.ALGORITHMS``.
+``mpi``
+    mpi4py on the same ranks.  Allreduce: ``comm.Allreduce(MPI.IN_PLACE, buf,
+    MPI.SUM)``; MPI has no bf16 (Open MPI) and no portable f16, so bf16 and
+    f16 are compared against **float32 with the same bytes** (half as many
+    elements; a 2-byte message sends one float32).  Allgather moves bytes, so
+    it uses the requested dtype as is.
+``gloo``
+    ``torch.distributed`` with the gloo backend on the same ranks (rank 0
+    starts a TCPStore on a free port and broadcasts it through MPI); tensors of
+    the requested dtype.  Gloo takes milliseconds per call, so its iterations
+    are capped (``--gloo-max-iters``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable, Sequence
+
+import numpy as np
+
+from bench.harness import DTYPES, DType
+
+__all__ = [
+    "Impl",
+    "Prepared",
+    "ImplUnavailable",
+    "parse_impls",
+    "make_impls",
+    "close_impls",
+    "init_gloo",
+    "gloo_allgather_function",
+    "IMPL_KINDS",
+]
+
+IMPL_KINDS = ("harmpi", "mpi", "gloo")
+
+
+class ImplUnavailable(Exception):
+    """An implementation cannot run this collective here (raised by ``prepare``).
+
+    The harness asks every rank, and skips the cell on all of them if any
+    rank raised; the message goes into the table's notes.
+    """
+
+
+class Prepared:
+    """One prepared collective: ``run()`` moves data, ``result()`` reads it back."""
+
+    def __init__(self, run: Callable[[], object], result: Callable[[], np.ndarray]):
+        self.run = run
+        self.result = result
+
+
+class Impl:
+    """Base adapter.  ``name`` is the column name in tables and JSON rows."""
+
+    name = ""
+    #: cap on timed iterations (None: the harness's count)
+    max_iterations: int | None = None
+
+    def wire_dtype(self, op: str, dtype: DType) -> DType:
+        """The dtype this implementation actually reduces when asked for ``dtype``."""
+        return dtype
+
+    def describe(self, op: str, dtype: DType) -> str:
+        """One header line saying what is timed."""
+        raise NotImplementedError
+
+    def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release resources; called once, in reverse order of creation."""
+
+
+# --------------------------------------------------------------------------
+# torch helpers (torch is imported lazily: the mpi adapter does not need it)
+# --------------------------------------------------------------------------
+
+
+def _torch_from_storage(values: np.ndarray, dtype: DType):
+    import torch
+
+    if dtype.name == "bf16":
+        return torch.from_numpy(np.ascontiguousarray(values).view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(values).copy())
+
+
+def _storage_from_torch(tensor, dtype: DType) -> np.ndarray:
+    import torch
+
+    flat = tensor.detach().reshape(-1)
+    if dtype.name == "bf16":
+        return flat.view(torch.int16).numpy().view(np.uint16).copy()
+    return flat.numpy().copy()
+
+
+# --------------------------------------------------------------------------
+# harmpi
+# --------------------------------------------------------------------------
+
+
+class HarmpiImpl(Impl):
+    """harmpi on torch tensors; ``algorithm`` None means the library's choice."""
+
+    def __init__(self, comm, algorithm: str | None):
+        try:
+            import harmpi
+        except ImportError as exc:  # the library is optional while benchmarking rivals
+            raise SystemExit(f"harmpi is not importable ({exc}); run with --impl mpi,gloo") from exc
+        self._harmpi = harmpi
+        self._comm = comm
+        self.algorithm = algorithm
+        self.name = "harmpi" if algorithm is None else f"harmpi:{algorithm}"
+        if algorithm is not None and algorithm not in harmpi.ALGORITHMS:
+            raise SystemExit(f"unknown harmpi algorithm {algorithm!r}; choose from {', '.join(harmpi.ALGORITHMS)}")
+
+    def describe(self, op: str, dtype: DType) -> str:
+        forced = os.environ.get("HARMPI_ALGORITHM")
+        if self.algorithm is not None:
+            how = f"algorithm {self.algorithm} (forced per call)"
+        elif forced:
+            how = f"algorithm {forced} (HARMPI_ALGORITHM)"
+        else:
+            how = "algorithm auto"
+        return f"{self.name}: harmpi.{op} on a torch {dtype.torch_name} tensor, {how}"
+
+    def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
+        harmpi = self._harmpi
+        tensor = _torch_from_storage(values, dtype)
+        comm = self._comm
+        if op == "allreduce":
+            kwargs = {} if self.algorithm is None else {"algorithm": self.algorithm}
+            # Argument and topology checks happen before any data moves, so a
+            # mismatch (e.g. "shm" across nodes) raises on every rank alike.
+            try:
+                harmpi.allreduce(tensor, comm=comm, **kwargs)
+            except harmpi.HarmpiArgumentError as exc:
+                raise ImplUnavailable(str(exc)) from exc
+            tensor.copy_(_torch_from_storage(values, dtype))  # undo the probe call
+
+            def run(tensor=tensor, allreduce=harmpi.allreduce, comm=comm, kwargs=kwargs):
+                allreduce(tensor, comm=comm, **kwargs)
+
+            return Prepared(run, lambda: _storage_from_torch(tensor, dtype))
+        if op == "allgather":
+            out = [None]
+
+            def run(tensor=tensor, allgather=harmpi.allgather, comm=comm):
+                out[0] = allgather(tensor, comm=comm)
+
+            return Prepared(run, lambda: _storage_from_torch(out[0], dtype))
+        raise ValueError(op)
+
+    def info(self) -> dict:
+        return dict(self._harmpi.info(comm=self._comm))
+
+
+# --------------------------------------------------------------------------
+# MPI
+# --------------------------------------------------------------------------
+
+
+class MpiImpl(Impl):
+    """mpi4py buffer collectives on the benchmark's communicator."""
+
+    name = "mpi"
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def wire_dtype(self, op: str, dtype: DType) -> DType:
+        if op == "allreduce" and dtype.name in ("bf16", "f16"):
+            return DTYPES["f32"]
+        return dtype
+
+    def describe(self, op: str, dtype: DType) -> str:
+        from mpi4py import MPI
+
+        wire = self.wire_dtype(op, dtype)
+        if op == "allreduce":
+            what = "MPI_Allreduce(MPI_IN_PLACE, SUM)"
+            if wire is not dtype:
+                what += f" float32, same bytes ({dtype.name} has no MPI type; half the elements, a 2 B message sends 4 B)"
+            else:
+                what += f" {wire.name}"
+        else:
+            what = f"MPI_Allgather, {dtype.name} moved as bytes"
+        levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+        return f"mpi: {what}; thread level {levels.get(MPI.Query_thread(), MPI.Query_thread())}"
+
+    def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
+        from mpi4py import MPI
+
+        comm = self._comm
+        buf = np.ascontiguousarray(values).copy()
+        if op == "allreduce":
+            target = [buf, MPI.FLOAT if buf.dtype == np.float32 else MPI.DOUBLE]
+            if buf.dtype not in (np.float32, np.float64):
+                raise ImplUnavailable(f"mpi allreduce of {buf.dtype} is not supported here")
+
+            def run(comm=comm, target=target, in_place=MPI.IN_PLACE, op=MPI.SUM):
+                comm.Allreduce(in_place, target, op)
+
+            return Prepared(run, lambda: buf.copy())
+        if op == "allgather":
+            out = np.empty(len(buf) * comm.Get_size(), dtype=buf.dtype)
+            send = [buf.view(np.uint8), MPI.BYTE]
+            recv = [out.view(np.uint8), MPI.BYTE]
+
+            def run(comm=comm, send=send, recv=recv):
+                comm.Allgather(send, recv)
+
+            return Prepared(run, lambda: out.copy())
+        raise ValueError(op)
+
+
+# --------------------------------------------------------------------------
+# Gloo (torch.distributed)
+# --------------------------------------------------------------------------
+
+
+def _gloo_address(comm) -> str:
+    """127.0.0.1 when every rank is on one host, else rank 0's address."""
+    override = os.environ.get("HARMPI_BENCH_GLOO_ADDR")
+    if override:
+        return override
+    hosts = comm.allgather(socket.gethostname())
+    if len(set(hosts)) == 1:
+        return "127.0.0.1"
+    address = socket.gethostbyname(hosts[0]) if comm.Get_rank() == 0 else None
+    return comm.bcast(address, root=0)
+
+
+def init_gloo(comm) -> tuple[str, int]:
+    """Start a torch.distributed gloo process group on the ranks of ``comm``.
+
+    Rank 0 binds a TCPStore to port 0 itself (no pick-then-rebind race) and
+    broadcasts the port through MPI.  Returns (address, port).  Call
+    ``torch.distributed.destroy_process_group()`` when done.
+    """
+    import torch.distributed as dist
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    address = _gloo_address(comm)
+    store = dist.TCPStore(address, 0, size, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = comm.bcast(store.port if rank == 0 else None, root=0)
+    if rank != 0:
+        store = dist.TCPStore(address, port, size, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    return address, port
+
+
+def gloo_allgather_function():
+    """torch.distributed's gather-into-one-tensor call (all_gather_single in torch >= 2.13)."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class GlooImpl(Impl):
+    """torch.distributed gloo process group over the same ranks."""
+
+    name = "gloo"
+
+    def __init__(self, comm, max_iterations: int | None = 50):
+        import torch
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._torch = torch
+        self.max_iterations = max_iterations
+        self.address, self.port = init_gloo(comm)
+        self._gather = gloo_allgather_function()
+
+    def describe(self, op: str, dtype: DType) -> str:
+        call = "all_reduce" if op == "allreduce" else self._gather.__name__
+        cap = "" if self.max_iterations is None else f", at most {self.max_iterations} timed iterations per size"
+        return f"gloo: torch.distributed.{call} ({dtype.torch_name}) over tcp://{self.address}:{self.port}, torch {self._torch.__version__}{cap}"
+
+    def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
+        dist = self._dist
+        tensor = _torch_from_storage(values, dtype)
+        if op == "allreduce":
+
+            def run(tensor=tensor, all_reduce=dist.all_reduce):
+                all_reduce(tensor)
+
+            return Prepared(run, lambda: _storage_from_torch(tensor, dtype))
+        if op == "allgather":
+            out = self._torch.empty(tensor.numel() * dist.get_world_size(), dtype=tensor.dtype)
+
+            def run(tensor=tensor, out=out, gather=self._gather):
+                gather(out, tensor)
+
+            return Prepared(run, lambda: _storage_from_torch(out, dtype))
+        raise ValueError(op)
+
+    def close(self) -> None:
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------
+# Construction
+# --------------------------------------------------------------------------
+
+
+def parse_impls(spec: str) -> list[str]:
+    """'harmpi,harmpi:shm,mpi,gloo' -> names, checked for kind and duplicates."""
+    names = [part.strip() for part in spec.split(",") if part.strip()]
+    if not names:
+        raise ValueError("--impl needs at least one implementation")
+    for name in names:
+        kind, _, algorithm = name.partition(":")
+        if kind not in IMPL_KINDS:
+            raise ValueError(f"unknown implementation {name!r}; choose from harmpi, harmpi:<algorithm>, mpi, gloo")
+        if algorithm and kind != "harmpi":
+            raise ValueError(f"only harmpi takes an algorithm, not {name!r}")
+        if kind == "harmpi" and ":" in name and not algorithm:
+            raise ValueError(f"empty algorithm in {name!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate implementation in {spec!r}")
+    return names
+
+
+def make_impls(names: Sequence[str], comm, *, gloo_max_iterations: int | None = 50) -> list[Impl]:
+    """Create the adapters (collectively: every rank must call this with the same names)."""
+    impls: list[Impl] = []
+    harmpi_module = None
+    for name in names:
+        kind, _, algorithm = name.partition(":")
+        if kind == "harmpi":
+            impl = HarmpiImpl(comm, algorithm or None)
+            if harmpi_module is None:
+                harmpi_module = impl._harmpi
+                harmpi_module.init(comm=comm)
+            impls.append(impl)
+        elif kind == "mpi":
+            impls.append(MpiImpl(comm))
+        elif kind == "gloo":
+            impls.append(GlooImpl(comm, gloo_max_iterations))
+    return impls
+
+
+def close_impls(impls: Sequence[Impl]) -> None:
+    """Close in reverse order, then finalize harmpi once if it was used."""
+    harmpi_module = None
+    for impl in reversed(impls):
+        impl.close()
+        if isinstance(impl, HarmpiImpl):
+            harmpi_module = impl._harmpi
+    if harmpi_module is not None:
+        harmpi_module.finalize()

@@ -1,0 +1,360 @@
+"""The OSU-style command line shared by ``osu_allreduce`` and ``osu_allgather``.
+
+``command(collective)`` builds the click command; everything that needs MPI
+(topology, timing, gathering per-rank numbers, printing on rank 0) is here,
+the pure parts are in ``bench.harness``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from importlib import metadata
+from pathlib import Path
+
+import click
+import numpy as np
+
+from bench import harness
+from bench.harness import DTYPES, Collective, Row
+from bench.impls import ImplUnavailable, close_impls, make_impls, parse_impls
+
+__all__ = ["command", "run", "environment_lines", "topology", "bench_version"]
+
+
+def bench_version() -> str:
+    """harmpi's version: the installed distribution, else the checkout's pyproject.toml."""
+    try:
+        return metadata.version("harmpi")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
+    except (OSError, KeyError, ValueError, ImportError):
+        return "0+unknown"
+
+
+# --------------------------------------------------------------------------
+# What the header says about the run (collective: every rank calls these)
+# --------------------------------------------------------------------------
+
+
+def _cpu_list(cpus) -> str:
+    """{0, 1, 2, 5} -> '0-2,5'."""
+    cpus = sorted(cpus)
+    parts, start = [], None
+    for i, cpu in enumerate(cpus):
+        if start is None:
+            start = cpu
+        if i + 1 == len(cpus) or cpus[i + 1] != cpu + 1:
+            parts.append(str(start) if start == cpu else f"{start}-{cpu}")
+            start = None
+    return ",".join(parts)
+
+
+def topology(comm) -> dict:
+    """Hosts, nodes and ranks per node as harmpi sees them (HARMPI_RANKS_PER_NODE honoured).
+
+    A node is the set of ranks of one host (MPI COMM_TYPE_SHARED); with
+    HARMPI_RANKS_PER_NODE=k every k consecutive local ranks of a host form a
+    virtual node.  Used for the header when harmpi is not among the
+    implementations (otherwise ``harmpi.info()`` is quoted).
+    """
+    from mpi4py import MPI
+
+    host_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    host_leader = host_comm.bcast(comm.Get_rank(), root=0)
+    local_rank = host_comm.Get_rank()
+    host_size = host_comm.Get_size()
+    host_comm.Free()
+    per_node_env = os.environ.get("HARMPI_RANKS_PER_NODE", "").strip()
+    per_node = int(per_node_env) if per_node_env else 0
+    node_key = (host_leader, local_rank // per_node if per_node > 0 else 0)
+    keys = comm.allgather(node_key)
+    order = sorted(set(keys))
+    ranks_per_node = [keys.count(key) for key in order]
+    hosts = len({key[0] for key in keys})
+    return {
+        "ranks": comm.Get_size(),
+        "hosts": hosts,
+        "nodes": len(order),
+        "ranks_per_node": ranks_per_node,
+        "virtual": per_node > 0 and len(order) > hosts,
+        "max_ranks_per_host": comm.allreduce(host_size, op=MPI.MAX),
+    }
+
+
+def environment_lines(comm, topo: dict, harmpi_info: dict | None) -> list[str]:
+    """'# ...' lines naming MPI, ranks, nodes, binding, threads, harmpi's choices."""
+    from mpi4py import MPI
+
+    library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
+    affinity = comm.gather(_cpu_list(os.sched_getaffinity(0)), root=0)
+    lines = [f"# MPI: {library} (mpi4py {metadata.version('mpi4py')}), host CPUs: {os.cpu_count()}"]
+    nodes = f"{topo['nodes']} x {topo['ranks_per_node'][0]}" if len(set(topo["ranks_per_node"])) == 1 else "+".join(map(str, topo["ranks_per_node"]))
+    where = f"{topo['hosts']} host{'s' if topo['hosts'] != 1 else ''}"
+    if topo["virtual"]:
+        where += f", virtual nodes (HARMPI_RANKS_PER_NODE={os.environ.get('HARMPI_RANKS_PER_NODE')}); only harmpi sees them, mpi and gloo see one host"
+    lines.append(f"# Ranks: {topo['ranks']}, nodes: {nodes} ({where})")
+    if comm.Get_rank() == 0:
+        bound = set(affinity)
+        if len(bound) == 1:
+            binding = f"every rank may run on CPUs {affinity[0]}"
+        else:
+            binding = ", ".join(f"r{r}:{cpus}" for r, cpus in enumerate(affinity))
+        lines.append(f"# Binding: {binding}")
+    if harmpi_info is not None:
+        info = harmpi_info
+        extras = []
+        for key, label in (("algorithm", "algorithm"), ("spin_count", "spin count"), ("oversubscribed", "oversubscribed"),
+                           ("mpi_thread_level", "MPI thread level")):
+            if key in info:
+                extras.append(f"{label} {info[key] if info[key] is not None else 'auto'}")
+        lines.append(
+            f"# harmpi {info.get('version', '?')}: nodes {info.get('nodes')}, ranks per node {info.get('ranks_per_node')}"
+            + (" (virtual)" if info.get("virtual_nodes") else "")
+            + (", " + ", ".join(extras) if extras else "")
+        )
+        lines.append(f"# harmpi transport: {info.get('transport')} ({info.get('transport_reason', '')})")
+        thresholds = info.get("thresholds")
+        if thresholds:
+            lines.append("# harmpi thresholds: " + ", ".join(f"{k}={v}" for k, v in thresholds.items()))
+    return lines
+
+
+# --------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------
+
+
+def _all_ranks_ok(comm, ok: bool) -> bool:
+    from mpi4py import MPI
+
+    return bool(comm.allreduce(bool(ok), op=MPI.LAND))
+
+
+def _check_cell(comm, collective: Collective, impl, count: int, wire, seed: int) -> tuple[bool, str]:
+    """The untimed check pass for one (impl, size) cell; same answer on every rank."""
+    rank, n_ranks = comm.Get_rank(), comm.Get_size()
+    values = collective.init_values(seed, rank, count, wire)
+    prepared = impl.prepare(collective.op, values, wire)
+    prepared.run()
+    result = prepared.result()
+    ok, detail = collective.check(result, seed, n_ranks, count, wire)
+    digests = comm.allgather(harness.digest(result))
+    details = comm.allgather(detail)
+    all_ok = all(not d for d in details)
+    identical = len(set(digests)) == 1
+    notes = [f"rank {r}: {d}" for r, d in enumerate(details) if d]
+    if not identical:
+        groups = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        notes.append("results differ across ranks: " + " | ".join(",".join(map(str, g)) for g in groups.values()))
+    return all_ok and identical, "; ".join(notes)
+
+
+def run(
+    collective: Collective,
+    *,
+    sizes: list[int],
+    impl_names: list[str],
+    dtype_name: str,
+    iterations: int | None,
+    warmup: int | None,
+    full: bool,
+    check: bool,
+    stat: str,
+    json_path: str | None,
+    plot_path: str | None,
+    gloo_max_iters: int | None,
+    seed: int,
+    comm=None,
+) -> int:
+    """Run the benchmark on every rank; rank 0 prints.  Returns the exit code."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank, n_ranks = comm.Get_rank(), comm.Get_size()
+    dtype = DTYPES[dtype_name]
+    say = (lambda text="": print(text, flush=True)) if rank == 0 else (lambda text="": None)
+
+    impls = make_impls(impl_names, comm, gloo_max_iterations=gloo_max_iters)
+    try:
+        topo = topology(comm)
+        harmpi_impl = next((impl for impl in impls if impl.name.startswith("harmpi")), None)
+        harmpi_info = harmpi_impl.info() if harmpi_impl is not None else None
+        env_lines = environment_lines(comm, topo, harmpi_info)
+
+        title = f"# harmpi OSU-style {collective.name} Latency Test v{bench_version()}"
+        say(title)
+        say(f"# Datatype: {dtype.name} ({dtype.itemsize} bytes per element); Size = bytes per rank")
+        for line in env_lines:
+            say(line)
+        for impl in impls:
+            say(f"# {impl.describe(collective.op, dtype)}")
+        say(
+            f"# Timing: barrier before every iteration (untimed), per-rank {stat} of the timed calls, "
+            f"then average over ranks{' (Min/Max: over ranks)' if full else ''}"
+            + (f"; BusBW = Size/t x {'2(n-1)/n' if collective.op == 'allreduce' else '(n-1)'}" if full else "")
+        )
+        if len(impls) > 1:
+            reference = harness.reference_impl(impl_names)
+            say(f"# Ratios: latency of each implementation / latency of {reference} (above 1: {reference} is faster)")
+
+        rows: list[Row] = []
+        notes: list[str] = []
+        for nbytes in sizes:
+            for impl in impls:
+                wire = impl.wire_dtype(collective.op, dtype)
+                if nbytes < dtype.itemsize:
+                    continue
+                count = max(1, nbytes // wire.itemsize)
+                iters, warm = harness.iterations_for(nbytes, iterations, warmup)
+                iters, warm = harness.capped_iterations(iters, warm, impl.max_iterations)
+                row = Row(impl=impl.name, dtype=dtype.name, size=nbytes, avg_us=None, min_us=None, max_us=None,
+                          iterations=iters, valid=None, wire_dtype=wire.name, count=count, warmup=warm, stat=stat)
+                try:
+                    error = ""
+                    if check:
+                        row.valid, detail = _check_cell(comm, collective, impl, count, wire, seed)
+                        if detail:
+                            notes.append(f"{impl.name} {nbytes} B: {detail}")
+                    prepared = impl.prepare(collective.op, collective.timing_values(seed, rank, count, wire), wire)
+                except ImplUnavailable as exc:
+                    error = str(exc) or type(exc).__name__
+                errors = comm.allgather(error)
+                if any(errors):
+                    row.valid = None
+                    row.note = next(e for e in errors if e)
+                    notes.append(f"{impl.name} {nbytes} B: not run: {row.note}")
+                    rows.append(row)
+                    continue
+                samples_ns = harness.time_op(prepared.run, comm.Barrier, iters, warm)
+                del prepared
+                per_rank_us = comm.gather(harness.rank_stat_us(samples_ns, stat), root=0)
+                if rank == 0:
+                    row.avg_us, row.min_us, row.max_us = harness.summarize_ranks(per_rank_us)
+                    row.busbw_gbps = harness.busbw_gbps(nbytes, row.avg_us, collective.busbw_factor(n_ranks))
+                rows.append(row)
+
+        exit_code = 0 if _all_ranks_ok(comm, all(row.valid is not False for row in rows)) else 1
+        if rank == 0:
+            for line in harness.format_table(rows, impl_names, full=full, check=check, stat=stat):
+                print(line)
+            for note in notes:
+                print(f"# note: {note}")
+            if check:
+                print(f"# Validation: {'all Pass' if exit_code == 0 else 'FAILED'}")
+            sys.stdout.flush()
+            meta = {
+                "benchmark": f"osu_{collective.op}",
+                "title": title.lstrip("# "),
+                "dtype": dtype.name,
+                "stat": stat,
+                "impls": impl_names,
+                "topology": topo,
+                "environment": [line.lstrip("# ") for line in env_lines],
+                "descriptions": {impl.name: impl.describe(collective.op, dtype) for impl in impls},
+                "harmpi_info": harmpi_info,
+                "busbw_factor": collective.busbw_factor(n_ranks),
+            }
+            if json_path:
+                with open(json_path, "w") as fh:
+                    fh.write(harness.rows_to_json(rows, _jsonable(meta)))
+            if plot_path:
+                nodes = f"{topo['nodes']} node{'s' if topo['nodes'] != 1 else ''}"
+                harness.plot_rows(rows, impl_names, plot_path, f"{collective.name} {dtype.name}, {n_ranks} ranks, {nodes}")
+        return exit_code
+    finally:
+        close_impls(impls)
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+# --------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------
+
+
+def command(collective: Collective) -> click.Command:
+    """The click command of one collective's microbenchmark."""
+
+    @click.command(
+        name=f"osu_{collective.op}",
+        help=(
+            f"OSU-style {collective.name} latency of harmpi, MPI and Gloo on the same ranks. "
+            f"Run under MPI: mpirun -np N python -m mpi4py -m bench.osu_{collective.op} [options]. "
+            "Only rank 0 prints."
+        ),
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    @click.option("-m", "--message-size", "message_size", default=None, metavar="[MIN:]MAX",
+                  help="Sizes in bytes (K/M suffixes ok), doubling from MIN to MAX. Default 2:4M.")
+    @click.option("--extra-sizes", default=str(harness.DECODE_NBYTES), show_default=True, metavar="LIST",
+                  help="Comma list of sizes added when inside MIN..MAX ('' for none); 10240 = bf16 hidden 5120.")
+    @click.option("-i", "--iterations", type=click.IntRange(min=1), default=None,
+                  help="Timed iterations for every size (default OSU's: 1000 up to 8 KiB, 100 above).")
+    @click.option("-x", "--warmup", type=click.IntRange(min=0), default=None,
+                  help="Warm-up iterations for every size (default 100 up to 8 KiB, 10 above).")
+    @click.option("-f", "--full", is_flag=True, help="Add Min/Max latency over ranks, Iterations and BusBW.")
+    @click.option("-c", "--validation", "check", is_flag=True,
+                  help="Check every size against a float64 reference and across ranks; Pass/Fail column; exit 1 on any Fail.")
+    @click.option("--impl", "impl_spec", default="harmpi,mpi,gloo", show_default=True,
+                  help="Comma list of harmpi, harmpi:<algorithm>, mpi, gloo.")
+    @click.option("--dtype", "dtype_name", type=click.Choice(["bf16", "f16", "f32"]), default="bf16", show_default=True)
+    @click.option("--stat", type=click.Choice(["mean", "median"]), default="mean", show_default=True,
+                  help="Per-rank statistic of the timed calls. mean keeps OSU's 'Avg Latency(us)' column; median prints 'Median Latency(us)'.")
+    @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
+                  help="Write every row as JSON (rank 0).")
+    @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
+                  help="Write latency vs size, log-log, one line per implementation (PNG, needs matplotlib).")
+    @click.option("--gloo-max-iters", type=click.IntRange(min=1), default=50, show_default=True,
+                  help="Cap on gloo's timed iterations per size (gloo takes milliseconds per call).")
+    @click.option("--seed", type=int, default=20240607, show_default=True, help="Seed of the check pass's data.")
+    def main(message_size, extra_sizes, iterations, warmup, full, check, impl_spec, dtype_name, stat,
+             json_path, plot_path, gloo_max_iters, seed):
+        try:
+            extra = [harness.parse_nbytes(x) for x in extra_sizes.split(",") if x.strip()]
+            sizes = harness.parse_sizes(message_size, extra=extra)
+            impl_names = parse_impls(impl_spec)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
+        if plot_path:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError as exc:
+                raise click.UsageError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from exc
+        try:
+            code = run(collective, sizes=sizes, impl_names=impl_names, dtype_name=dtype_name, iterations=iterations,
+                       warmup=warmup, full=full, check=check, stat=stat, json_path=json_path, plot_path=plot_path,
+                       gloo_max_iters=gloo_max_iters, seed=seed)
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException:
+            # One failing rank must not leave the others waiting in a barrier.
+            traceback.print_exc()
+            sys.stderr.flush()
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(1)
+            raise
+        sys.exit(code)
+
+    return main

@@ -1,0 +1,488 @@
+"""Tests of bench/: the pure harness parts without MPI, then short runs under mpirun."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import harness
+from bench.decode import (
+    FFN_UNIT,
+    VOCAB_UNIT,
+    ModelConfig,
+    comm_overhead,
+    first_divergence,
+    format_decode_table,
+    shard_layout,
+    summarize_backend,
+    threads_per_rank,
+    unit_seed,
+)
+from bench.demo import mpirun_argv, mpirun_env, mpirun_path, summary_lines
+from bench.harness import ALLGATHER, ALLREDUCE, DTYPES, Row
+from bench.impls import parse_impls
+
+REPO = Path(__file__).resolve().parents[1]
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+_HARMPI_SPEC = importlib.util.find_spec("harmpi")  # finds the package without importing it (numba takes seconds)
+HAVE_HARMPI = _HARMPI_SPEC is not None and (Path(_HARMPI_SPEC.origin).parent / "api.py").exists()
+
+
+# --------------------------------------------------------------------------
+# Sizes and iterations
+# --------------------------------------------------------------------------
+
+
+def test_default_sizes_double_from_2_bytes_to_4_mib_plus_decode_size():
+    sizes = harness.parse_sizes(None)
+    assert sizes[0] == 2 and sizes[-1] == 4 * 1024 * 1024
+    assert 10240 in sizes
+    powers = [s for s in sizes if s != 10240]
+    assert all(b == 2 * a for a, b in zip(powers, powers[1:]))
+    assert len(sizes) == 22 + 1
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("1024:4096", [1024, 2048, 4096]),
+        ("1K:4K", [1024, 2048, 4096]),
+        ("8K:16K", [8192, 10240, 16384]),
+        ("8", [2, 4, 8]),
+        ("3:20", [3, 6, 12]),
+    ],
+)
+def test_parse_sizes(spec, expected):
+    assert harness.parse_sizes(spec) == expected
+
+
+def test_parse_sizes_open_ended_and_no_extra():
+    assert harness.parse_sizes("2M:")[-1] == 4 * 1024 * 1024
+    assert harness.parse_sizes("8K:16K", extra=()) == [8192, 16384]
+
+
+@pytest.mark.parametrize("spec", ["0:8", "16:8", "abc", "4Q"])
+def test_parse_sizes_rejects_bad_ranges(spec):
+    with pytest.raises(ValueError):
+        harness.parse_sizes(spec)
+
+
+def test_parse_nbytes_binary_suffixes():
+    assert harness.parse_nbytes("10240") == 10240
+    assert harness.parse_nbytes("4k") == 4096
+    assert harness.parse_nbytes("4MiB") == 4 * 1024 * 1024
+
+
+def test_iteration_defaults_follow_osu_collectives():
+    assert harness.iterations_for(8192) == (1000, 100)
+    assert harness.iterations_for(8193) == (100, 10)
+    assert harness.iterations_for(10240) == (100, 10)
+    assert harness.iterations_for(2, iterations=5, warmup=2) == (5, 2)
+    assert harness.iterations_for(1 << 20, iterations=7) == (7, 10)
+
+
+def test_iteration_cap_for_slow_implementations():
+    assert harness.capped_iterations(1000, 100, 50) == (50, 5)
+    assert harness.capped_iterations(20, 3, 50) == (20, 3)
+    assert harness.capped_iterations(1000, 100, None) == (1000, 100)
+
+
+# --------------------------------------------------------------------------
+# Timing and statistics
+# --------------------------------------------------------------------------
+
+
+def test_time_op_fences_every_iteration_with_a_barrier():
+    calls = []
+    samples = harness.time_op(lambda: calls.append("op"), lambda: calls.append("barrier"), iterations=4, warmup=2)
+    assert calls == ["barrier", "op"] * 6
+    assert samples.shape == (4,) and (samples >= 0).all()
+
+
+def test_rank_stats_and_summary():
+    samples_ns = np.array([1000, 2000, 9000])
+    assert harness.rank_stat_us(samples_ns, "mean") == pytest.approx(4.0)
+    assert harness.rank_stat_us(samples_ns, "median") == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        harness.rank_stat_us(samples_ns, "mode")
+    assert harness.summarize_ranks([1.0, 2.0, 6.0]) == (3.0, 1.0, 6.0)
+
+
+def test_busbw_factors():
+    # 1 MB in 1 ms is 1 GB/s of algorithm bandwidth.
+    assert harness.busbw_gbps(1_000_000, 1000.0, ALLREDUCE.busbw_factor(4)) == pytest.approx(1.5)
+    assert harness.busbw_gbps(1_000_000, 1000.0, ALLREDUCE.busbw_factor(2)) == pytest.approx(1.0)
+    assert harness.busbw_gbps(1_000_000, 1000.0, ALLGATHER.busbw_factor(4)) == pytest.approx(3.0)
+
+
+# --------------------------------------------------------------------------
+# Data and checks
+# --------------------------------------------------------------------------
+
+
+def test_bf16_rounding_is_nearest_even():
+    one = 1.0
+    halfway_down = one + 2.0**-8  # between 1 and 1 + 2^-7: ties to the even 1.0
+    halfway_up = one + 3 * 2.0**-8  # between 1 + 2^-7 and 1 + 2^-6: ties to even 1 + 2^-6
+    bits = harness.bf16_bits_from_f32(np.array([one, halfway_down, halfway_up, -2.5], dtype=np.float32))
+    back = harness.f32_from_bf16_bits(bits)
+    assert back.tolist() == [1.0, 1.0, 1.0 + 2.0**-6, -2.5]
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_bf16_rounding_matches_torch():
+    import torch
+
+    values = np.random.default_rng(0).normal(size=4096).astype(np.float32)
+    ours = harness.bf16_bits_from_f32(values)
+    theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert (ours == theirs).all()
+
+
+def _bf16_ring_sum(inputs):
+    """Sum in bf16 with a rounding after every add (gloo's worst case)."""
+    acc = harness.f32_from_bf16_bits(inputs[0])
+    for x in inputs[1:]:
+        acc = harness.f32_from_bf16_bits(harness.bf16_bits_from_f32(acc + harness.f32_from_bf16_bits(x)))
+    return harness.bf16_bits_from_f32(acc)
+
+
+@pytest.mark.parametrize("n_ranks", [1, 2, 3, 4, 8])
+def test_allreduce_check_accepts_rounded_sums_and_rejects_wrong_ones(n_ranks):
+    dtype, count, seed = DTYPES["bf16"], 1000, 5
+    inputs = [ALLREDUCE.init_values(seed, r, count, dtype) for r in range(n_ranks)]
+    good = _bf16_ring_sum(inputs)
+    ok, detail = ALLREDUCE.check(good, seed, n_ranks, count, dtype)
+    assert ok, detail
+    if n_ranks > 1:
+        missing = _bf16_ring_sum(inputs[:-1])  # one rank's contribution lost
+        ok, detail = ALLREDUCE.check(missing, seed, n_ranks, count, dtype)
+        assert not ok and "outside the bound" in detail
+    nan = good.copy()
+    nan[3] = 0x7FC0
+    assert not ALLREDUCE.check(nan, seed, n_ranks, count, dtype)[0]
+
+
+@pytest.mark.parametrize("name", ["f16", "f32"])
+def test_allreduce_check_other_dtypes(name):
+    dtype, count, seed, n_ranks = DTYPES[name], 257, 1, 3
+    inputs = [ALLREDUCE.init_values(seed, r, count, dtype) for r in range(n_ranks)]
+    result = np.sum(inputs, axis=0, dtype=dtype.storage)
+    assert ALLREDUCE.check(result, seed, n_ranks, count, dtype)[0]
+    assert not ALLREDUCE.check(result[:-1], seed, n_ranks, count, dtype)[0]
+
+
+def test_allgather_check_is_exact():
+    dtype, count, seed, n_ranks = DTYPES["bf16"], 10, 3, 4
+    expected = np.concatenate([ALLGATHER.init_values(seed, r, count, dtype) for r in range(n_ranks)])
+    assert ALLGATHER.check(expected, seed, n_ranks, count, dtype) == (True, "")
+    tampered = expected.copy()
+    tampered[25] ^= 1  # one bit, in rank 2's block
+    ok, detail = ALLGATHER.check(tampered, seed, n_ranks, count, dtype)
+    assert not ok and "from rank 2" in detail
+
+
+def test_init_data_depends_on_rank_and_seed_only():
+    dtype = DTYPES["f32"]
+    a = ALLREDUCE.init_values(1, 0, 64, dtype)
+    assert (a == ALLREDUCE.init_values(1, 0, 64, dtype)).all()
+    assert not (a == ALLREDUCE.init_values(1, 1, 64, dtype)).all()
+    assert (ALLREDUCE.timing_values(1, 0, 64, dtype) == 0).all()
+    assert (ALLGATHER.timing_values(1, 2, 64, dtype) == ALLGATHER.init_values(1, 2, 64, dtype)).all()
+
+
+# --------------------------------------------------------------------------
+# Tables and JSON
+# --------------------------------------------------------------------------
+
+
+def _row(impl, size, avg, valid=None):
+    return Row(impl=impl, dtype="bf16", size=size, avg_us=avg, min_us=avg * 0.9 if avg else None,
+               max_us=avg * 1.1 if avg else None, iterations=100, valid=valid, busbw_gbps=1.25 if avg else None)
+
+
+def test_single_impl_table_has_osu_columns():
+    rows = [_row("mpi", 1024, 1.5, True), _row("mpi", 2048, 2.25, True)]
+    lines = harness.format_table(rows, ["mpi"])
+    assert lines[0].split() == ["#", "Size", "Avg", "Latency(us)"]
+    assert lines[1].split() == ["1024", "1.50"]
+    full = harness.format_table(rows, ["mpi"], full=True, check=True)
+    assert full[0].split("  ")[0] == "# Size"
+    for column in ("Avg Latency(us)", "Min Latency(us)", "Max Latency(us)", "Iterations", "BusBW(GB/s)", "Validation"):
+        assert column in full[0]
+    assert full[1].split() == ["1024", "1.50", "1.35", "1.65", "100", "1.250", "Pass"]
+
+
+def test_median_header():
+    lines = harness.format_table([_row("mpi", 8, 1.0)], ["mpi"], stat="median")
+    assert "Median Latency(us)" in lines[0]
+    assert "  Median" in lines[0]  # still separated from the Size column
+
+
+def test_multi_impl_table_has_ratio_columns_against_harmpi():
+    rows = [_row("harmpi", 10240, 2.0, True), _row("mpi", 10240, 5.0, True), _row("gloo", 10240, 1000.0, False),
+            _row("harmpi", 20480, 4.0), Row("mpi", "bf16", 20480, None, None, None, 0, None, note="not run")]
+    lines = harness.format_table(rows, ["harmpi", "mpi", "gloo"], check=True)
+    assert "harmpi" in lines[0] and "gloo" in lines[0]  # implementation names above their columns
+    assert lines[1].startswith("# Size")
+    assert lines[1].split()[-2:] == ["mpi/harmpi", "gloo/harmpi"]
+    first = lines[2].split()
+    assert first == ["10240", "2.00", "Pass", "5.00", "Pass", "1000.00", "Fail", "2.50", "500.00"]
+    second = lines[3].split()
+    assert second == ["20480", "4.00", "-", "n/a", "-", "n/a", "n/a", "n/a", "n/a"]
+
+
+def test_reference_impl_choice():
+    assert harness.reference_impl(["mpi", "harmpi", "gloo"]) == "harmpi"
+    assert harness.reference_impl(["mpi", "harmpi:shm"]) == "harmpi:shm"
+    assert harness.reference_impl(["mpi", "gloo"]) == "mpi"
+
+
+def test_json_rows_have_the_documented_keys():
+    doc = json.loads(harness.rows_to_json([_row("harmpi", 10240, 2.0, True)], {"ranks": 2}))
+    assert doc["meta"] == {"ranks": 2}
+    row = doc["rows"][0]
+    for key in ("impl", "dtype", "size", "avg_us", "min_us", "max_us", "iterations", "valid", "busbw_gbps", "wire_dtype"):
+        assert key in row
+    assert row["impl"] == "harmpi" and row["size"] == 10240 and row["valid"] is True
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed")
+def test_plot_writes_a_png(tmp_path):
+    path = tmp_path / "lat.png"
+    harness.plot_rows([_row("mpi", 8, 1.0), _row("mpi", 16, 2.0), _row("gloo", 8, 900.0)], ["mpi", "gloo"], str(path), "t")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_parse_impls():
+    assert parse_impls("harmpi, harmpi:shm,mpi,gloo") == ["harmpi", "harmpi:shm", "mpi", "gloo"]
+    for bad in ("", "nccl", "mpi:ring", "mpi,mpi", "harmpi:"):
+        with pytest.raises(ValueError):
+            parse_impls(bad)
+
+
+# --------------------------------------------------------------------------
+# Decode benchmark, pure parts
+# --------------------------------------------------------------------------
+
+
+def test_shards_partition_heads_ffn_and_vocab():
+    cfg = ModelConfig(hidden=256, layers=1, heads=8, kv_heads=2, ffn=FFN_UNIT * 8, vocab=VOCAB_UNIT * 8)
+    for tp in (1, 2, 4, 8):
+        layouts = [shard_layout(cfg, tp, r) for r in range(tp)]
+        assert sorted(h for lay in layouts for h in lay.q_heads) == list(range(8))
+        assert sorted(u for lay in layouts for u in lay.ffn_units) == list(range(8))
+        assert sorted(u for lay in layouts for u in lay.vocab_units) == list(range(8))
+        for lay in layouts:  # each rank holds the KV heads its q heads read
+            assert set(lay.kv_heads) == {h // 4 for h in lay.q_heads}
+    assert shard_layout(cfg, 8, 5).kv_heads == (1,)  # replicated when ranks outnumber KV heads
+
+
+def test_model_config_rejects_unshardable_sizes():
+    with pytest.raises(ValueError, match="heads"):
+        ModelConfig(hidden=256, heads=6, kv_heads=2, ffn=1024, vocab=4096).check(4)
+    with pytest.raises(ValueError, match="ffn"):
+        ModelConfig(hidden=256, heads=8, kv_heads=2, ffn=100, vocab=4096).check(2)
+    with pytest.raises(ValueError, match="vocab"):
+        ModelConfig(hidden=256, heads=8, kv_heads=2, ffn=1024, vocab=1000).check(2)
+    ModelConfig().check(4)  # the defaults fit the demo's 4 ranks
+
+
+def test_unit_seeds_are_stable_and_distinct():
+    assert unit_seed(1, 0, "q", 3) == unit_seed(1, 0, "q", 3)
+    seeds = {unit_seed(1, layer, kind, unit) for layer in range(3) for kind in ("q", "k") for unit in range(4)}
+    assert len(seeds) == 24
+    assert all(0 <= s < 2**63 for s in seeds)
+
+
+def test_threads_per_rank():
+    assert threads_per_rank(host_cpus=2, local_ranks=4, allowed_cpus=2) == 1
+    assert threads_per_rank(host_cpus=8, local_ranks=2, allowed_cpus=8) == 4
+    assert threads_per_rank(host_cpus=8, local_ranks=2, allowed_cpus=1) == 1  # bound to one core
+    assert threads_per_rank(host_cpus=2, local_ranks=4, allowed_cpus=2, override=3) == 3
+
+
+def test_first_divergence():
+    a = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert first_divergence(a, a.copy()) is None
+    b = a.copy()
+    b[1, 2] = 0
+    assert first_divergence(a, b) == 2
+    assert first_divergence(a, a[:, :3]) == 0
+
+
+def test_summarize_backend_and_table():
+    step_ns = np.array([[10e6, 12e6, 11e6], [10e6, 12e6, 11e6]])
+    comm_ns = np.array([[1e6, 1e6, 1e6], [3e6, 3e6, 3e6]])
+    summary = summarize_backend(step_ns, comm_ns, batch=4)
+    assert summary["ms_per_token"] == pytest.approx(11.0)
+    assert summary["tokens_per_s"] == pytest.approx(4000 / 11)
+    assert summary["comm_share"] == pytest.approx((3 / 33 + 9 / 33) / 2)
+    assert summary["comm_share_min"] == pytest.approx(3 / 33)
+    assert comm_overhead(11.0, 9.9) == pytest.approx(0.1)
+    assert comm_overhead(11.0, None) is None
+    row = dict(summary, comm="harmpi", prefill_ms=5.0, tokens_identical_across_ranks=True, comm_overhead=0.1)
+    base = dict(summary, comm="none", prefill_ms=5.0, tokens_identical_across_ranks=None, comm_overhead=None)
+    lines = format_decode_table([base, row])
+    assert lines[0].startswith("# comm") and "tok/s" in lines[0] and "overhead" in lines[0]
+    assert lines[1].split()[0] == "none" and lines[1].split()[-1] == "-"
+    assert lines[2].split()[0] == "harmpi" and lines[2].split()[-1] == "yes" and "10.0%" in lines[2]
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_model_weights_do_not_depend_on_the_rank_count():
+    import torch
+
+    from bench.decode import TPDecoder
+
+    cfg = ModelConfig(hidden=64, layers=1, heads=4, kv_heads=2, ffn=FFN_UNIT * 4, vocab=VOCAB_UNIT * 4)
+    whole = TPDecoder(cfg, shard_layout(cfg, 1, 0), seed=9, batch=1, max_len=4)
+    halves = [TPDecoder(cfg, shard_layout(cfg, 2, r), seed=9, batch=1, max_len=4) for r in range(2)]
+    assert torch.equal(torch.cat([h.w_lm for h in halves]), whole.w_lm)
+    assert torch.equal(torch.cat([h.layers[0].w_o for h in halves], dim=1), whole.layers[0].w_o)
+    assert torch.equal(torch.cat([h.layers[0].w_down for h in halves], dim=1), whole.layers[0].w_down)
+    gate = torch.cat([h.layers[0].w_gate_up.chunk(2)[0] for h in halves])
+    assert torch.equal(gate, whole.layers[0].w_gate_up.chunk(2)[0])
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_single_rank_decode_is_deterministic():
+    import torch
+
+    from bench.decode import TPDecoder
+
+    class NoComm:
+        def allreduce(self, tensor):
+            pass
+
+        def allgather(self, tensor):
+            return tensor
+
+    cfg = ModelConfig(hidden=64, layers=2, heads=4, kv_heads=2, ffn=FFN_UNIT * 2, vocab=VOCAB_UNIT * 2)
+    runs = []
+    for _ in range(2):
+        model = TPDecoder(cfg, shard_layout(cfg, 1, 0), seed=3, batch=2, max_len=8)
+        prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+        with torch.inference_mode():
+            token = model.forward(prompt, 0, NoComm())
+            tokens = [token]
+            for pos in range(3, 6):
+                token = model.forward(token.view(-1, 1), pos, NoComm())
+                tokens.append(token)
+        runs.append(torch.stack(tokens, 1))
+    assert torch.equal(runs[0], runs[1])
+    assert runs[0].shape == (2, 4) and int(runs[0].max()) < cfg.vocab
+
+
+# --------------------------------------------------------------------------
+# Demo, pure parts
+# --------------------------------------------------------------------------
+
+
+def test_mpirun_argv_oversubscribes_only_when_needed():
+    argv = mpirun_argv(2, "bench.osu_allreduce", ["-c"], mpirun="mpirun", python="py", host_cpus=2)
+    assert argv == ["mpirun", "-np", "2", "py", "-m", "mpi4py", "-m", "bench.osu_allreduce", "-c"]
+    argv = mpirun_argv(4, "bench.decode", [], mpirun="mpirun", python="py", host_cpus=2)
+    assert argv[:4] == ["mpirun", "-np", "4", "--oversubscribe"]
+
+
+def test_mpirun_env_keeps_callers_values():
+    env = mpirun_env({"HARMPI_RANKS_PER_NODE": "2"}, base={"OMPI_MCA_pml": "ucx", "PATH": "/bin"})
+    assert env["OMPI_MCA_pml"] == "ucx" and env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
+    assert env["HARMPI_RANKS_PER_NODE"] == "2" and env["PATH"] == "/bin"
+
+
+def test_summary_lines_from_json_documents():
+    rows = [{"impl": impl, "size": size, "avg_us": us} for impl, size, us in
+            [("harmpi", 10240, 4.0), ("mpi", 10240, 8.0), ("gloo", 10240, 1600.0), ("harmpi", 4194304, 1000.0)]]
+    decode = {"meta": {"ranks": 4}, "rows": [
+        {"comm": "none", "tokens_per_s": 100.0, "ms_per_token": 10.0},
+        {"comm": "harmpi", "tokens_per_s": 80.0, "ms_per_token": 12.5, "comm_share": 0.2, "comm_share_min": 0.05,
+         "comm_overhead": 0.2, "tokens_agree": True},
+        {"comm": "gloo", "tokens_per_s": 10.0, "ms_per_token": 100.0, "tokens_agree": False, "first_divergence": 7},
+    ]}
+    text = "\n".join(summary_lines([("1 node x 2 ranks", {"rows": rows})], decode))
+    assert "2.00x" in text and "400.00x" in text  # mpi/harmpi and gloo/harmpi at 10 KB
+    assert "harmpi/gloo 8.00x" in text
+    assert "gloo no (first divergence at generated token 7)" in text
+
+
+# --------------------------------------------------------------------------
+# Under mpirun
+# --------------------------------------------------------------------------
+
+
+def _mpirun(n_ranks, module, args, env=None, timeout_s=150):
+    try:
+        mpirun = mpirun_path()
+    except FileNotFoundError:
+        pytest.skip("no mpirun")
+    argv = mpirun_argv(n_ranks, module, args, mpirun=mpirun)
+    return subprocess.run(argv, env=mpirun_env(env), cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _impls():
+    return "harmpi,mpi,gloo" if HAVE_HARMPI else "mpi,gloo"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_osu_allreduce_under_mpirun(tmp_path):
+    json_path = tmp_path / "ar.json"
+    proc = _mpirun(2, "bench.osu_allreduce",
+                   ["-m", "1024:4096", "-i", "5", "-x", "2", "-c", "-f", "--impl", _impls(), "--json", str(json_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("# ") and line.endswith(f"Allreduce Latency Test v{_version()}") for line in lines), proc.stdout
+    assert any(line.startswith("# Datatype: bf16") for line in lines)
+    assert any(line.startswith("# Size") and "Avg Latency(us)" in line and "Validation" in line for line in lines)
+    assert "mpi: MPI_Allreduce(MPI_IN_PLACE, SUM) float32, same bytes" in proc.stdout
+    table = [line.split() for line in lines if line[:1].isdigit()]
+    assert [int(row[0]) for row in table] == [1024, 2048, 4096]
+    assert all(row.count("Pass") == len(_impls().split(",")) for row in table), proc.stdout
+    doc = json.loads(json_path.read_text())
+    assert {row["impl"] for row in doc["rows"]} == set(_impls().split(","))
+    assert all(row["valid"] is True and row["avg_us"] > 0 for row in doc["rows"])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_osu_allgather_under_mpirun():
+    proc = _mpirun(2, "bench.osu_allgather", ["-m", "2:64", "-i", "3", "-x", "1", "-c", "--impl", _impls()])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Allgather Latency Test" in proc.stdout
+    table = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
+    assert len(table) == 6 and all("Fail" not in row for row in table)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_decode_under_mpirun(tmp_path):
+    json_path = tmp_path / "decode.json"
+    comms = "harmpi,gloo,mpi" if HAVE_HARMPI else "gloo,mpi"
+    args = ["--comm", comms, "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "256",
+            "--vocab", "1024", "--batch", "2", "--prompt-len", "4", "--tokens", "4", "--warmup", "1", "--json", str(json_path)]
+    proc = _mpirun(2, "bench.decode", args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Threads per rank:" in proc.stdout
+    doc = json.loads(json_path.read_text())
+    rows = {row["comm"]: row for row in doc["rows"]}
+    assert set(rows) == {"none"} | set(comms.split(","))
+    for name in comms.split(","):
+        row = rows[name]
+        assert row["tokens_identical_across_ranks"] is True
+        assert row["tokens_per_s"] > 0 and 0 <= row["comm_share"] <= 1
+        assert "ms_per_token" in row and "tokens_agree" in row
+
+
+def _version():
+    from bench.osu import bench_version
+
+    return bench_version()
