@@ -20,14 +20,29 @@ vocabulary rows) from a seed that names the unit, so each rank generates only
 its shard and the model does not depend on the number of ranks.
 
 Per backend: prefill of the prompt, ``--warmup`` untimed decode steps, then
-``--tokens`` timed steps.  Reported: median step time (ms per generated token
-of each sequence), tokens/s = batch / median step time, and the share of the
-step spent inside the collectives (mean over ranks, and the rank that waits
-least: its share is closest to the cost of communication alone, because the
-others' share also holds time spent waiting for slower ranks).  Every rank
-must generate identical tokens (exit 1 otherwise); whether backends agree
-with each other is reported, not required (bf16 sums in a different order
-may flip a near-tie in the argmax).
+timed steps; backends take turns in ``--rounds`` rounds (each restarting from
+the prompt) so that a change in the machine's load hits all of them alike.
+Reported per backend:
+
+* ms/token: median step time (a step yields one token of every sequence),
+  and tok/s = batch / ms/token;
+* comm ms / comm share: time inside the collectives per step, as a share of
+  the step (mean over ranks, and the rank with the smallest share).  With
+  more ranks than cores this includes waiting for peers that are not
+  scheduled, so it overstates the cost of communication;
+* overhead: 1 - (step time of ``none``) / (step time), where ``none`` runs
+  the same shards with no-op collectives first: what communication adds to
+  the step, every side effect included;
+* whether every rank generated identical tokens (required: exit 1
+  otherwise) and whether backends agree with each other (reported only:
+  bf16 sums in a different order may flip a near-tie in the argmax).
+
+Defaults: hidden 1280 at batch 4 makes every all-reduce 10240 B, the size of
+a Qwen2.5-14B (hidden 5120) all-reduce at batch 1; the rest of the model is
+shrunk (8 layers, FFN 3584, vocabulary 32768: 227 M parameters) so that 4
+ranks on 2 cores compare three backends in about a minute.  A layer of the
+real 14B model reads ~15x more weights per all-reduce, so communication
+weighs less there than here.
 """
 
 from __future__ import annotations
@@ -51,6 +66,7 @@ __all__ = [
     "unit_seed",
     "threads_per_rank",
     "first_divergence",
+    "round_steps",
     "summarize_backend",
     "format_decode_table",
     "COMM_KINDS",
@@ -71,11 +87,11 @@ VOCAB_UNIT = 256  # LM-head rows generated per seed
 class ModelConfig:
     """Qwen2.5-style decoder dimensions."""
 
-    hidden: int = 2560
+    hidden: int = 1280
     layers: int = 8
     heads: int = 16
     kv_heads: int = 4
-    ffn: int = 4096
+    ffn: int = 3584
     vocab: int = 32768
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
@@ -167,6 +183,12 @@ def threads_per_rank(host_cpus: int, local_ranks: int, allowed_cpus: int, overri
     if override is not None:
         return max(1, override)
     return max(1, min(host_cpus // max(1, local_ranks), allowed_cpus))
+
+
+def round_steps(steps: int, rounds: int) -> list[int]:
+    """Split ``steps`` timed steps over at most ``rounds`` rounds, as evenly as possible (no empty round)."""
+    rounds = max(1, min(rounds, steps))
+    return [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
 
 
 def first_divergence(a: np.ndarray, b: np.ndarray) -> int | None:
@@ -543,7 +565,7 @@ def _host_info(comm):
 
 
 def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int, warmup_steps: int,
-        seed: int, threads: int | None, json_path: str | None, baseline: bool = True, comm=None) -> int:
+        seed: int, threads: int | None, json_path: str | None, baseline: bool = True, rounds: int = 3, comm=None) -> int:
     import torch
     from mpi4py import MPI
 
@@ -563,7 +585,7 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
         pass
 
     layout = shard_layout(cfg, tp, rank)
-    max_len = prompt_len + warmup_steps + steps + 1
+    max_len = prompt_len + warmup_steps + max(round_steps(steps, rounds)) + 1
     t0 = time.perf_counter()
     model = TPDecoder(cfg, layout, seed, batch, max_len)
     build_s = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
@@ -597,7 +619,10 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
             f"# Per step: {2 * cfg.layers} all-reduces of {ar_nbytes} B (bf16 [{batch}, {cfg.hidden}]) "
             f"+ 1 allgather of {ag_nbytes} B per rank (bf16 logits [{batch}, {cfg.vocab // tp}])"
         )
-        say(f"# Decode: batch {batch}, prompt {prompt_len} tokens, {warmup_steps} warm-up + {steps} timed greedy steps per backend")
+        say(
+            f"# Decode: batch {batch}, prompt {prompt_len} tokens, greedy; per backend {steps} timed steps in "
+            f"{len(round_steps(steps, rounds))} rounds, backends taking turns, each round from the prompt with {warmup_steps} warm-up steps"
+        )
         omp = os.environ.get("OMP_NUM_THREADS", "unset")
         say(
             f"# Threads per rank: {n_threads} (torch.set_num_threads: {os.cpu_count()} host CPUs / {local_ranks} ranks on the host, "
@@ -613,29 +638,47 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
             say("# overhead = 1 - (step time of 'none', the same shards with no-op collectives) / step time: "
                 "what communication adds, waits for descheduled ranks included")
 
+        # Backends take turns, round by round, so a change in the machine's
+        # load hits all of them alike; every round starts from the prompt.
+        per_round = round_steps(steps, rounds)
+        results = {b.name: {"step_ns": [], "comm_ns": [], "prefill_ns": [], "tokens": [], "identical": True} for b in backends}
+        for n_steps in per_round:
+            for backend in backends:
+                tokens, step_ns, comm_ns, prefill_ns = _decode(model, backend, prompt, warmup_steps, n_steps, comm.Barrier)
+                digests = comm.allgather(hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest())
+                result = results[backend.name]
+                result["identical"] = result["identical"] and len(set(digests)) == 1
+                result["tokens"].append(tokens)
+                result["step_ns"].append(step_ns)
+                result["comm_ns"].append(comm_ns)
+                result["prefill_ns"].append(prefill_ns)
+
         rows, all_tokens, exit_code = [], {}, 0
         for backend in backends:
-            tokens, step_ns, comm_ns, prefill_ns = _decode(model, backend, prompt, warmup_steps, steps, comm.Barrier)
-            token_digests = comm.allgather(hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest())
-            identical = len(set(token_digests)) == 1 if backend.name != "none" else None
-            steps_all = comm.gather(step_ns, root=0)
-            comms_all = comm.gather(comm_ns, root=0)
-            prefill_all = comm.gather(prefill_ns, root=0)
+            result = results[backend.name]
+            identical = result["identical"] if backend.name != "none" else None
             if identical is False:
                 exit_code = 1
-            all_tokens[backend.name] = tokens
+            longest = max(result["tokens"], key=lambda t: t.shape[1])
+            all_tokens[backend.name] = longest
+            repeatable = all((t == longest[:, : t.shape[1]]).all() for t in result["tokens"])
+            steps_all = comm.gather(np.concatenate(result["step_ns"]), root=0)
+            comms_all = comm.gather(np.concatenate(result["comm_ns"]), root=0)
+            prefill_all = comm.gather(np.median(result["prefill_ns"]), root=0)
             if rank == 0:
                 row = {"comm": backend.name}
                 row.update(summarize_backend(np.stack(steps_all), np.stack(comms_all), batch))
                 row.update(
                     prefill_ms=float(np.max(prefill_all) / 1e6),
                     tokens_identical_across_ranks=identical,
+                    tokens_repeat_across_rounds=repeatable if backend.name != "none" else None,
                     steps=steps,
+                    rounds=len(per_round),
                     warmup_steps=warmup_steps,
                     batch=batch,
                     allreduce_nbytes=ar_nbytes,
                     allgather_nbytes=ag_nbytes,
-                    tokens_sha=token_digests[0],
+                    tokens_sha=hashlib.blake2b(longest.tobytes(), digest_size=16).hexdigest(),
                 )
                 rows.append(row)
 
@@ -650,6 +693,8 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
             for row in compared:
                 if not row["tokens_identical_across_ranks"]:
                     print(f"# ERROR: {row['comm']}: ranks generated different tokens")
+                if not row["tokens_repeat_across_rounds"]:
+                    print(f"# note: {row['comm']}: rounds from the same prompt generated different tokens")
             agreement = []
             for row in compared:
                 divergence = first_divergence(all_tokens[first], all_tokens[row["comm"]])
@@ -714,16 +759,21 @@ def _jsonable(value):
 @click.option("--kv-heads", type=click.IntRange(min=1), default=ModelConfig.kv_heads, show_default=True)
 @click.option("--ffn", type=click.IntRange(min=1), default=ModelConfig.ffn, show_default=True)
 @click.option("--vocab", type=click.IntRange(min=1), default=ModelConfig.vocab, show_default=True)
-@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Sequences decoded together; the all-reduce carries batch x hidden bf16 (default 4 x 1280 x 2 B = 10240 B).")
 @click.option("--prompt-len", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--tokens", "steps", type=click.IntRange(min=1), default=64, show_default=True, help="Timed decode steps per backend.")
-@click.option("--warmup", "warmup_steps", type=click.IntRange(min=0), default=4, show_default=True, help="Untimed decode steps before them.")
+@click.option("--tokens", "steps", type=click.IntRange(min=1), default=96, show_default=True,
+              help="Timed decode steps per backend (each yields one token per sequence), split over the rounds.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Backends take turns this many times, each round restarting from the prompt.")
+@click.option("--warmup", "warmup_steps", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Untimed decode steps at the start of each round.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch threads per rank (default: host CPUs / ranks on the host, at least 1).")
 @click.option("--seed", type=int, default=1234, show_default=True)
 @click.option("--baseline/--no-baseline", default=True, show_default=True,
               help="Also run 'none' (no-op collectives) first: the compute-only step time behind the overhead column.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Write the results as JSON (rank 0).")
-def main(comm_spec, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len, steps, warmup_steps, threads, seed, baseline, json_path):
+def main(comm_spec, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len, steps, rounds, warmup_steps, threads, seed, baseline, json_path):
     comms = [c.strip() for c in comm_spec.split(",") if c.strip()]
     bad = [c for c in comms if c not in COMM_KINDS]
     if not comms or bad or len(set(comms)) != len(comms):
@@ -737,7 +787,7 @@ def main(comm_spec, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_l
         raise click.UsageError(str(exc)) from exc
     try:
         code = run(cfg, comms=comms, batch=batch, prompt_len=prompt_len, steps=steps, warmup_steps=warmup_steps,
-                   seed=seed, threads=threads, json_path=json_path, baseline=baseline)
+                   seed=seed, threads=threads, json_path=json_path, baseline=baseline, rounds=rounds)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException:

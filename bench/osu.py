@@ -94,7 +94,8 @@ def environment_lines(comm, topo: dict, harmpi_info: dict | None) -> list[str]:
 
     library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
     affinity = comm.gather(_cpu_list(os.sched_getaffinity(0)), root=0)
-    lines = [f"# MPI: {library} (mpi4py {metadata.version('mpi4py')}), host CPUs: {os.cpu_count()}"]
+    load_1min = os.getloadavg()[0]
+    lines = [f"# MPI: {library} (mpi4py {metadata.version('mpi4py')}), host CPUs: {os.cpu_count()}, 1-min load average {load_1min:.2f} (this job included)"]
     nodes = f"{topo['nodes']} x {topo['ranks_per_node'][0]}" if len(set(topo["ranks_per_node"])) == 1 else "+".join(map(str, topo["ranks_per_node"]))
     where = f"{topo['hosts']} host{'s' if topo['hosts'] != 1 else ''}"
     if topo["virtual"]:
@@ -207,7 +208,7 @@ def run(
             say(f"# Ratios: latency of each implementation / latency of {reference} (above 1: {reference} is faster)")
 
         rows: list[Row] = []
-        notes: list[str] = []
+        notes: dict[tuple[str, str], list[int]] = {}  # (impl, message) -> sizes
         for nbytes in sizes:
             for impl in impls:
                 wire = impl.wire_dtype(collective.op, dtype)
@@ -223,7 +224,7 @@ def run(
                     if check:
                         row.valid, detail = _check_cell(comm, collective, impl, count, wire, seed)
                         if detail:
-                            notes.append(f"{impl.name} {nbytes} B: {detail}")
+                            notes.setdefault((impl.name, detail), []).append(nbytes)
                     prepared = impl.prepare(collective.op, collective.timing_values(seed, rank, count, wire), wire)
                 except ImplUnavailable as exc:
                     error = str(exc) or type(exc).__name__
@@ -231,7 +232,7 @@ def run(
                 if any(errors):
                     row.valid = None
                     row.note = next(e for e in errors if e)
-                    notes.append(f"{impl.name} {nbytes} B: not run: {row.note}")
+                    notes.setdefault((impl.name, f"not run: {row.note}"), []).append(nbytes)
                     rows.append(row)
                     continue
                 samples_ns = harness.time_op(prepared.run, comm.Barrier, iters, warm)
@@ -246,8 +247,9 @@ def run(
         if rank == 0:
             for line in harness.format_table(rows, impl_names, full=full, check=check, stat=stat):
                 print(line)
-            for note in notes:
-                print(f"# note: {note}")
+            for (name, message), note_sizes in notes.items():
+                where = "every size" if len(note_sizes) == len(sizes) else ", ".join(f"{n} B" for n in note_sizes)
+                print(f"# note: {name} ({where}): {message}")
             if check:
                 print(f"# Validation: {'all Pass' if exit_code == 0 else 'FAILED'}")
             sys.stdout.flush()

@@ -20,6 +20,7 @@ from bench.decode import (
     comm_overhead,
     first_divergence,
     format_decode_table,
+    round_steps,
     shard_layout,
     summarize_backend,
     threads_per_rank,
@@ -307,6 +308,13 @@ def test_threads_per_rank():
     assert threads_per_rank(host_cpus=8, local_ranks=2, allowed_cpus=8) == 4
     assert threads_per_rank(host_cpus=8, local_ranks=2, allowed_cpus=1) == 1  # bound to one core
     assert threads_per_rank(host_cpus=2, local_ranks=4, allowed_cpus=2, override=3) == 3
+
+
+def test_round_steps_split_evenly_without_empty_rounds():
+    assert round_steps(96, 3) == [32, 32, 32]
+    assert round_steps(10, 3) == [4, 3, 3]
+    assert round_steps(2, 3) == [1, 1]
+    assert sum(round_steps(97, 4)) == 97
 
 
 def test_first_divergence():
