@@ -456,7 +456,7 @@ class GlooBackend:
         if out is None:
             out = self._outs[key] = self.torch.empty((self.dist.get_world_size() * tensor.shape[0],) + key[1:], dtype=tensor.dtype)
         self._gather(out, tensor)
-        return out.clone()
+        return out  # reused by the next call; the caller consumes it first
 
     def close(self):
         if self.dist.is_initialized():
@@ -566,7 +566,6 @@ def _host_info(comm):
 
 def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int, warmup_steps: int,
         seed: int, threads: int | None, json_path: str | None, baseline: bool = True, rounds: int = 3, comm=None) -> int:
-    import torch
     from mpi4py import MPI
 
     from bench.osu import bench_version, environment_lines, topology
@@ -578,6 +577,10 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
     local_ranks = _host_info(comm)
     allowed = len(os.sched_getaffinity(0))
     n_threads = threads_per_rank(os.cpu_count() or 1, local_ranks, allowed, threads)
+    # Before torch starts its OpenMP pool; a value the user exported wins.
+    os.environ.setdefault("OMP_NUM_THREADS", str(n_threads))
+    import torch
+
     torch.set_num_threads(n_threads)
     try:
         torch.set_num_interop_threads(1)

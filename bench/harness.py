@@ -52,6 +52,7 @@ __all__ = [
     "ALLGATHER",
     "Row",
     "parse_nbytes",
+    "format_nbytes",
     "parse_sizes",
     "iterations_for",
     "time_op",
@@ -267,6 +268,14 @@ def parse_nbytes(text: str) -> int:
     if not digits or suffix not in _SUFFIXES:
         raise ValueError(f"not a byte count: {text!r}")
     return int(digits) * _SUFFIXES[suffix]
+
+
+def format_nbytes(nbytes: int) -> str:
+    """4096 -> '4K', 10240 -> '10K', 3 -> '3' (binary multiples, exact only)."""
+    for suffix, unit in (("G", 1024 * MIB), ("M", MIB), ("K", KIB)):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return str(nbytes)
 
 
 def parse_sizes(spec: str | None, extra: Iterable[int] = (DECODE_NBYTES,)) -> list[int]:
@@ -500,6 +509,7 @@ def rows_to_json(rows: Sequence[Row], meta: dict) -> str:
 def plot_rows(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) -> None:
     """Latency vs size, log-log, one line per implementation (needs matplotlib)."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -512,6 +522,7 @@ def plot_rows(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) 
             ax.plot(xs, ys, marker="o", markersize=3, label=name)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _pos: format_nbytes(int(round(x)))))
     ax.set_xlabel("message size per rank (bytes)")
     stat = rows[0].stat if rows else "mean"
     ax.set_ylabel(f"{_stat_label(stat).lower()} latency (us)")

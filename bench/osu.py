@@ -207,9 +207,14 @@ def run(
             reference = harness.reference_impl(impl_names)
             say(f"# Ratios: latency of each implementation / latency of {reference} (above 1: {reference} is faster)")
 
+        table = dict(full=full, check=check, stat=stat)
+        header = harness.format_table([], impl_names, **table)
+        for line in header:
+            say(line)
         rows: list[Row] = []
         notes: dict[tuple[str, str], list[int]] = {}  # (impl, message) -> sizes
         for nbytes in sizes:
+            size_rows: list[Row] = []
             for impl in impls:
                 wire = impl.wire_dtype(collective.op, dtype)
                 if nbytes < dtype.itemsize:
@@ -233,7 +238,7 @@ def run(
                     row.valid = None
                     row.note = next(e for e in errors if e)
                     notes.setdefault((impl.name, f"not run: {row.note}"), []).append(nbytes)
-                    rows.append(row)
+                    size_rows.append(row)
                     continue
                 samples_ns = harness.time_op(prepared.run, comm.Barrier, iters, warm)
                 del prepared
@@ -241,12 +246,14 @@ def run(
                 if rank == 0:
                     row.avg_us, row.min_us, row.max_us = harness.summarize_ranks(per_rank_us)
                     row.busbw_gbps = harness.busbw_gbps(nbytes, row.avg_us, collective.busbw_factor(n_ranks))
-                rows.append(row)
+                size_rows.append(row)
+            rows.extend(size_rows)
+            if size_rows:  # one line per size as soon as every implementation has run it, as OSU does
+                for line in harness.format_table(size_rows, impl_names, **table)[len(header):]:
+                    say(line)
 
         exit_code = 0 if _all_ranks_ok(comm, all(row.valid is not False for row in rows)) else 1
         if rank == 0:
-            for line in harness.format_table(rows, impl_names, full=full, check=check, stat=stat):
-                print(line)
             for (name, message), note_sizes in notes.items():
                 where = "every size" if len(note_sizes) == len(sizes) else ", ".join(f"{n} B" for n in note_sizes)
                 print(f"# note: {name} ({where}): {message}")

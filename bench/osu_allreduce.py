@@ -3,6 +3,16 @@
     mpirun -np 2 python -m mpi4py -m bench.osu_allreduce -c --impl harmpi,mpi,gloo
     HARMPI_RANKS_PER_NODE=2 mpirun --oversubscribe -np 4 python -m mpi4py -m bench.osu_allreduce -f
 
+Options follow OSU: ``-m MIN:MAX`` sizes, ``-i``/``-x`` iterations and
+warm-up, ``-f`` Min/Max/Iterations (and BusBW), ``-c`` check with a
+Pass/Fail column and a non-zero exit on any failure.  Then ``--impl``,
+``--dtype``, ``--stat mean|median``, ``--json``, ``--plot``.
+
+mpi4py asks MPI for MPI_THREAD_MULTIPLE; some MPIs pick slower paths then
+(MPICH skips its shared-memory all-reduce).  To time MPI at another thread
+level: ``python -m mpi4py -rc thread_level=single -m bench.osu_allreduce``.
+The header states the level in use.
+
 See ``bench.harness`` for the method and ``bench.impls`` for what each
 implementation times (mpi reduces float32 of the same bytes for bf16).
 """

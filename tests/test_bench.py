@@ -79,6 +79,9 @@ def test_parse_nbytes_binary_suffixes():
     assert harness.parse_nbytes("10240") == 10240
     assert harness.parse_nbytes("4k") == 4096
     assert harness.parse_nbytes("4MiB") == 4 * 1024 * 1024
+    for n in (3, 1024, 10240, 4 * 1024 * 1024, 1536):
+        assert harness.parse_nbytes(harness.format_nbytes(n)) == n
+    assert harness.format_nbytes(4 * 1024 * 1024) == "4M"
 
 
 def test_iteration_defaults_follow_osu_collectives():
