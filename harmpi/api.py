@@ -29,6 +29,7 @@ __all__ = ["init", "finalize", "allreduce", "allgather", "barrier", "info"]
 
 log = logging.getLogger("harmpi")
 
+# numba has no float16 type: 16-bit arrays are addressed through a uint16 view
 _NUMPY_KINDS = {
     np.dtype(np.float16): (node.FMT_F16, np.empty(0, np.uint16), 2),
     np.dtype(np.float32): (node.FMT_F32, np.empty(0, np.float32), 4),
@@ -61,12 +62,14 @@ class _Contexts:
             ctx = self.create(comm)
         return ctx
 
-    def create(self, comm):
+    def create(self, comm, config=None):
         if not MPI.Is_initialized() or MPI.Is_finalized():
             raise HarmpiError("MPI is not initialised (or already finalised); import mpi4py's MPI "
                               "and run under mpirun")
-        ctx = Context(comm, Config.from_env())
+        ctx = Context(comm, config or Config.from_env())
         self.by_comm[comm.handle] = ctx
+        if comm == MPI.COMM_WORLD:
+            self.world = ctx
         if not self.atexit_registered:
             # Runs before mpi4py's own finalisation (atexit is last-in, first-out).
             atexit.register(self.free_all)
@@ -78,6 +81,8 @@ class _Contexts:
             self.by_comm.clear()
             self.world = None
             return
+        # A context whose peers timed out cannot free collectively (a peer may
+        # be gone); MPI_Finalize reclaims its window.
         for ctx in list(self.by_comm.values()):
             if ctx.broken is None:
                 ctx.free()
@@ -88,13 +93,26 @@ class _Contexts:
 _CONTEXTS = _Contexts()
 
 
-def init(comm=None):
+def init(comm=None, config=None):
     """Set up harmpi for ``comm`` (default MPI.COMM_WORLD); collective, optional.
 
     The first collective on a communicator initialises it anyway; calling
     init() first keeps the set-up (window allocation, kernel loading) out of
-    timed code. Returns the context (see :func:`info` for what it knows).
+    timed code. ``config``: a :class:`harmpi.Config` to use instead of the
+    environment (only before the communicator's first use). Returns the
+    context (see :func:`info` for what it knows).
     """
+    if config is not None:
+        if not isinstance(config, Config):
+            raise HarmpiArgumentError(f"config must be a harmpi.Config, got {type(config).__name__}")
+        key = MPI.COMM_WORLD if comm is None else comm
+        existing = _CONTEXTS.by_comm.get(key.handle)
+        if existing is not None and existing.broken is None:
+            if existing.config != config:
+                raise HarmpiArgumentError("this communicator is already initialised with another "
+                                          "config; call harmpi.finalize() first")
+            return existing
+        return _CONTEXTS.create(key, config)
     return _CONTEXTS.get(comm)
 
 
@@ -136,7 +154,10 @@ def _describe(x, dtype, writable):
             raise HarmpiArgumentError("array is read-only; the collective writes its result in "
                                       "place (pass a writable copy)")
         fmt, w, itemsize = kind
-        return node.address_of(x.reshape(-1)), x.size, fmt, w, itemsize, False
+        flat = x.reshape(-1)
+        if itemsize == 2:
+            flat = flat.view(np.uint16)
+        return node.address_of(flat), x.size, fmt, w, itemsize, False
     ht = _CONTEXTS.torch
     if ht is None:
         torch = sys.modules.get("torch")

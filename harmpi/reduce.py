@@ -1,23 +1,27 @@
 """Compiled sum kernels: add k equally long inputs into one output.
 
-This module holds only compute: numpy and numba, no MPI, no torch. The
-collectives call these kernels from their own compiled code (arrays built with
-``numba.carray``) or from Python.
+This module holds only compute (numpy and numba; no MPI, no torch). The
+collectives call these kernels from their own compiled code, on arrays made
+with ``numba.carray``, or from Python.
 
 Dtypes and storage
 ------------------
-========  ===========================  ===========  ============================
-name      stored as                    accumulator  result rounding
-========  ===========================  ===========  ============================
-``bf16``  ``uint16`` (raw bfloat16)    float32      once, round-to-nearest-even
-``f16``   ``uint16`` (raw IEEE binary16) float32    once, round-to-nearest-even
-``f32``   ``float32``                  float32      every add (IEEE)
-``f64``   ``float64``                  float64      every add (IEEE)
-========  ===========================  ===========  ============================
+======  ================================  ===========  ==========================
+name    stored as                         accumulator  result rounding
+======  ================================  ===========  ==========================
+bf16    uint16 (raw bfloat16 bits)        float32      once, to nearest even
+f16     uint16 (raw IEEE binary16 bits)   float32      once, to nearest even
+f32     float32                           float32      each add (IEEE)
+f64     float64                           float64      each add (IEEE)
+======  ================================  ===========  ==========================
 
-bf16 and f16 travel as their raw 16-bit patterns because numba has no 16-bit
-float type. They are widened to float32 exactly (f16 subnormals, infinities
-and NaNs included) by bit manipulation, summed, and narrowed once.
+bf16 and f16 travel as raw 16-bit patterns because numba has no 16-bit float
+type. They are widened to float32 exactly (subnormals, infinities and NaNs
+included), summed in float32, and narrowed once. bf16 conversions are bit
+manipulation. f16 uses the CPU's conversion instructions where the target has
+them (x86-64 F16C, AArch64; see ``HARDWARE_F16``) and otherwise an equivalent
+bit-level path; both are exact and round to nearest even, and they differ only
+in NaN payloads (below).
 
 Summation order
 ---------------
@@ -27,82 +31,91 @@ For every element i, ``sum_rows_<dt>`` computes::
     out[i] = round(acc)
 
 in exactly this row order, each ``+`` rounding to the accumulator type. The
-compiled code uses no fast-math, no reassociation and no FMA contraction, so
-the result bits depend only on the inputs: every process that sums the same
-rows gets the same bits, whichever process it is.
+kernels are compiled without fast-math (no reassociation, no FMA
+contraction), so the result depends only on the inputs and the row order:
+every process that sums the same rows gets the same bits (NaN payloads aside,
+see below). This assumes the default floating-point environment; a thread
+that enabled flush-to-zero / denormals-are-zero (for example through
+``torch.set_flush_denormal(True)``) loses float32/float64 and bf16 subnormals
+(f16 values are all normal float32 numbers, so f16 sums are unaffected).
 
 Rounding to bf16 / f16
 ----------------------
-Round-to-nearest, ties-to-even, on the float32 accumulator; values beyond the
-largest finite value round to +/-Inf exactly as IEEE 754 prescribes (bf16:
+Round to nearest, ties to even, from the float32 accumulator. Values beyond
+the largest finite value round to +/-Inf exactly as IEEE 754 prescribes (bf16:
 |acc| >= 2**128 * (1 - 2**-9); f16: |acc| >= 65520); results in the subnormal
-range are rounded correctly (no flush to zero); signed zeros are kept. NaN
-stays NaN and comes out quiet: bf16 keeps the sign and the top payload bits
-and sets the quiet bit, f16 gives the canonical ``0x7E00`` with the sign.
-Inf + (-Inf) is NaN. When several inputs of an element are NaN, which one's
-sign and payload survive is left to the hardware (IEEE 754 does not say).
+range are rounded correctly, never flushed; signed zeros are kept
+(-0 + -0 = -0, -0 + 0 = +0). Inf + (-Inf) is NaN. NaN stays NaN and comes out
+quiet, with its sign: bf16 keeps the top payload bits and sets the quiet bit;
+f16 gives ``0x7E00 | sign`` on the bit-level path and keeps the top payload
+bits with hardware conversions. When several inputs of an element are NaN,
+which one's sign and payload survive is left to the hardware and the compiler
+(IEEE 754 does not say); the result is a NaN in every case.
 
 Error bound (bf16 and f16)
 --------------------------
-Let ``s*`` be the exact real sum of the k inputs of an element and ``s`` the
-float32 accumulator. With unit roundoff u = 2**-24 of float32 and
-gamma_m = m*u / (1 - m*u), the standard bound for recursive summation gives
-(no float32 overflow assumed; float32 additions whose result is subnormal are
-exact, so there is no underflow term)::
+Let s* be the exact real sum of the k inputs of an element and s the float32
+accumulator. With u = 2**-24 (float32 unit roundoff) and
+gamma_m = m*u / (1 - m*u), recursive summation gives (no float32 overflow
+assumed; a float32 addition with a subnormal result is exact, so there is no
+underflow term)::
 
-    |s - s*| <= gamma_{k-1} * sum_j |x_j|          (zero for k = 1)
+    |s - s*| <= gamma_{k-1} * sum_j |x_j|             (0 for k = 1)
 
-The final rounding adds at most half a unit in the last place of the storage
-type at s::
+and the single final rounding to the storage type T adds at most half a unit
+in the last place of T at s::
 
-    |out - s| <= 0.5 * ulp_T(s)
+    |out - s| <= ulp_T(s) / 2,
+    ulp_bf16(s) = 2**(e - 7),  ulp_f16(s) = 2**(e - 10),
+    e = max(floor(log2 |s|), -126 for bf16, -14 for f16)
 
-    ulp_bf16(s) = 2**(e - 7)   with e = max(floor(log2|s|), -126)
-    ulp_f16(s)  = 2**(e - 10)  with e = max(floor(log2|s|), -14)
+so ``|out - s*| <= ulp_T(s) / 2 + gamma_{k-1} * sum_j |x_j|``. For k <= 4 and
+inputs of one sign the float32 term is at most 3 * 2**-15 (bf16) or
+3 * 2**-12 (f16) of the half-ulp term: the sum is rounded to 16 bits once,
+not k - 1 times as pairwise 16-bit additions would. For k = 2 the float32 sum
+is exact whenever the two (normal) inputs' exponents differ by at most 15
+(bf16) or 12 (f16); ``out`` is then the correctly rounded exact sum.
 
-so ``|out - s*| <= 0.5 * ulp_T(s) + gamma_{k-1} * sum_j |x_j|``. For k <= 4
-the second term is below 3.0000003 * 2**-24 * sum_j |x_j|, i.e. at most
-3 * 2**-16 (bf16) or 3 * 2**-13 (f16) of the half-ulp term when the inputs
-share a sign. For k = 2 the float32 sum is exact whenever the exponents of the
-two (normal) inputs differ by at most 15 (bf16) or 12 (f16); then ``out`` is
-the correctly rounded exact sum. A k-input sum thus rounds to 16 bits once,
-never k-1 times as pairwise bf16 additions would.
-
-f32 and f64 sums are ordinary sequential IEEE sums: ``|out - s*| <=
-gamma_{k-1} * sum_j |x_j|`` with u = 2**-24 or 2**-53.
+f32 and f64 sums are ordinary sequential IEEE sums:
+``|out - s*| <= gamma_{k-1} * sum_j |x_j|`` with u = 2**-24 or 2**-53.
 
 Kernels
 -------
 ``sum_rows_<dt>(src, lo, hi, out, out_lo)``
-    ``src`` is a C-contiguous (k, n) array (k >= 1), ``out`` a C-contiguous
-    1-d array. For i in [lo, hi): ``out[out_lo + i - lo] = round(sum_j
-    src[j, i])``. ``out`` may be the very memory it reads, i.e. row j of
-    ``src`` over the same range (``out`` is ``src[j]`` and ``out_lo == lo``);
-    any other partial overlap of ``out`` with ``src`` is undefined.
+    ``src``: C-contiguous (k, n) array, k >= 1; ``out``: C-contiguous 1-d
+    array. For i in [lo, hi): ``out[out_lo + i - lo] = round(sum_j src[j, i])``.
+    ``out`` may be the memory it reads, row j of ``src`` over the same range
+    (``out`` is ``src[j]`` and ``out_lo == lo``); any other overlap of ``out``
+    with ``src`` gives undefined results.
 ``sum2_<dt>(a, b, out)``
-    For i in [0, len(out)): ``out[i] = round(a[i] + b[i])`` (a first). ``a``
-    and ``b`` must be at least ``len(out)`` long; ``out`` may be ``a`` or
-    ``b`` (same start) but must not partially overlap them.
+    For i in [0, len(out)): ``out[i] = round(a[i] + b[i])``. ``a`` and ``b``
+    must be at least ``len(out)`` long. ``out`` may be ``a`` or ``b`` (same
+    start), nothing else that overlaps them.
 
-Both raise ValueError when a range falls outside an array (the indexing itself
-is unchecked). ``SUM_ROWS`` and ``SUM2`` map dtype names to the kernels.
-All kernels release the GIL, are compiled for the host CPU at import (explicit
-signatures) and cached on disk (``cache=True``; numba honours
-NUMBA_CACHE_DIR). ``warm_up()`` runs each once.
+``<dt>`` is bf16, f16 (both on uint16 arrays), f32 or f64; ``SUM_ROWS`` and
+``SUM2`` map these names to the kernels. Each kernel has exactly one
+signature (mutable, C-contiguous, aligned arrays of the storage type; intp
+indices), compiled for the host CPU at import or loaded from numba's on-disk
+cache (``cache=True``; NUMBA_CACHE_DIR is honoured). Other argument types
+raise TypeError. Ranges outside the arrays raise ValueError; the element
+accesses themselves are unchecked. The kernels release the GIL.
+``warm_up()`` runs each kernel once.
 
 Implementation notes
 --------------------
-The element loops are written so LLVM vectorizes them. The inputs of a block
-of elements are summed into a fixed-size float accumulator on the stack before
-any output of that block is stored: this is what makes exact aliasing of
-``out`` with an input row safe, and, because a stack buffer provably aliases
-nothing, the vectorized loops need no runtime overlap checks (those checks
-send an aliased call to the scalar loop, 10x slower). 16-bit data is read and
-written as 32-bit words holding two elements (little-endian: element 2p in the
-low half), so widening is one shift or one mask and narrowing one shift or
-mask and an OR, without lane shuffles; an odd last element is done on its own.
-These 32-bit views may be unaligned; they are typed as unaligned.
+The element loops are written so that LLVM vectorizes them. A block of up to
+256 elements (256 pairs for bf16) of every input is summed into a float
+accumulator on the stack before any output of that block is stored. That is
+what makes ``out`` aliasing an input safe, and since a stack buffer provably
+aliases nothing, the vector loops need no runtime overlap checks (which would
+send the aliased case to the scalar loop, ~10x slower). bf16 (and f16 on the
+bit-level path) is read and written as 32-bit words of two elements (little
+endian: element 2p in the low half), so widening is one shift or mask and
+narrowing needs no lane shuffles; an odd last element is summed on its own.
+These word views may be unaligned and are typed so. Views and scratch carry
+no reference count, so a call makes no atomic operations per block.
 """
+
 
 import sys
 
@@ -111,6 +124,7 @@ import numpy as np
 from numba import types
 
 __all__ = [
+    "HARDWARE_F16",
     "SUM2",
     "SUM_ROWS",
     "sum2_bf16",
@@ -128,17 +142,43 @@ if sys.byteorder != "little":  # the two-elements-per-word trick below
     raise ImportError("harmpi.reduce needs a little-endian CPU")
 
 # Elements per block of the stack accumulator. 16-bit kernels count pairs.
-_BLOCK_PAIRS = 128
-_BLOCK_F32 = 256
-_BLOCK_F64 = 256
+_BLOCK = 256
 
 _KERNEL_OPTIONS = dict(
     cache=True, nogil=True, fastmath=False, error_model="numpy", boundscheck=False
 )
-_INLINE = dict(inline="always")
 
 _U16 = np.uint16
 _U32 = np.uint32
+
+
+def _target_has_f16_conversions():
+    """Whether the code numba generates may convert f16 <-> f32 in hardware.
+
+    x86-64 with F16C (vcvtph2ps / vcvtps2ph) and AArch64 (fcvt) do. Follows
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when those pin the target. Pure-Python
+    mode (NUMBA_DISABLE_JIT=1) uses the portable bit-level path.
+    """
+    if numba.config.DISABLE_JIT:
+        return False
+    import llvmlite.binding as llb
+
+    triple = llb.get_process_triple()
+    if triple.startswith(("aarch64", "arm64")):
+        return True
+    if not triple.startswith("x86_64"):
+        return False
+    if numba.config.CPU_NAME:
+        features = numba.config.CPU_FEATURES or ""
+    else:
+        features = llb.get_host_cpu_features().flatten()
+    return "+f16c" in features.split(",")
+
+
+# f16 conversions in hardware (exact and round-to-nearest-even like the bit
+# path; they differ only in NaN payloads). Fixed at import; the on-disk cache
+# is per CPU model and feature set, so cached code always matches this.
+HARDWARE_F16 = _target_has_f16_conversions()
 
 _SIG_ROWS_U16 = "void(uint16[:, ::1], intp, intp, uint16[::1], intp)"
 _SIG_ROWS_F32 = "void(float32[:, ::1], intp, intp, float32[::1], intp)"
@@ -161,14 +201,23 @@ if numba.config.DISABLE_JIT:
     def _f32_bits(x):
         return np.float32(x).view(np.uint32)
 
-    def _scratch_pairs():
-        return np.empty(_BLOCK_PAIRS, np.float32)
-
     def _scratch_f32():
-        return np.empty(_BLOCK_F32, np.float32)
+        return np.empty(_BLOCK, np.float32)
 
-    def _scratch_f64():
-        return np.empty(_BLOCK_F64, np.float64)
+    def _scratch_acc(arr):
+        return np.empty(_BLOCK, np.float64 if arr.dtype == np.float64 else np.float32)
+
+    def _widen(x):
+        if isinstance(x, np.uint16):  # as the hardware does: NaNs come out quiet
+            y = np.float32(x.view(np.float16))
+            return y if y == y else _f32_from_bits(_f32_bits(y) | _U32(0x00400000))
+        return x
+
+    def _narrow_like(x, like):
+        if like.dtype == np.uint16:
+            h = np.float16(x).view(np.uint16)
+            return h if x == x else _U16(h | _U16(0x0200))
+        return x
 
     def _view(arr, row, start, count):
         return (arr[row] if arr.ndim == 2 else arr)[start : start + count]
@@ -209,48 +258,87 @@ else:
 
         return types.uint32(x), codegen
 
-    def _make_scratch(nbtype, shape):
-        """Intrinsic returning a C-contiguous array in the caller's stack frame.
+    def _alloca_array(context, builder, nbtype):
+        """A C-contiguous 1-d array of _BLOCK nbtype on the current stack frame.
 
-        The buffer is one uninitialised alloca in the entry block (so one per
-        call, not per loop trip), 64-byte aligned. It must not outlive the
-        calling kernel.
+        One uninitialised alloca in the entry block (so one per call, not per
+        loop trip; cgutils.alloca_once would zero it on every call), 64-byte
+        aligned, no meminfo. It must not outlive the function that made it.
         """
-        arrty = types.Array(nbtype, len(shape), "C")
-        itemsize = np.dtype(str(nbtype)).itemsize
-        count = int(np.prod(shape))
+        elty = context.get_value_type(nbtype)
+        itemsize = context.get_abi_sizeof(elty)
         lanes = 64 // itemsize
-        assert count % lanes == 0
-        strides = [itemsize * int(np.prod(shape[d + 1 :])) for d in range(len(shape))]
+        vecty = _llir.VectorType(elty, lanes)  # a vector type has 64-byte alignment
+        with builder.goto_entry_block():
+            raw = builder.alloca(_llir.ArrayType(vecty, _BLOCK // lanes))
+        arrty = types.Array(nbtype, 1, "C")
+        ary = _make_array(arrty)(context, builder)
+        intp = context.get_value_type(types.intp)
+        _populate_array(
+            ary,
+            data=builder.bitcast(raw, elty.as_pointer()),
+            shape=[_llir.Constant(intp, _BLOCK)],
+            strides=[_llir.Constant(intp, itemsize)],
+            itemsize=_llir.Constant(intp, itemsize),
+            meminfo=None,
+        )
+        return ary._getvalue()
 
-        @_intrinsic
-        def scratch(typingctx):
+    @_intrinsic
+    def _scratch_f32(typingctx):
+        """Stack scratch: _BLOCK float32."""
+
+        def codegen(context, builder, sig, args):
+            return _alloca_array(context, builder, types.float32)
+
+        return types.Array(types.float32, 1, "C")(), codegen
+
+    def _acc_type(arrty):
+        return types.float64 if arrty.dtype == types.float64 else types.float32
+
+    @_intrinsic
+    def _scratch_acc(typingctx, arr):
+        """Stack scratch: _BLOCK accumulators for arr (float64 or float32)."""
+        if not isinstance(arr, types.Array):
+            return None
+        accty = _acc_type(arr)
+
+        def codegen(context, builder, sig, args):
+            return _alloca_array(context, builder, accty)
+
+        return types.Array(accty, 1, "C")(arr), codegen
+
+    @_intrinsic
+    def _widen(typingctx, x):
+        """Stored value -> accumulator: float32/float64 as is, uint16 as f16 in
+        hardware (LLVM fpext half; use only when HARDWARE_F16)."""
+        if x == types.uint16:
+
             def codegen(context, builder, sig, args):
-                elty = context.get_value_type(nbtype)
-                vecty = _llir.VectorType(elty, lanes)  # vector type: 64-byte alignment
-                # Not cgutils.alloca_once: that zero-fills the buffer on every call.
-                with builder.goto_entry_block():
-                    raw = builder.alloca(_llir.ArrayType(vecty, count // lanes))
-                data = builder.bitcast(raw, elty.as_pointer())
-                ary = _make_array(arrty)(context, builder)
-                intp = context.get_value_type(types.intp)
-                _populate_array(
-                    ary,
-                    data=data,
-                    shape=[_llir.Constant(intp, s) for s in shape],
-                    strides=[_llir.Constant(intp, s) for s in strides],
-                    itemsize=_llir.Constant(intp, itemsize),
-                    meminfo=None,
-                )
-                return ary._getvalue()
+                half = builder.bitcast(args[0], _llir.HalfType())
+                return builder.fpext(half, _llir.FloatType())
 
-            return arrty(), codegen
+            return types.float32(x), codegen
+        if x in (types.float32, types.float64):
+            return x(x), lambda context, builder, sig, args: args[0]
+        return None
 
-        return scratch
+    @_intrinsic
+    def _narrow_like(typingctx, x, like):
+        """Accumulator -> stored value of array `like`: identity for floats,
+        f16 bits by hardware round-to-nearest-even for uint16 (fptrunc half)."""
+        if not isinstance(like, types.Array):
+            return None
+        if like.dtype == types.uint16 and x == types.float32:
 
-    _scratch_pairs = _make_scratch(types.float32, (_BLOCK_PAIRS,))
-    _scratch_f32 = _make_scratch(types.float32, (_BLOCK_F32,))
-    _scratch_f64 = _make_scratch(types.float64, (_BLOCK_F64,))
+            def codegen(context, builder, sig, args):
+                half = builder.fptrunc(args[0], _llir.HalfType())
+                return builder.bitcast(half, _llir.IntType(16))
+
+            return types.uint16(x, like), codegen
+        if like.dtype == x:
+            return x(x, like), lambda context, builder, sig, args: args[0]
+        return None
 
     def _make_view(pairs):
         """Intrinsic view(arr, row, start, count) of arr[row, start : start + count].
@@ -321,7 +409,7 @@ else:
 # ---------------------------------------------------------------------------
 
 
-@numba.njit(**_INLINE)
+@numba.njit
 def _bf16_round_hi(x):
     """float32 -> uint32 whose high half is bf16(x) rounded to nearest even.
 
@@ -346,7 +434,7 @@ _F16_SCALE_TO_INF = np.float32(2.0**112)
 _F16_SCALE_TO_ZERO = np.float32(2.0**-110)
 
 
-@numba.njit(**_INLINE)
+@numba.njit
 def _f16_hi_to_f32(w):
     """uint32 holding an f16 in its high half (low half zero) -> exact float32."""
     sign = w & _U32(0x80000000)
@@ -363,7 +451,7 @@ def _f16_hi_to_f32(w):
     return _f32_from_bits(_U32(sign | mag))
 
 
-@numba.njit(**_INLINE)
+@numba.njit
 def _f16_bits_lo(x):
     """float32 -> uint32 holding f16(x) (nearest even) in its low half, high half zero.
 
@@ -393,21 +481,21 @@ def _f16_bits_lo(x):
 # 2p+1 high). `f16` is a compile-time constant after inlining.
 
 
-@numba.njit(**_INLINE)
+@numba.njit
 def _dec_lo(w, f16):
     if f16:
         return _f16_hi_to_f32(_U32(w << _U32(16)))
     return _f32_from_bits(_U32(w << _U32(16)))
 
 
-@numba.njit(**_INLINE)
+@numba.njit
 def _dec_hi(w, f16):
     if f16:
         return _f16_hi_to_f32(_U32(w & _U32(0xFFFF0000)))
     return _f32_from_bits(_U32(w & _U32(0xFFFF0000)))
 
 
-@numba.njit(**_INLINE)
+@numba.njit
 def _enc_pair(x_lo, x_hi, f16):
     """Two float32 values -> one uint32 word of two rounded 16-bit values."""
     if f16:
@@ -415,13 +503,13 @@ def _enc_pair(x_lo, x_hi, f16):
     return _U32((_bf16_round_hi(x_lo) >> _U32(16)) | (_bf16_round_hi(x_hi) & _U32(0xFFFF0000)))
 
 
-@numba.njit(**_INLINE)
+@numba.njit
 def _dec_one(h, f16):
     """One raw 16-bit value -> float32."""
     return _dec_hi(_U32(_U32(h) << _U32(16)), f16)
 
 
-@numba.njit(**_INLINE)
+@numba.njit
 def _enc_one(x, f16):
     """float32 -> one raw 16-bit value."""
     if f16:
@@ -430,11 +518,11 @@ def _enc_one(x, f16):
 
 
 # ---------------------------------------------------------------------------
-# Kernel bodies (inlined into the typed kernels below).
+# Kernel bodies, shared by the typed kernels below.
 # ---------------------------------------------------------------------------
 
 
-@numba.njit(**_INLINE)
+@numba.njit
 def _check_rows(k, ncols, lo, hi, nout, out_lo):
     if k < 1:
         raise ValueError("sum_rows: src has no rows")
@@ -444,19 +532,20 @@ def _check_rows(k, ncols, lo, hi, nout, out_lo):
         raise ValueError("sum_rows: out[out_lo : out_lo + hi - lo] is out of bounds")
 
 
-@numba.njit(**_INLINE)
-def _sum_rows_u16(src, lo, hi, out, out_lo, f16):
+@numba.njit
+def _sum_rows_pairs(src, lo, hi, out, out_lo, f16):
+    """sum_rows for 16-bit values read and written two per uint32 word."""
     k = src.shape[0]
     _check_rows(k, src.shape[1], lo, hi, out.shape[0], out_lo)
     n = hi - lo
     npairs = n // 2
-    acc_lo = _scratch_pairs()  # even elements
-    acc_hi = _scratch_pairs()  # odd elements
-    for p0 in range(0, npairs, _BLOCK_PAIRS):
-        m = min(_BLOCK_PAIRS, npairs - p0)
+    acc_lo = _scratch_f32()  # even elements
+    acc_hi = _scratch_f32()  # odd elements
+    for p0 in range(0, npairs, _BLOCK):
+        m = min(_BLOCK, npairs - p0)
         s = lo + 2 * p0
-        # Read every input of the block into acc (rows in order; the first
-        # up to four fused in one pass), then store: out may be a row.
+        # Every input of the block into acc (rows in order, the first up to
+        # four in one pass), then the stores: out may be one of the rows.
         r0 = _view_pairs(src, 0, s, m)
         if k == 1:
             for p in range(m):
@@ -511,16 +600,16 @@ def _sum_rows_u16(src, lo, hi, out, out_lo, f16):
         out[out_lo + n - 1] = _enc_one(x, f16)
 
 
-@numba.njit(**_INLINE)
-def _sum2_u16(a, b, out, f16):
+@numba.njit
+def _sum2_pairs(a, b, out, f16):
     n = out.shape[0]
     if a.shape[0] < n or b.shape[0] < n:
         raise ValueError("sum2: a and b must be at least as long as out")
     npairs = n // 2
-    acc_lo = _scratch_pairs()  # even elements
-    acc_hi = _scratch_pairs()  # odd elements
-    for p0 in range(0, npairs, _BLOCK_PAIRS):
-        m = min(_BLOCK_PAIRS, npairs - p0)
+    acc_lo = _scratch_f32()  # even elements
+    acc_hi = _scratch_f32()  # odd elements
+    for p0 in range(0, npairs, _BLOCK):
+        m = min(_BLOCK, npairs - p0)
         ra = _view_pairs(a, 0, 2 * p0, m)
         rb = _view_pairs(b, 0, 2 * p0, m)
         for p in range(m):
@@ -535,58 +624,62 @@ def _sum2_u16(a, b, out, f16):
         out[n - 1] = _enc_one(_dec_one(a[n - 1], f16) + _dec_one(b[n - 1], f16), f16)
 
 
-@numba.njit(**_INLINE)
-def _sum_rows_float(src, lo, hi, out, out_lo, acc):
+@numba.njit
+def _sum_rows_plain(src, lo, hi, out, out_lo):
+    """sum_rows for one stored value per element: float32, float64, and f16
+    with hardware conversions."""
     k = src.shape[0]
     _check_rows(k, src.shape[1], lo, hi, out.shape[0], out_lo)
     n = hi - lo
-    nb = acc.shape[0]
-    for b0 in range(0, n, nb):
-        m = min(nb, n - b0)
+    acc = _scratch_acc(src)
+    for b0 in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - b0)
         s = lo + b0
+        # Every input of the block into acc (rows in order, the first up to
+        # four in one pass), then the stores: out may be one of the rows.
         r0 = _view(src, 0, s, m)
         if k == 1:
             for i in range(m):
-                acc[i] = r0[i]
+                acc[i] = _widen(r0[i])
         elif k == 2:
             r1 = _view(src, 1, s, m)
             for i in range(m):
-                acc[i] = r0[i] + r1[i]
+                acc[i] = _widen(r0[i]) + _widen(r1[i])
         elif k == 3:
             r1 = _view(src, 1, s, m)
             r2 = _view(src, 2, s, m)
             for i in range(m):
-                acc[i] = r0[i] + r1[i] + r2[i]
+                acc[i] = _widen(r0[i]) + _widen(r1[i]) + _widen(r2[i])
         else:
             r1 = _view(src, 1, s, m)
             r2 = _view(src, 2, s, m)
             r3 = _view(src, 3, s, m)
             for i in range(m):
-                acc[i] = r0[i] + r1[i] + r2[i] + r3[i]
+                acc[i] = _widen(r0[i]) + _widen(r1[i]) + _widen(r2[i]) + _widen(r3[i])
         for j in range(4, k):
             rj = _view(src, j, s, m)
             for i in range(m):
-                acc[i] += rj[i]
+                acc[i] += _widen(rj[i])
         o = _view(out, 0, out_lo + b0, m)
         for i in range(m):
-            o[i] = acc[i]
+            o[i] = _narrow_like(acc[i], out)
 
 
-@numba.njit(**_INLINE)
-def _sum2_float(a, b, out, acc):
+@numba.njit
+def _sum2_plain(a, b, out):
     n = out.shape[0]
     if a.shape[0] < n or b.shape[0] < n:
         raise ValueError("sum2: a and b must be at least as long as out")
-    nb = acc.shape[0]
-    for b0 in range(0, n, nb):
-        m = min(nb, n - b0)
+    acc = _scratch_acc(out)
+    for b0 in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - b0)
         ra = _view(a, 0, b0, m)
         rb = _view(b, 0, b0, m)
         for i in range(m):
-            acc[i] = ra[i] + rb[i]
+            acc[i] = _widen(ra[i]) + _widen(rb[i])
         o = _view(out, 0, b0, m)
         for i in range(m):
-            o[i] = acc[i]
+            o[i] = _narrow_like(acc[i], out)
 
 
 # ---------------------------------------------------------------------------
@@ -597,49 +690,55 @@ def _sum2_float(a, b, out, acc):
 @numba.njit(_SIG_ROWS_U16, **_KERNEL_OPTIONS)
 def sum_rows_bf16(src, lo, hi, out, out_lo):
     """out[out_lo + i - lo] = bf16(sum_j f32(src[j, i])) for i in [lo, hi); uint16 bits."""
-    _sum_rows_u16(src, lo, hi, out, out_lo, False)
+    _sum_rows_pairs(src, lo, hi, out, out_lo, False)
 
 
 @numba.njit(_SIG_ROWS_U16, **_KERNEL_OPTIONS)
 def sum_rows_f16(src, lo, hi, out, out_lo):
     """out[out_lo + i - lo] = f16(sum_j f32(src[j, i])) for i in [lo, hi); uint16 bits."""
-    _sum_rows_u16(src, lo, hi, out, out_lo, True)
+    if HARDWARE_F16:
+        _sum_rows_plain(src, lo, hi, out, out_lo)
+    else:
+        _sum_rows_pairs(src, lo, hi, out, out_lo, True)
 
 
 @numba.njit(_SIG_ROWS_F32, **_KERNEL_OPTIONS)
 def sum_rows_f32(src, lo, hi, out, out_lo):
     """out[out_lo + i - lo] = sum_j src[j, i] in float32, for i in [lo, hi)."""
-    _sum_rows_float(src, lo, hi, out, out_lo, _scratch_f32())
+    _sum_rows_plain(src, lo, hi, out, out_lo)
 
 
 @numba.njit(_SIG_ROWS_F64, **_KERNEL_OPTIONS)
 def sum_rows_f64(src, lo, hi, out, out_lo):
     """out[out_lo + i - lo] = sum_j src[j, i] in float64, for i in [lo, hi)."""
-    _sum_rows_float(src, lo, hi, out, out_lo, _scratch_f64())
+    _sum_rows_plain(src, lo, hi, out, out_lo)
 
 
 @numba.njit(_SIG_SUM2_U16, **_KERNEL_OPTIONS)
 def sum2_bf16(a, b, out):
     """out[i] = bf16(f32(a[i]) + f32(b[i])) for i < len(out); uint16 bits."""
-    _sum2_u16(a, b, out, False)
+    _sum2_pairs(a, b, out, False)
 
 
 @numba.njit(_SIG_SUM2_U16, **_KERNEL_OPTIONS)
 def sum2_f16(a, b, out):
     """out[i] = f16(f32(a[i]) + f32(b[i])) for i < len(out); uint16 bits."""
-    _sum2_u16(a, b, out, True)
+    if HARDWARE_F16:
+        _sum2_plain(a, b, out)
+    else:
+        _sum2_pairs(a, b, out, True)
 
 
 @numba.njit(_SIG_SUM2_F32, **_KERNEL_OPTIONS)
 def sum2_f32(a, b, out):
     """out[i] = a[i] + b[i] in float32 for i < len(out)."""
-    _sum2_float(a, b, out, _scratch_f32())
+    _sum2_plain(a, b, out)
 
 
 @numba.njit(_SIG_SUM2_F64, **_KERNEL_OPTIONS)
 def sum2_f64(a, b, out):
     """out[i] = a[i] + b[i] in float64 for i < len(out)."""
-    _sum2_float(a, b, out, _scratch_f64())
+    _sum2_plain(a, b, out)
 
 
 SUM_ROWS = {

@@ -79,7 +79,10 @@ class HierAllgather:
                 peers = [p for p in range(G) if p != g]
                 pending = self.transport.post(
                     [(p, ctx.view(src, nb), tag) for p in peers],
-                    [(p, ctx.view(slot + p * nb, nb)) for p in peers])
+                    # capacity to the end of the slot, so that a peer passing a
+                    # larger tensor is caught by count and tag, not truncation
+                    [(p, ctx.view(slot + p * nb, ctx.config.slot_nbytes - p * nb))
+                     for p in peers])
             node.copy_bytes(slot + g * nb, src, nb)
             poisoned = False
             if pending is not None:

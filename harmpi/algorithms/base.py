@@ -74,7 +74,9 @@ def rail_allreduce(transport, comm_rank, comm_size, addr, m, call, recv_buf, tag
         return poisoned
     nbytes = m * call.itemsize
     data = MPI.buffer.fromaddress(addr, nbytes) if nbytes else np.empty(0, np.uint8)
-    recv = recv_buf[:nbytes]
+    # receive into the whole buffer: a peer that passed a larger tensor must
+    # be detected by its count and tag, not abort this rank with a truncation
+    recv = recv_buf
     recv_addr = recv_buf.ctypes.data
     P = 1 << (G.bit_length() - 1)
 

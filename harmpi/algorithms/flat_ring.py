@@ -4,8 +4,9 @@ What Gloo and NCCL-style rings do, kept so benchmarks can show what the
 hierarchy buys. It ignores shared memory: every hop goes through the
 transport, even between ranks of one node.
 
-Steps (N ranks in a ring, per chunk of at most one slot; the chunk is cut
-into N cache-line-aligned shares):
+Steps (N ranks in a ring, per chunk of at most one slot, on a private copy
+of the chunk that is copied back at the end; the chunk is cut into N
+cache-line-aligned shares):
   1. reduce-scatter, N-1 rounds: in round s rank r sends share (r - s) to
      r+1, receives share (r - s - 1) from r-1 and adds it into its copy;
      afterwards rank r holds the full sum of share (r + 1);
@@ -16,13 +17,16 @@ Invariants: each share is summed along one path and then only copied, so
 every rank ends with the same bits.
 
 Cost: 2(N-1) serial network rounds of m/N bytes: latency ~2(N-1) message
-times, the reason a flat ring loses at decode sizes.
+times, the reason a flat ring loses at decode sizes. A bf16 share rounds
+N-1 times on its way round the ring (once per add).
 
 A size or kind mismatch is flagged by tags (see harmpi.transports.base);
 a poisoned rank forwards POISON_TAG so every rank raises.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from .. import node
 from ..transports import POISON_TAG, tag_for
@@ -42,6 +46,10 @@ class FlatRingAllreduce:
         self.r = ctx.topo.rank
         self.recv_buf = ctx.rail_recv_buffer()
         self.recv_addr = self.recv_buf.ctypes.data
+        # the ring works on a copy, so a mismatch found mid-ring leaves the
+        # caller's tensor untouched
+        self.work = np.empty(ctx.config.slot_nbytes, dtype=np.uint8)
+        self.work_addr = self.work.ctypes.data
 
     def run(self, call):
         ctx = self.ctx
@@ -57,7 +65,8 @@ class FlatRingAllreduce:
         start = 0
         while True:
             m = min(chunk, call.n - start)
-            base = call.addr + start * isz
+            base = self.work_addr
+            node.copy_bytes(base, call.addr + start * isz, m * isz)
             bounds = [node.part_bounds(m, N, j, isz) for j in range(N)]
 
             def share(j):
@@ -69,7 +78,8 @@ class FlatRingAllreduce:
                 d_addr, d_n = share(r - s - 1)
                 got, = self.transport.complete(self.transport.post(
                     [(right, ctx.view(s_addr, s_n * isz), POISON_TAG if poisoned else tag)],
-                    [(left, self.recv_buf[: d_n * isz])]), timeout_s, call)
+                    # the whole buffer: a mismatched peer's share must not truncate
+                    [(left, self.recv_buf)]), timeout_s, call)
                 if recv_check(got, d_n * isz, tag):
                     poisoned = True
                 elif not poisoned:
@@ -80,7 +90,7 @@ class FlatRingAllreduce:
                 got, = self.transport.complete(self.transport.post(
                     [(right, ctx.view(s_addr, s_n * isz), POISON_TAG if poisoned else tag)],
                     # once poisoned, a peer's share may not fit: land it aside
-                    [(left, self.recv_buf[: d_n * isz] if poisoned
+                    [(left, self.recv_buf if poisoned
                       else ctx.view(d_addr, d_n * isz))]), timeout_s, call)
                 poisoned = poisoned or recv_check(got, d_n * isz, tag)
             if poisoned:
@@ -88,6 +98,7 @@ class FlatRingAllreduce:
                 # in the first round's tags, and the poison tag then travels
                 # the whole ring within the first chunk's 2(N-1) rounds.
                 raise mismatch_error(r, call, "seen on the flat ring")
+            node.copy_bytes(call.addr + start * isz, base, m * isz)
             start += m
             if start >= call.n:
                 return

@@ -65,7 +65,7 @@ class HarLatencyAllreduce:
                 data = ctx.view(addr, m * call.itemsize)
                 got, = self.transport.complete(
                     self.transport.post([(peer, data, tag)],
-                                        [(peer, self.recv_buf[: m * call.itemsize])]),
+                                        [(peer, self.recv_buf)]),
                     ctx.config.timeout_s, call)
                 poisoned = recv_check(got, m * call.itemsize, tag)
                 r_addr = 0 if poisoned else self.recv_addr

@@ -1,0 +1,67 @@
+"""allgather, barrier, info and topology under mpirun."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+import harmpi
+from conftest import SMALL, assert_same_everywhere, torch
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (7, 3), (SMALL["slot_nbytes"] // 4 + 5,), ()])
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_allgather_concatenates_in_rank_order(small_comm, shape, kind):
+    r, n = small_comm.Get_rank(), small_comm.Get_size()
+    base = np.asarray(np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) + 1000 * r)
+    x = torch.from_numpy(base.copy()) if kind == "torch" else base.copy()
+    for _ in range(2):
+        out = harmpi.allgather(x, comm=small_comm)
+        rows = shape[0] if shape else 1
+        assert tuple(out.shape) == ((rows * n,) + tuple(shape[1:]))
+        got = np.asarray(out)
+        for q in range(n):
+            expect = (np.arange(int(np.prod(shape)), dtype=np.float32) + 1000 * q).reshape(
+                (rows,) + tuple(shape[1:]))
+            assert np.array_equal(got[q * rows:(q + 1) * rows], expect), q
+        assert_same_everywhere(small_comm, out)
+
+
+def test_allgather_bf16_default_config(world):
+    r, n = world.Get_rank(), world.Get_size()
+    x = torch.full((5, 1024), float(r), dtype=torch.bfloat16)
+    out = harmpi.allgather(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (5 * n, 1024)
+    assert torch.equal(out[::5, 0], torch.arange(n, dtype=torch.bfloat16))
+
+
+def test_barrier(small_comm):
+    for _ in range(5):
+        harmpi.barrier(small_comm)
+
+
+def test_topology_matches_environment(world, topo):
+    size = world.Get_size()
+    k = os.environ.get("HARMPI_RANKS_PER_NODE")
+    assert topo.size == size and topo.rank == world.Get_rank()
+    assert sum(topo.node_sizes) == size
+    if k:
+        k = int(k)
+        assert topo.node_count == math.ceil(size / k)
+        assert topo.node_sizes == tuple(min(k, size - i * k) for i in range(topo.node_count))
+        assert topo.local_rank == topo.rank % k and topo.node_index == topo.rank // k
+    assert topo.node_ranks[topo.node_index][topo.local_rank] == topo.rank
+    info = harmpi.info()
+    assert info["nodes"] == topo.node_count and info["ranks"] == size
+    assert info["ranks_per_node"] == list(topo.node_sizes)
+    if topo.node_count > 1:
+        assert info["transport"] == "mpi" and "mpi" in info["transport_reason"]
+    else:
+        assert info["transport"] == "none"
+
+
+def test_allgather_both_spellings():
+    import harmpi.allgather  # noqa: F401
+    out = harmpi.allgather(torch.ones(2))
+    assert out.shape == (2 * harmpi.info()["ranks"],)

@@ -1,0 +1,127 @@
+"""harmpi.allreduce under mpirun: correctness against a float64 reference,
+bitwise agreement across ranks, chunk boundaries, every algorithm, repeats."""
+
+import numpy as np
+import pytest
+
+import harmpi
+from conftest import (DTYPES, ITEMSIZE, SMALL, as_f64, assert_same_everywhere, error_bound,
+                      make_input, torch)
+
+SLOT = SMALL["slot_nbytes"]
+
+
+def valid_algorithms(topo):
+    algos = ["auto", "leader", "flat_ring"]
+    if topo.node_count == 1:
+        algos += ["shm", "shm_rsag"]
+    elif topo.uniform:
+        algos += ["har_latency", "har_bandwidth"]
+    return algos
+
+
+def sizes_for(name):
+    """Element counts around every chunk and threshold boundary of the SMALL config."""
+    isz = ITEMSIZE[name]
+    slot = SLOT // isz
+    out = {0, 1, 7, slot - 1, slot, slot + 1, 3 * slot + 5,
+           SMALL["small_max_nbytes"] // isz + 1, SMALL["har_latency_max_nbytes"] // isz + 1}
+    return sorted(out)
+
+
+def check(comm, topo, name, n, kind, algorithm, repeats=2):
+    world_size = comm.Get_size()
+    for rep in range(repeats):
+        x, ref = make_input(name, n, comm.Get_rank(), seed=rep, kind=kind)
+        all_refs = comm.allgather(ref)
+        exact = np.sum(all_refs, axis=0) if n else np.zeros(0)
+        bound = error_bound(name, np.sum(np.abs(all_refs), axis=0), world_size, topo.node_count,
+                            algorithm)
+        dtype = "bf16" if (kind == "numpy" and name == "bf16") else None
+        out = harmpi.allreduce(x, comm=comm, algorithm=algorithm, dtype=dtype)
+        assert out is x
+        got = as_f64(x, name)
+        err = np.abs(got - exact)
+        assert np.all(err <= bound), (
+            f"{name} n={n} {algorithm}: max error {err.max()} exceeds bound at "
+            f"{int(np.argmax(err - bound))}")
+        assert_same_everywhere(comm, x)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_sizes_around_chunks_torch(small_comm, topo, name):
+    for algorithm in valid_algorithms(topo):
+        for n in sizes_for(name):
+            check(small_comm, topo, name, n, "torch", algorithm)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_numpy_inputs(small_comm, topo, name):
+    for n in (0, 5, SLOT // ITEMSIZE[name] + 3):
+        check(small_comm, topo, name, n, "numpy", "auto")
+
+
+@pytest.mark.parametrize("n", [5120, 2 ** 20 + 3])
+def test_default_config_decode_and_large(world, topo, n):
+    # default 4 MiB slots: the decode size and a 2 MiB tensor through auto
+    check(world, topo, "bf16", n, "torch", "auto", repeats=3)
+
+
+def test_closed_form_every_algorithm(small_comm, topo):
+    """Sum of (rank + 1) over n ranks is n(n+1)/2, exactly, in every dtype."""
+    n_ranks = small_comm.Get_size()
+    for algorithm in valid_algorithms(topo):
+        for tdtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            x = torch.full((3000, 2), float(small_comm.Get_rank() + 1), dtype=tdtype)
+            harmpi.allreduce(x, comm=small_comm, algorithm=algorithm)
+            assert torch.all(x == n_ranks * (n_ranks + 1) / 2), (algorithm, tdtype)
+
+
+def test_many_repeats_alternating_sizes(small_comm, topo):
+    """Back-to-back collectives of changing size reuse both slot parities."""
+    r = small_comm.Get_rank()
+    n_ranks = small_comm.Get_size()
+    for i in range(200):
+        n = (i * 37) % 3000
+        x = torch.full((n,), float(r + i % 5), dtype=torch.float32)
+        harmpi.allreduce(x, comm=small_comm)
+        expect = n_ranks * (n_ranks - 1) / 2 + n_ranks * (i % 5)
+        assert torch.all(x == expect), i
+
+
+def test_special_values(small_comm):
+    """Inf and NaN survive, inf + -inf is NaN, -0.0 + -0.0 stays -0.0."""
+    r, n_ranks = small_comm.Get_rank(), small_comm.Get_size()
+    for tdtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.tensor([float("inf"), float("-inf"), 0.0, float("nan"), -0.0, 3.0], dtype=tdtype)
+        if n_ranks > 1 and r == 1:
+            x[2] = float("-inf")
+        if r == 0:
+            x[2] = float("inf")
+        harmpi.allreduce(x, comm=small_comm)
+        assert torch.isinf(x[0]) and x[0] > 0
+        assert torch.isinf(x[1]) and x[1] < 0
+        assert torch.isnan(x[2]) if n_ranks > 1 else torch.isinf(x[2])
+        assert torch.isnan(x[3])
+        assert x[4] == 0 and torch.signbit(x[4])
+        assert x[5] == 3.0 * n_ranks
+        assert_same_everywhere(small_comm, x)
+
+
+def test_any_shape_and_in_place(small_comm):
+    n_ranks = small_comm.Get_size()
+    x = torch.ones((4, 3, 5), dtype=torch.float32)
+    view_before = x.data_ptr()
+    y = harmpi.allreduce(x, comm=small_comm)
+    assert y is x and x.data_ptr() == view_before and x.shape == (4, 3, 5)
+    assert torch.all(x == n_ranks)
+    s = torch.tensor(2.0, dtype=torch.float64)  # 0-d
+    harmpi.allreduce(s, comm=small_comm)
+    assert s.item() == 2.0 * n_ranks
+
+
+def test_both_spellings():
+    import harmpi.allreduce  # noqa: F401 - the spelling research scripts use
+    x = torch.ones(4)
+    assert harmpi.allreduce(x) is x
+    assert callable(harmpi.allreduce)

@@ -1,0 +1,102 @@
+"""Bad input: clear errors before any data moves, on every rank; deadlines, not hangs."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import harmpi
+from conftest import torch
+
+
+def test_unsupported_dtype_is_rejected_locally(small_comm):
+    with pytest.raises(harmpi.HarmpiArgumentError, match="unsupported"):
+        harmpi.allreduce(np.zeros(4, np.int32), comm=small_comm)
+    with pytest.raises(harmpi.HarmpiArgumentError, match="unsupported"):
+        harmpi.allreduce(torch.zeros(4, dtype=torch.int64), comm=small_comm)
+    with pytest.raises(harmpi.HarmpiArgumentError, match="numpy array or a torch tensor"):
+        harmpi.allreduce([1.0, 2.0], comm=small_comm)
+
+
+def test_layout_and_writability(small_comm):
+    with pytest.raises(harmpi.HarmpiArgumentError, match="not contiguous"):
+        harmpi.allreduce(torch.zeros(4, 4).t(), comm=small_comm)
+    with pytest.raises(harmpi.HarmpiArgumentError, match="C-contiguous"):
+        harmpi.allreduce(np.zeros((4, 4), np.float32)[:, 1], comm=small_comm)
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(harmpi.HarmpiArgumentError, match="read-only"):
+        harmpi.allreduce(ro, comm=small_comm)
+    with pytest.raises(harmpi.HarmpiArgumentError, match="requires grad"):
+        harmpi.allreduce(torch.zeros(4, requires_grad=True), comm=small_comm)
+
+
+def test_op_and_algorithm_are_checked(small_comm, topo):
+    x = torch.ones(8)
+    for op in ("max", "prod", MPI.MAX, None):
+        with pytest.raises(harmpi.HarmpiArgumentError, match="not supported"):
+            harmpi.allreduce(x, op=op, comm=small_comm)
+    with pytest.raises(harmpi.HarmpiArgumentError, match="unknown algorithm"):
+        harmpi.allreduce(x, comm=small_comm, algorithm="butterfly")
+    if small_comm.Get_size() > 1:
+        bad = ["har_latency"] if topo.node_count == 1 else ["shm"]
+        for name in bad:  # every rank sees the same topology, so every rank raises
+            with pytest.raises(harmpi.HarmpiArgumentError, match=name):
+                harmpi.allreduce(x, comm=small_comm, algorithm=name)
+    harmpi.allreduce(x, comm=small_comm, op="sum")
+    assert torch.all(x == small_comm.Get_size())
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "leader", "flat_ring"])
+def test_mismatched_sizes_raise_on_every_rank(small_comm, algorithm):
+    r, n_ranks = small_comm.Get_rank(), small_comm.Get_size()
+    if n_ranks == 1:
+        pytest.skip("needs two ranks")  # same on every rank (n_ranks is global)
+    for n_last in (11, 3000):  # one chunk, and more chunks than the others
+        n = n_last if r == n_ranks - 1 else 10
+        x = torch.full((n,), 7.0)
+        with pytest.raises(harmpi.HarmpiMismatchError, match="ranks disagree"):
+            harmpi.allreduce(x, comm=small_comm, algorithm=algorithm)
+        assert torch.all(x == 7.0), "the caller's tensor must not be touched"
+    # the context is still usable afterwards
+    y = torch.ones(10)
+    harmpi.allreduce(y, comm=small_comm, algorithm=algorithm)
+    assert torch.all(y == n_ranks)
+
+
+def test_mismatched_dtype_raises_on_every_rank(small_comm):
+    r, n_ranks = small_comm.Get_rank(), small_comm.Get_size()
+    if n_ranks == 1:
+        pytest.skip("needs two ranks")
+    x = torch.ones(8, dtype=torch.float32 if r else torch.float16)
+    x16 = torch.ones(16, dtype=torch.float16) if r == 0 else None
+    with pytest.raises(harmpi.HarmpiMismatchError):
+        harmpi.allreduce(x16 if r == 0 else x, comm=small_comm)  # same bytes, other dtype
+
+
+def test_a_rank_that_never_arrives_times_out(world):
+    """Every waiting rank raises a HarmpiTimeoutError naming who it waited for."""
+    if world.Get_size() == 1:
+        pytest.skip("needs two ranks")
+    comm = world.Dup()
+    cfg = dataclasses.replace(harmpi.Config.from_env(), timeout_s=1.0)
+    ctx = harmpi.init(comm, config=cfg)
+    if comm.Get_rank() != 0:
+        with pytest.raises(harmpi.HarmpiTimeoutError, match="rank 0") as info:
+            harmpi.allreduce(torch.ones(100), comm=comm)
+        assert "HARMPI_TIMEOUT_S" in str(info.value)
+        with pytest.raises(harmpi.HarmpiError, match="unusable"):
+            harmpi.allreduce(torch.ones(100), comm=comm)
+    else:
+        ctx.broken = "test: this rank skipped a collective on purpose"
+    world.Barrier()
+
+
+def test_allgather_shape_mismatch(small_comm):
+    r, n_ranks = small_comm.Get_rank(), small_comm.Get_size()
+    if n_ranks == 1:
+        pytest.skip("needs two ranks")
+    x = torch.zeros((2, 6) if r == 0 else (3, 4))
+    with pytest.raises(harmpi.HarmpiMismatchError):
+        harmpi.allgather(x, comm=small_comm)
