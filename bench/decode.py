@@ -26,13 +26,13 @@ Reported per backend:
 
 * ms/token: median step time (a step yields one token of every sequence),
   and tok/s = batch / ms/token;
-* comm ms / comm share: time inside the collectives per step, as a share of
-  the step (mean over ranks, and the rank with the smallest share).  With
-  more ranks than cores this includes waiting for peers that are not
-  scheduled, so it overstates the cost of communication;
-* overhead: 1 - (step time of ``none``) / (step time), where ``none`` runs
-  the same shards with no-op collectives first: what communication adds to
-  the step, every side effect included;
+* inside collectives: time per step inside the all-reduces and the logits
+  gather, and its share of the step (mean over ranks, and the rank with the
+  smallest share).  With more ranks than cores this is mostly waiting for
+  peers that are not scheduled, so it overstates what communication costs;
+* after last arrival: the part of that time after the last rank entered each
+  collective (ranks on one host read one clock): the collectives' own
+  latency, the share of the step that faster collectives could remove;
 * whether every rank generated identical tokens (required: exit 1
   otherwise) and whether backends agree with each other (reported only:
   bf16 sums in a different order may flip a near-tie in the argmax).
@@ -68,12 +68,13 @@ __all__ = [
     "first_divergence",
     "round_steps",
     "summarize_backend",
+    "collective_latency_ns",
     "format_decode_table",
     "COMM_KINDS",
     "main",
 ]
 
-COMM_KINDS = ("harmpi", "gloo", "mpi", "none")
+COMM_KINDS = ("harmpi", "gloo", "mpi")
 FFN_UNIT = 64  # FFN rows (gate/up) / columns (down) generated per seed
 VOCAB_UNIT = 256  # LM-head rows generated per seed
 
@@ -200,54 +201,78 @@ def first_divergence(a: np.ndarray, b: np.ndarray) -> int | None:
     return int(np.argmax(differ)) if differ.any() else None
 
 
-def summarize_backend(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int) -> dict:
+def collective_latency_ns(enter_ns: np.ndarray, exit_ns: np.ndarray) -> np.ndarray:
+    """Each rank's time in each collective after the last rank arrived.
+
+    ``enter_ns``/``exit_ns`` [ranks, steps, calls] are clock readings around
+    every collective call on every rank (one host: one monotonic clock).
+    Whatever a rank spends inside a call before the last rank arrives is
+    waiting for that rank (load imbalance, or a peer that is not scheduled
+    when ranks outnumber cores); what it spends after is the collective's own
+    latency.  Returns the latter, >= 0, summed over the calls of each step:
+    [ranks, steps].
+    """
+    enter_ns = np.asarray(enter_ns, dtype=np.int64)
+    exit_ns = np.asarray(exit_ns, dtype=np.int64)
+    last_arrival = enter_ns.max(axis=0, keepdims=True)
+    own = np.maximum(exit_ns - np.maximum(enter_ns, last_arrival), 0)
+    return own.sum(axis=2)
+
+
+def summarize_backend(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int, latency_ns: np.ndarray | None = None) -> dict:
     """Per-rank step and communication times [ranks, steps] -> the reported numbers.
 
     ms_per_token: median over steps of the rank-averaged step time (each step
-    yields one token per sequence); tokens_per_s = batch / that; comm_share:
-    time in collectives / step time, per rank over all steps, then the mean
-    over ranks; comm_share_min: the smallest per-rank share.
+    yields one token per sequence); tokens_per_s = batch / that.
+    comm_share: time inside collectives / step time, per rank over all steps,
+    then the mean over ranks (comm_share_min: the smallest per-rank share).
+    comm_latency_share: the same for the time after the last rank arrived
+    (see :func:`collective_latency_ns`), None when not measured.
     """
     step_ns = np.asarray(step_ns, dtype=np.float64)
     comm_ns = np.asarray(comm_ns, dtype=np.float64)
     step_ms = np.median(step_ns.mean(axis=0)) / 1e6
-    shares = comm_ns.sum(axis=1) / step_ns.sum(axis=1)
-    return {
+    step_total = step_ns.sum(axis=1)
+    shares = comm_ns.sum(axis=1) / step_total
+    summary = {
         "ms_per_token": float(step_ms),
         "tokens_per_s": float(batch * 1e3 / step_ms),
         "mean_ms_per_token": float(step_ns.mean() / 1e6),
         "comm_share": float(shares.mean()),
         "comm_share_min": float(shares.min()),
         "comm_ms_per_token": float(np.median(comm_ns.mean(axis=0)) / 1e6),
+        "comm_latency_share": None,
+        "comm_latency_ms_per_token": None,
     }
-
-
-def comm_overhead(ms_per_token: float, compute_only_ms: float | None) -> float | None:
-    """Share of the step that communication adds: 1 - compute-only step / step."""
-    if compute_only_ms is None or ms_per_token <= 0:
-        return None
-    return 1.0 - compute_only_ms / ms_per_token
+    if latency_ns is not None:
+        latency_ns = np.asarray(latency_ns, dtype=np.float64)
+        summary["comm_latency_share"] = float((latency_ns.sum(axis=1) / step_total).mean())
+        summary["comm_latency_ms_per_token"] = float(np.median(latency_ns.mean(axis=0)) / 1e6)
+    return summary
 
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.1f}%"
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def format_decode_table(rows: Sequence[dict]) -> list[str]:
     """The result table (rank 0 prints it)."""
-    header = (
-        f"{'# comm':<10}{'tok/s':>9}{'ms/token':>10}{'comm ms':>9}{'comm share':>12}{'(min rank)':>12}"
-        f"{'overhead':>10}{'prefill ms':>12}{'ranks agree':>13}"
-    )
-    lines = [header]
+    lines = [
+        f"{'#':<29}{'---- inside collectives ----':>30}{'- after last arrival -':>22}",
+        f"{'# comm':<10}{'tok/s':>9}{'ms/token':>10}{'ms/token':>10}{'share':>10}{'min rank':>10}{'ms/token':>12}{'share':>10}"
+        f"{'prefill ms':>12}{'ranks agree':>13}",
+    ]
     for row in rows:
-        baseline = row["comm"] == "none"
-        agree = "-" if row.get("tokens_identical_across_ranks") is None else ("yes" if row["tokens_identical_across_ranks"] else "NO")
+        agree = {None: "-", True: "yes", False: "NO"}[row.get("tokens_identical_across_ranks")]
         lines.append(
             f"{row['comm']:<10}{row['tokens_per_s']:>9.1f}{row['ms_per_token']:>10.2f}"
-            f"{'-' if baseline else format(row['comm_ms_per_token'], '.2f'):>9}"
-            f"{'-' if baseline else _pct(row['comm_share']):>12}{'-' if baseline else _pct(row['comm_share_min']):>12}"
-            f"{_pct(row.get('comm_overhead')):>10}{row['prefill_ms']:>12.1f}{agree:>13}"
+            f"{_ms(row['comm_ms_per_token']):>10}{_pct(row['comm_share']):>10}{_pct(row['comm_share_min']):>10}"
+            f"{_ms(row.get('comm_latency_ms_per_token')):>12}{_pct(row.get('comm_latency_share')):>10}"
+            f"{row['prefill_ms']:>12.1f}{agree:>13}"
         )
     return lines
 
@@ -393,21 +418,36 @@ class TPDecoder:
 
 
 class _TimedComm:
-    """Wraps a backend's allreduce/allgather and adds up the ns spent inside them."""
+    """Wraps a backend; adds up the ns spent inside its collectives and, once
+    ``begin_step`` was called, records each call's entry and exit times."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, steps: int, calls_per_step: int):
         self.backend = backend
         self.ns = 0
+        self.enter_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
+        self.exit_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
+        self.step = -1  # not recording (prefill, warm-up)
+        self.call = 0
+
+    def begin_step(self, step: int) -> None:
+        self.step, self.call, self.ns = step, 0, 0
+
+    def _record(self, t0: int, t1: int) -> None:
+        self.ns += t1 - t0
+        if self.step >= 0:
+            self.enter_ns[self.step, self.call] = t0
+            self.exit_ns[self.step, self.call] = t1
+            self.call += 1
 
     def allreduce(self, tensor):
         t0 = time.perf_counter_ns()
         self.backend.allreduce(tensor)
-        self.ns += time.perf_counter_ns() - t0
+        self._record(t0, time.perf_counter_ns())
 
     def allgather(self, tensor):
         t0 = time.perf_counter_ns()
         out = self.backend.allgather(tensor)
-        self.ns += time.perf_counter_ns() - t0
+        self._record(t0, time.perf_counter_ns())
         return out
 
 
@@ -495,32 +535,7 @@ class MpiBackend:
         pass
 
 
-class ComputeOnlyBackend:
-    """No communication: every rank runs its shard alone (wrong tokens, right compute).
-
-    Its step time is the compute-only baseline of the overhead column: the
-    same per-rank work, sharing the same CPUs, with no collective to wait in.
-    """
-
-    name = "none"
-
-    def __init__(self, comm):
-        import torch
-
-        self.torch, self.tp = torch, comm.Get_size()
-        self.description = "none: compute-only baseline (collectives replaced by no-ops; its tokens are not compared)"
-
-    def allreduce(self, tensor):
-        pass
-
-    def allgather(self, tensor):
-        return tensor.repeat((self.tp,) + (1,) * (tensor.dim() - 1))
-
-    def close(self):
-        pass
-
-
-_BACKENDS = {"harmpi": HarmpiBackend, "gloo": GlooBackend, "mpi": MpiBackend, "none": ComputeOnlyBackend}
+_BACKENDS = {"harmpi": HarmpiBackend, "gloo": GlooBackend, "mpi": MpiBackend}
 
 
 # --------------------------------------------------------------------------
@@ -529,9 +544,13 @@ _BACKENDS = {"harmpi": HarmpiBackend, "gloo": GlooBackend, "mpi": MpiBackend, "n
 
 
 def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, barrier):
-    """Prefill + warm-up + timed steps; returns (tokens [B, 1+warmup+steps], step_ns, comm_ns, prefill_ns)."""
+    """Prefill + warm-up + timed steps.
+
+    Returns (tokens [B, 1 + warmup + steps], step_ns [steps], comm_ns [steps],
+    enter_ns and exit_ns [steps, calls], prefill_ns).
+    """
     torch = model.torch
-    comm = _TimedComm(backend)
+    comm = _TimedComm(backend, steps, 2 * model.cfg.layers + 1)
     barrier()
     with torch.inference_mode():
         t0 = time.perf_counter_ns()
@@ -542,17 +561,18 @@ def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, ba
         step_ns = np.zeros(steps, dtype=np.int64)
         comm_ns = np.zeros(steps, dtype=np.int64)
         for i in range(warmup_steps + steps):
-            comm.ns = 0
+            timed = i - warmup_steps
+            comm.begin_step(timed)  # negative: not recorded
             t0 = time.perf_counter_ns()
             token = model.forward(token.view(-1, 1), position, comm)
             elapsed = time.perf_counter_ns() - t0
             position += 1
             generated.append(token)
-            if i >= warmup_steps:
-                step_ns[i - warmup_steps] = elapsed
-                comm_ns[i - warmup_steps] = comm.ns
+            if timed >= 0:
+                step_ns[timed] = elapsed
+                comm_ns[timed] = comm.ns
     tokens = torch.stack(generated, dim=1).numpy()
-    return tokens, step_ns, comm_ns, prefill_ns
+    return tokens, step_ns, comm_ns, comm.enter_ns, comm.exit_ns, prefill_ns
 
 
 def _host_info(comm):
@@ -565,7 +585,7 @@ def _host_info(comm):
 
 
 def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int, warmup_steps: int,
-        seed: int, threads: int | None, json_path: str | None, baseline: bool = True, rounds: int = 3, comm=None) -> int:
+        seed: int, threads: int | None, json_path: str | None, rounds: int = 3, comm=None) -> int:
     from mpi4py import MPI
 
     from bench.osu import bench_version, environment_lines, topology
@@ -596,7 +616,7 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
 
     backends = []
     try:
-        for name in (["none"] if baseline and "none" not in comms else []) + list(comms):
+        for name in comms:
             backends.append(_BACKENDS[name](comm))
         topo = topology(comm)
         harmpi_info = None
@@ -605,6 +625,7 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
 
             harmpi_info = dict(harmpi.info(comm=comm))
         env_lines = environment_lines(comm, topo, harmpi_info)
+        same_host = topo["hosts"] == 1
 
         say(f"# harmpi TP decode benchmark v{bench_version()} (Qwen2.5-shaped decoder, random bf16 weights)")
         for line in env_lines:
@@ -635,50 +656,57 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
         )
         for backend in backends:
             say(f"# {backend.description}")
-        say("# tok/s = batch / median step time; ms/token = median step time; comm ms, comm share = time inside the "
-            "collectives per step (mean over ranks; min rank: the rank that waits least for the others)")
-        if baseline:
-            say("# overhead = 1 - (step time of 'none', the same shards with no-op collectives) / step time: "
-                "what communication adds, waits for descheduled ranks included")
+        say("# tok/s = batch / median step time; ms/token = median step time (one token of every sequence)")
+        say("# inside collectives: time per step in the 2 x layers all-reduces and the logits gather, and its share of the step "
+            "(mean over ranks; min rank: the rank that waits least); it includes waiting for the last rank to arrive")
+        if same_host:
+            say("# after last arrival: the part of it after the last rank entered each call (one host, one clock): "
+                "the collectives' own latency, without waiting for late or descheduled peers")
+        else:
+            say("# after last arrival: not measured (ranks on several hosts do not share a clock)")
 
         # Backends take turns, round by round, so a change in the machine's
         # load hits all of them alike; every round starts from the prompt.
         per_round = round_steps(steps, rounds)
-        results = {b.name: {"step_ns": [], "comm_ns": [], "prefill_ns": [], "tokens": [], "identical": True} for b in backends}
+        results = {b.name: {"step_ns": [], "comm_ns": [], "enter_ns": [], "exit_ns": [], "prefill_ns": [], "tokens": [], "identical": True}
+                   for b in backends}
         for n_steps in per_round:
             for backend in backends:
-                tokens, step_ns, comm_ns, prefill_ns = _decode(model, backend, prompt, warmup_steps, n_steps, comm.Barrier)
+                tokens, step_ns, comm_ns, enter_ns, exit_ns, prefill_ns = _decode(model, backend, prompt, warmup_steps, n_steps, comm.Barrier)
                 digests = comm.allgather(hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest())
                 result = results[backend.name]
                 result["identical"] = result["identical"] and len(set(digests)) == 1
-                result["tokens"].append(tokens)
-                result["step_ns"].append(step_ns)
-                result["comm_ns"].append(comm_ns)
-                result["prefill_ns"].append(prefill_ns)
+                for key, value in (("tokens", tokens), ("step_ns", step_ns), ("comm_ns", comm_ns), ("enter_ns", enter_ns),
+                                   ("exit_ns", exit_ns), ("prefill_ns", prefill_ns)):
+                    result[key].append(value)
 
         rows, all_tokens, exit_code = [], {}, 0
         for backend in backends:
             result = results[backend.name]
-            identical = result["identical"] if backend.name != "none" else None
-            if identical is False:
+            identical = result["identical"]
+            if not identical:
                 exit_code = 1
             longest = max(result["tokens"], key=lambda t: t.shape[1])
             all_tokens[backend.name] = longest
             repeatable = all((t == longest[:, : t.shape[1]]).all() for t in result["tokens"])
             steps_all = comm.gather(np.concatenate(result["step_ns"]), root=0)
             comms_all = comm.gather(np.concatenate(result["comm_ns"]), root=0)
+            enter_all = comm.gather(np.concatenate(result["enter_ns"]), root=0)
+            exit_all = comm.gather(np.concatenate(result["exit_ns"]), root=0)
             prefill_all = comm.gather(np.median(result["prefill_ns"]), root=0)
             if rank == 0:
+                latency_ns = collective_latency_ns(np.stack(enter_all), np.stack(exit_all)) if same_host else None
                 row = {"comm": backend.name}
-                row.update(summarize_backend(np.stack(steps_all), np.stack(comms_all), batch))
+                row.update(summarize_backend(np.stack(steps_all), np.stack(comms_all), batch, latency_ns))
                 row.update(
                     prefill_ms=float(np.max(prefill_all) / 1e6),
                     tokens_identical_across_ranks=identical,
-                    tokens_repeat_across_rounds=repeatable if backend.name != "none" else None,
+                    tokens_repeat_across_rounds=repeatable,
                     steps=steps,
                     rounds=len(per_round),
                     warmup_steps=warmup_steps,
                     batch=batch,
+                    collectives_per_token=2 * cfg.layers + 1,
                     allreduce_nbytes=ar_nbytes,
                     allgather_nbytes=ag_nbytes,
                     tokens_sha=hashlib.blake2b(longest.tobytes(), digest_size=16).hexdigest(),
@@ -686,13 +714,10 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
                 rows.append(row)
 
         if rank == 0:
-            compute_only_ms = next((row["ms_per_token"] for row in rows if row["comm"] == "none"), None)
-            for row in rows:
-                row["comm_overhead"] = None if row["comm"] == "none" else comm_overhead(row["ms_per_token"], compute_only_ms)
             for line in format_decode_table(rows):
                 print(line)
-            compared = [row for row in rows if row["comm"] != "none"]
-            first = compared[0]["comm"] if compared else "none"
+            compared = rows
+            first = compared[0]["comm"]
             for row in compared:
                 if not row["tokens_identical_across_ranks"]:
                     print(f"# ERROR: {row['comm']}: ranks generated different tokens")
@@ -755,7 +780,7 @@ def _jsonable(value):
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 @click.option("--comm", "comm_spec", default="harmpi,gloo,mpi", show_default=True,
-              help="Comma list of harmpi, gloo, mpi (none: no-op collectives, the compute-only baseline).")
+              help="Comma list of harmpi, gloo, mpi.")
 @click.option("--hidden", type=click.IntRange(min=2), default=ModelConfig.hidden, show_default=True)
 @click.option("--layers", type=click.IntRange(min=1), default=ModelConfig.layers, show_default=True)
 @click.option("--heads", type=click.IntRange(min=1), default=ModelConfig.heads, show_default=True)
@@ -773,10 +798,8 @@ def _jsonable(value):
               help="Untimed decode steps at the start of each round.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch threads per rank (default: host CPUs / ranks on the host, at least 1).")
 @click.option("--seed", type=int, default=1234, show_default=True)
-@click.option("--baseline/--no-baseline", default=True, show_default=True,
-              help="Also run 'none' (no-op collectives) first: the compute-only step time behind the overhead column.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Write the results as JSON (rank 0).")
-def main(comm_spec, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len, steps, rounds, warmup_steps, threads, seed, baseline, json_path):
+def main(comm_spec, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len, steps, rounds, warmup_steps, threads, seed, json_path):
     comms = [c.strip() for c in comm_spec.split(",") if c.strip()]
     bad = [c for c in comms if c not in COMM_KINDS]
     if not comms or bad or len(set(comms)) != len(comms):
@@ -790,7 +813,7 @@ def main(comm_spec, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_l
         raise click.UsageError(str(exc)) from exc
     try:
         code = run(cfg, comms=comms, batch=batch, prompt_len=prompt_len, steps=steps, warmup_steps=warmup_steps,
-                   seed=seed, threads=threads, json_path=json_path, baseline=baseline, rounds=rounds)
+                   seed=seed, threads=threads, json_path=json_path, rounds=rounds)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException:

@@ -144,14 +144,16 @@ def summary_lines(allreduce_docs: Sequence[tuple[str, dict]], decode_doc: dict |
                 text += f", harmpi/{name} {harmpi['tokens_per_s'] / row['tokens_per_s']:.2f}x"
             parts.append(text)
         lines.append("# " + "; ".join(parts))
-        if harmpi is not None:
-            overhead = harmpi.get("comm_overhead")
+        for name in ("harmpi", "gloo", "mpi"):
+            row = rows.get(name)
+            if row is None:
+                continue
+            latency = row.get("comm_latency_share")
             lines.append(
-                f"# harmpi communication: {harmpi['comm_share'] * 100:.1f}% of the step inside collectives "
-                f"(min rank {harmpi['comm_share_min'] * 100:.1f}%)"
-                + ("" if overhead is None else f", {overhead * 100:.1f}% added over the compute-only run")
+                f"# {name} communication: {row['comm_share'] * 100:.1f}% of the step inside collectives"
+                + ("" if latency is None else f", {latency * 100:.1f}% after the last rank arrived (the collectives' own latency)")
             )
-        compared = [row for row in rows.values() if row["comm"] != "none"]
+        compared = list(rows.values())
         if len(compared) > 1:
             first = compared[0]["comm"]
             agree = [

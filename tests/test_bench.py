@@ -17,7 +17,7 @@ from bench.decode import (
     FFN_UNIT,
     VOCAB_UNIT,
     ModelConfig,
-    comm_overhead,
+    collective_latency_ns,
     first_divergence,
     format_decode_table,
     round_steps,
@@ -329,22 +329,32 @@ def test_first_divergence():
     assert first_divergence(a, a[:, :3]) == 0
 
 
+def test_collective_latency_excludes_waiting_for_the_last_rank():
+    # 2 ranks, 1 step, 2 calls.  Call 0: rank 0 enters at 0, rank 1 at 10; both leave at 12.
+    # Call 1: both enter at 20; rank 0 leaves at 25, rank 1 at 23.
+    enter = np.array([[[0, 20]], [[10, 20]]])
+    exit_ = np.array([[[12, 25]], [[12, 23]]])
+    assert collective_latency_ns(enter, exit_).tolist() == [[2 + 5], [2 + 3]]
+    # A rank that leaves before the last one enters (a non-blocking leg) counts 0, never negative.
+    assert collective_latency_ns(np.array([[[0]], [[10]]]), np.array([[[5]], [[11]]])).tolist() == [[0], [1]]
+
+
 def test_summarize_backend_and_table():
     step_ns = np.array([[10e6, 12e6, 11e6], [10e6, 12e6, 11e6]])
     comm_ns = np.array([[1e6, 1e6, 1e6], [3e6, 3e6, 3e6]])
-    summary = summarize_backend(step_ns, comm_ns, batch=4)
+    latency_ns = np.array([[0.5e6, 0.5e6, 0.5e6], [1e6, 1e6, 1e6]])
+    summary = summarize_backend(step_ns, comm_ns, batch=4, latency_ns=latency_ns)
     assert summary["ms_per_token"] == pytest.approx(11.0)
     assert summary["tokens_per_s"] == pytest.approx(4000 / 11)
     assert summary["comm_share"] == pytest.approx((3 / 33 + 9 / 33) / 2)
     assert summary["comm_share_min"] == pytest.approx(3 / 33)
-    assert comm_overhead(11.0, 9.9) == pytest.approx(0.1)
-    assert comm_overhead(11.0, None) is None
-    row = dict(summary, comm="harmpi", prefill_ms=5.0, tokens_identical_across_ranks=True, comm_overhead=0.1)
-    base = dict(summary, comm="none", prefill_ms=5.0, tokens_identical_across_ranks=None, comm_overhead=None)
-    lines = format_decode_table([base, row])
-    assert lines[0].startswith("# comm") and "tok/s" in lines[0] and "overhead" in lines[0]
-    assert lines[1].split()[0] == "none" and lines[1].split()[-1] == "-"
-    assert lines[2].split()[0] == "harmpi" and lines[2].split()[-1] == "yes" and "10.0%" in lines[2]
+    assert summary["comm_latency_share"] == pytest.approx((1.5 / 33 + 3 / 33) / 2)
+    assert summary["comm_latency_ms_per_token"] == pytest.approx(0.75)
+    assert summarize_backend(step_ns, comm_ns, batch=1)["comm_latency_share"] is None
+    row = dict(summary, comm="harmpi", prefill_ms=5.0, tokens_identical_across_ranks=True)
+    lines = format_decode_table([row])
+    assert lines[1].startswith("# comm") and "tok/s" in lines[1]
+    assert lines[2].split()[0] == "harmpi" and lines[2].split()[-1] == "yes" and "6.8%" in lines[2]
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
@@ -414,15 +424,16 @@ def test_summary_lines_from_json_documents():
     rows = [{"impl": impl, "size": size, "avg_us": us} for impl, size, us in
             [("harmpi", 10240, 4.0), ("mpi", 10240, 8.0), ("gloo", 10240, 1600.0), ("harmpi", 4194304, 1000.0)]]
     decode = {"meta": {"ranks": 4}, "rows": [
-        {"comm": "none", "tokens_per_s": 100.0, "ms_per_token": 10.0},
-        {"comm": "harmpi", "tokens_per_s": 80.0, "ms_per_token": 12.5, "comm_share": 0.2, "comm_share_min": 0.05,
-         "comm_overhead": 0.2, "tokens_agree": True},
-        {"comm": "gloo", "tokens_per_s": 10.0, "ms_per_token": 100.0, "tokens_agree": False, "first_divergence": 7},
+        {"comm": "harmpi", "tokens_per_s": 80.0, "ms_per_token": 12.5, "comm_share": 0.2, "comm_latency_share": 0.05,
+         "tokens_agree": True},
+        {"comm": "gloo", "tokens_per_s": 10.0, "ms_per_token": 100.0, "comm_share": 0.8, "comm_latency_share": None,
+         "tokens_agree": False, "first_divergence": 7},
     ]}
     text = "\n".join(summary_lines([("1 node x 2 ranks", {"rows": rows})], decode))
     assert "2.00x" in text and "400.00x" in text  # mpi/harmpi and gloo/harmpi at 10 KB
     assert "harmpi/gloo 8.00x" in text
     assert "gloo no (first divergence at generated token 7)" in text
+    assert "harmpi communication: 20.0% of the step inside collectives, 5.0% after the last rank arrived" in text
 
 
 # --------------------------------------------------------------------------
@@ -485,11 +496,12 @@ def test_decode_under_mpirun(tmp_path):
     assert "Threads per rank:" in proc.stdout
     doc = json.loads(json_path.read_text())
     rows = {row["comm"]: row for row in doc["rows"]}
-    assert set(rows) == {"none"} | set(comms.split(","))
+    assert set(rows) == set(comms.split(","))
     for name in comms.split(","):
         row = rows[name]
         assert row["tokens_identical_across_ranks"] is True
         assert row["tokens_per_s"] > 0 and 0 <= row["comm_share"] <= 1
+        assert 0 <= row["comm_latency_share"] <= row["comm_share"]
         assert "ms_per_token" in row and "tokens_agree" in row
 
 
