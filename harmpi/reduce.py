@@ -141,7 +141,7 @@ __all__ = [
 if sys.byteorder != "little":  # the two-elements-per-word trick below
     raise ImportError("harmpi.reduce needs a little-endian CPU")
 
-# Elements per block of the stack accumulator. 16-bit kernels count pairs.
+# Elements per block of the stack accumulator (pairs on the 32-bit word path).
 _BLOCK = 256
 
 _KERNEL_OPTIONS = dict(
@@ -156,8 +156,8 @@ def _target_has_f16_conversions():
     """Whether the code numba generates may convert f16 <-> f32 in hardware.
 
     x86-64 with F16C (vcvtph2ps / vcvtps2ph) and AArch64 (fcvt) do. Follows
-    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when those pin the target. Pure-Python
-    mode (NUMBA_DISABLE_JIT=1) uses the portable bit-level path.
+    NUMBA_CPU_FEATURES when set, as numba does. Pure-Python mode
+    (NUMBA_DISABLE_JIT=1) uses the portable bit-level path.
     """
     if numba.config.DISABLE_JIT:
         return False
@@ -168,9 +168,8 @@ def _target_has_f16_conversions():
         return True
     if not triple.startswith("x86_64"):
         return False
-    if numba.config.CPU_NAME:
-        features = numba.config.CPU_FEATURES or ""
-    else:
+    features = numba.config.CPU_FEATURES  # what numba itself targets
+    if features is None:
         features = llb.get_host_cpu_features().flatten()
     return "+f16c" in features.split(",")
 
@@ -478,7 +477,8 @@ def _f16_bits_lo(x):
 
 
 # Pair codecs: w is a uint32 word holding two 16-bit values (element 2p low,
-# 2p+1 high). `f16` is a compile-time constant after inlining.
+# 2p+1 high). The kernels pass `f16` as a literal, so numba compiles one
+# specialization per value and the test folds away.
 
 
 @numba.njit
@@ -682,6 +682,22 @@ def _sum2_plain(a, b, out):
             o[i] = _narrow_like(acc[i], out)
 
 
+@numba.njit
+def _sum_rows_f16_bits(src, lo, hi, out, out_lo):
+    _sum_rows_pairs(src, lo, hi, out, out_lo, True)
+
+
+@numba.njit
+def _sum2_f16_bits(a, b, out):
+    _sum2_pairs(a, b, out, True)
+
+
+# Chosen here rather than by a branch in the kernels, so that no half-precision
+# instruction is ever generated for a target without them.
+_sum_rows_f16_body = _sum_rows_plain if HARDWARE_F16 else _sum_rows_f16_bits
+_sum2_f16_body = _sum2_plain if HARDWARE_F16 else _sum2_f16_bits
+
+
 # ---------------------------------------------------------------------------
 # Public kernels.
 # ---------------------------------------------------------------------------
@@ -696,10 +712,7 @@ def sum_rows_bf16(src, lo, hi, out, out_lo):
 @numba.njit(_SIG_ROWS_U16, **_KERNEL_OPTIONS)
 def sum_rows_f16(src, lo, hi, out, out_lo):
     """out[out_lo + i - lo] = f16(sum_j f32(src[j, i])) for i in [lo, hi); uint16 bits."""
-    if HARDWARE_F16:
-        _sum_rows_plain(src, lo, hi, out, out_lo)
-    else:
-        _sum_rows_pairs(src, lo, hi, out, out_lo, True)
+    _sum_rows_f16_body(src, lo, hi, out, out_lo)
 
 
 @numba.njit(_SIG_ROWS_F32, **_KERNEL_OPTIONS)
@@ -723,10 +736,7 @@ def sum2_bf16(a, b, out):
 @numba.njit(_SIG_SUM2_U16, **_KERNEL_OPTIONS)
 def sum2_f16(a, b, out):
     """out[i] = f16(f32(a[i]) + f32(b[i])) for i < len(out); uint16 bits."""
-    if HARDWARE_F16:
-        _sum2_plain(a, b, out)
-    else:
-        _sum2_pairs(a, b, out, True)
+    _sum2_f16_body(a, b, out)
 
 
 @numba.njit(_SIG_SUM2_F32, **_KERNEL_OPTIONS)

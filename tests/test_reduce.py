@@ -1,0 +1,654 @@
+"""Tests of harmpi.reduce against plain numpy references (no MPI).
+
+Oracles are independent of the kernels' bit tricks: numpy's float16 casts for
+f16, torch's float32 -> bfloat16 cast (round-to-nearest-even) for bf16, numpy
+elementwise adds for the float32 accumulation, math.fsum for exact sums.
+
+Also run in pure-Python mode, which exercises the kernel code line by line:
+
+    NUMBA_DISABLE_JIT=1 python -m pytest tests/test_reduce.py
+
+(test_pure_python_mode does exactly that from inside a normal run).
+"""
+
+import ctypes
+import math
+import os
+import subprocess
+import sys
+
+import numba
+import numpy as np
+import pytest
+
+import harmpi.reduce as R
+
+JIT = not numba.config.DISABLE_JIT
+# "f16soft" is the portable bit-level f16 path, which sum_rows_f16 uses only
+# where the CPU lacks f16 conversions (R.HARDWARE_F16 False); tested here
+# through the private kernel bodies so it is covered on every machine.
+# In pure-Python mode f16 already is the bit-level path: no need to run it twice.
+DTYPES = ["bf16", "f16", "f16soft", "f32", "f64"] if JIT else ["bf16", "f16", "f32", "f64"]
+HALF = [dt for dt in DTYPES if dt not in ("f32", "f64")]
+F16 = [dt for dt in HALF if dt != "bf16"]
+STORAGE = {"bf16": np.uint16, "f16": np.uint16, "f16soft": np.uint16, "f32": np.float32, "f64": np.float64}
+
+
+@numba.njit(cache=True)
+def _sum_rows_f16soft(src, lo, hi, out, out_lo):
+    R._sum_rows_pairs(src, lo, hi, out, out_lo, True)
+
+
+@numba.njit(cache=True)
+def _sum2_f16soft(a, b, out):
+    R._sum2_pairs(a, b, out, True)
+
+
+ROWS = dict(R.SUM_ROWS, f16soft=_sum_rows_f16soft)
+SUM2 = dict(R.SUM2, f16soft=_sum2_f16soft)
+PUBLIC = ["bf16", "f16", "f32", "f64"]
+# Lengths around the kernels' block size (256 pairs = 512 16-bit elements,
+# 256 float elements) and odd lengths (16-bit kernels work on pairs).
+LENGTHS = [0, 1, 2, 7, 255, 256, 257, 511, 512, 513, 1025]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_float_warnings():
+    # Overflow, Inf - Inf and NaN are intended here; numpy scalar arithmetic
+    # (pure-Python mode) and the numpy references would warn about them.
+    with np.errstate(all="ignore"):
+        yield
+
+
+# ---------------------------------------------------------------------------
+# References
+# ---------------------------------------------------------------------------
+
+
+def widen(bits, dt):
+    """Stored values -> float32 (bf16, f16) or the float type itself."""
+    bits = np.asarray(bits, STORAGE[dt])
+    if dt == "bf16":
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    if dt in F16:
+        return bits.view(np.float16).astype(np.float32)
+    return bits
+
+
+def seq_sum(rows):
+    """Row-ordered sum in the rows' own float type (float32 or float64)."""
+    acc = rows[0].copy()
+    for r in rows[1:]:
+        acc = acc + r
+    return acc
+
+
+def narrow(acc, dt):
+    """float32 accumulator -> stored 16-bit values, by an independent oracle."""
+    acc = np.ascontiguousarray(acc, np.float32)
+    if dt in F16:
+        return acc.astype(np.float16).view(np.uint16)
+    torch = pytest.importorskip("torch")
+    return torch.from_numpy(acc.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def reference_rows(src, lo, hi, dt):
+    rows = [widen(src[j, lo:hi], dt) for j in range(src.shape[0])]
+    acc = seq_sum(rows)
+    return narrow(acc, dt) if dt in HALF else acc
+
+
+def is_nan(values, dt):
+    values = np.asarray(values)
+    if dt == "bf16":
+        return (values & 0x7FFF) > 0x7F80
+    if dt in F16:
+        return (values & 0x7FFF) > 0x7C00
+    return np.isnan(values)
+
+
+def assert_same(out, expected, dt):
+    """Bitwise equal, except that NaN only has to meet NaN (payloads differ)."""
+    out = np.asarray(out)
+    expected = np.asarray(expected)
+    assert out.shape == expected.shape
+    nan_out = is_nan(out, dt)
+    nan_exp = is_nan(expected, dt)
+    np.testing.assert_array_equal(nan_out, nan_exp, err_msg="NaN positions differ")
+    if dt in HALF:
+        quiet_bit = 0x0040 if dt == "bf16" else 0x0200
+        assert np.all(out[nan_out] & quiet_bit), "16-bit NaN results must be quiet"
+    uint = {2: np.uint16, 4: np.uint32, 8: np.uint64}[out.dtype.itemsize]
+    a = out.view(uint)[~nan_out]
+    b = expected.view(uint)[~nan_out]
+    bad = np.nonzero(a != b)[0]
+    assert bad.size == 0, f"{bad.size} values differ, first at {bad[0]}: {a[bad[0]]:#x} != {b[bad[0]]:#x}"
+
+
+def random_values(rng, dt, shape, specials=True):
+    """Stored arrays: random 16-bit patterns for bf16/f16 (all classes of
+    values), normal values with some Inf/NaN/-0/subnormals for f32/f64."""
+    if dt in HALF:
+        return rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    x = rng.standard_normal(shape).astype(STORAGE[dt])
+    if specials and x.size:
+        flat = x.reshape(-1)
+        tiny = np.finfo(STORAGE[dt]).smallest_subnormal
+        picks = rng.integers(0, flat.size, size=max(1, flat.size // 50))
+        specials_pool = np.array([np.inf, -np.inf, np.nan, -0.0, 3 * tiny, -tiny], STORAGE[dt])
+        flat[picks] = rng.choice(specials_pool, picks.size)
+    return x
+
+
+def bits16(values, dt):
+    """Python floats -> stored 16-bit patterns (exactly representable values only)."""
+    x = np.asarray(values, np.float32)
+    if dt in F16:
+        h = x.astype(np.float16)
+        assert np.array_equal(h.astype(np.float32), x, equal_nan=True), "not representable"
+        return h.view(np.uint16)
+    b = x.view(np.uint32)
+    assert not np.any(b & 0xFFFF), "not representable in bf16"
+    return (b >> 16).astype(np.uint16)
+
+
+def run_rows(dt, src, lo=0, hi=None, out=None, out_lo=0):
+    hi = src.shape[1] if hi is None else hi
+    if out is None:
+        out = np.zeros(hi - lo, src.dtype)
+    ROWS[dt](src, lo, hi, out, out_lo)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Kernels against the references
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_sum_rows_matches_reference(dt, k):
+    rng = np.random.default_rng(1000 * k + DTYPES.index(dt))
+    for n in LENGTHS:
+        src = random_values(rng, dt, (k, n))
+        assert_same(run_rows(dt, src), reference_rows(src, 0, n, dt), dt)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_sum2_matches_reference(dt):
+    rng = np.random.default_rng(7 + DTYPES.index(dt))
+    for n in LENGTHS:
+        ab = random_values(rng, dt, (2, n))
+        a, b = ab[0].copy(), ab[1].copy()
+        out = np.zeros(n, ab.dtype)
+        SUM2[dt](a, b, out)
+        assert_same(out, reference_rows(ab, 0, n, dt), dt)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_sum_rows_subranges_leave_the_rest_alone(dt):
+    rng = np.random.default_rng(11)
+    sentinel = np.array(0x5A5A, np.uint16) if dt in HALF else np.array(-1234.5, STORAGE[dt])
+    for k in (1, 2, 3, 4, 5):
+        ncols = 1100
+        src = random_values(rng, dt, (k, ncols))
+        for _ in range(12):
+            lo = int(rng.integers(0, ncols))
+            hi = int(rng.integers(lo, ncols + 1))
+            out_lo = int(rng.integers(0, 40))
+            out = np.full(out_lo + (hi - lo) + 37, sentinel, src.dtype)
+            ROWS[dt](src, lo, hi, out, out_lo)
+            assert_same(out[out_lo : out_lo + hi - lo], reference_rows(src, lo, hi, dt), dt)
+            assert np.all(out[:out_lo] == sentinel)
+            assert np.all(out[out_lo + hi - lo :] == sentinel)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_sum_rows_out_aliases_a_row(dt):
+    """out is row j of src over the same range: every row j, several blocks."""
+    rng = np.random.default_rng(12)
+    for k in (1, 2, 3, 4, 5):
+        for lo, hi in ((0, 1537), (3, 1200), (1, 2), (0, 0)):
+            src = random_values(rng, dt, (k, 1537))
+            expected = reference_rows(src, lo, hi, dt)
+            for j in range(k):
+                s = src.copy()
+                ROWS[dt](s, lo, hi, s[j], lo)
+                assert_same(s[j, lo:hi], expected, dt)
+                others = [i for i in range(k) if i != j]
+                assert np.array_equal(s[others], src[others], equal_nan=True)
+                assert np.array_equal(s[j, :lo], src[j, :lo], equal_nan=True)
+                assert np.array_equal(s[j, hi:], src[j, hi:], equal_nan=True)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_sum2_out_aliases_an_input(dt):
+    rng = np.random.default_rng(13)
+    for n in (1, 2, 513, 1537):
+        ab = random_values(rng, dt, (2, n))
+        expected = reference_rows(ab, 0, n, dt)
+        a, b = ab[0].copy(), ab[1].copy()
+        SUM2[dt](a, b, a)
+        assert_same(a, expected, dt)
+        assert np.array_equal(b, ab[1], equal_nan=True)
+        a, b = ab[0].copy(), ab[1].copy()
+        SUM2[dt](a, b, b)
+        assert_same(b, expected, dt)
+        assert np.array_equal(a, ab[0], equal_nan=True)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_sum2_length_comes_from_out(dt):
+    rng = np.random.default_rng(14)
+    ab = random_values(rng, dt, (2, 700))
+    out = np.zeros(301, ab.dtype)
+    SUM2[dt](ab[0], ab[1], out)
+    assert_same(out, reference_rows(ab, 0, 301, dt), dt)
+
+
+# ---------------------------------------------------------------------------
+# Rounding, special values, subnormals
+# ---------------------------------------------------------------------------
+
+# (inputs as floats, expected sum as a float) for both 16-bit types, where
+# `ulp1` is the spacing just above 1.0 and `half` half of it.
+def tie_cases(dt):
+    ulp1 = 2.0**-7 if dt == "bf16" else 2.0**-10
+    half = ulp1 / 2
+    return [
+        ([1.0, half], 1.0),  # tie, 1.0 is even: down
+        ([1.0 + ulp1, half], 1.0 + 2 * ulp1),  # tie, odd below: up to even
+        ([-1.0 - ulp1, -half], -1.0 - 2 * ulp1),  # negative tie, up in magnitude
+        ([-1.0, -half], -1.0),
+        ([1.0, half, half / 64], 1.0 + ulp1),  # just above the tie: up
+        ([1.0, half, -half / 64], 1.0),  # just below the tie: down
+        ([1.0 + ulp1, half, -half / 64], 1.0 + ulp1),
+        ([2.0, half * 2], 2.0),  # tie one binade up
+        ([2.0 + 2 * ulp1, half * 2], 2.0 + 4 * ulp1),
+    ]
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_round_half_to_even(dt):
+    for inputs, expected in tie_cases(dt):
+        src = bits16(inputs, dt).reshape(-1, 1)
+        out = run_rows(dt, src)
+        assert out[0] == bits16([expected], dt)[0], (inputs, expected, hex(out[0]))
+        # The same through sum2 when there are two inputs.
+        if len(inputs) == 2:
+            o2 = np.zeros(1, np.uint16)
+            SUM2[dt](src[0], src[1], o2)
+            assert o2[0] == out[0]
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_ties_in_a_long_vector(dt):
+    """The tie cases across vector lanes, block edges and the odd tail."""
+    cases = tie_cases(dt)
+    two = [c for c in cases if len(c[0]) == 2]
+    n = 1031
+    src = np.zeros((2, n), np.uint16)
+    expected = np.zeros(n, np.uint16)
+    for i in range(n):
+        inputs, result = two[i % len(two)]
+        src[:, i] = bits16(inputs, dt)
+        expected[i] = bits16([result], dt)[0]
+    assert_same(run_rows(dt, src), expected, dt)
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_overflow_to_inf(dt):
+    if dt == "bf16":
+        big = float(np.float32(2.0**127 * (2 - 2.0**-7)))  # largest finite bf16
+        half_ulp = 2.0**119
+        below = float(np.float32(2.0**127 * (2 - 2.0**-6)))  # its even neighbour below
+    else:
+        big, half_ulp, below = 65504.0, 16.0, 65472.0
+    inf = np.inf
+    cases = [
+        ([big, half_ulp], inf),  # tie at the top: to even, which is Inf
+        ([-big, -half_ulp], -inf),
+        ([big, half_ulp / 2], big),  # below the tie: stays finite
+        ([below, half_ulp], below),  # tie with an even neighbour below: down
+        ([big, big], inf),
+        ([-big, -big, -big], -inf),
+        ([big, big, -big], inf if dt == "bf16" else big),  # bf16: float32 overflowed first
+    ]
+    for inputs, expected in cases:
+        src = bits16(inputs, dt).reshape(-1, 1)
+        assert run_rows(dt, src)[0] == bits16([expected], dt)[0], (inputs, expected)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_inf_nan_and_signed_zero(dt):
+    inf, nan = np.inf, np.nan
+    cases = [
+        ([inf, 1.0], inf),
+        ([-inf, 1.0], -inf),
+        ([inf, inf], inf),
+        ([inf, -inf], nan),
+        ([-inf, 2.0, inf], nan),
+        ([nan, 1.0], nan),
+        ([1.0, nan], nan),
+        ([nan, inf], nan),
+        ([nan], nan),
+        ([-0.0, -0.0], -0.0),
+        ([-0.0, 0.0], 0.0),
+        ([0.0, -0.0], 0.0),
+        ([-0.0], -0.0),
+        ([-0.0, -0.0, -0.0, -0.0, -0.0], -0.0),
+        ([1.0, -1.0], 0.0),
+        ([inf], inf),
+    ]
+    for inputs, expected in cases:
+        if dt in HALF:
+            src = bits16(inputs, dt).reshape(-1, 1)
+            exp = bits16([expected], dt)
+        else:
+            src = np.array(inputs, STORAGE[dt]).reshape(-1, 1)
+            exp = np.array([expected], STORAGE[dt])
+        assert_same(run_rows(dt, src), exp, dt)
+
+
+def test_bf16_nan_keeps_sign_and_becomes_quiet():
+    # Signalling NaNs, both signs, with and without arithmetic.
+    for k_inputs, expected in [
+        ([0x7F81], 0x7FC1),
+        ([0xFF81], 0xFFC1),
+        ([0x7FC5], 0x7FC5),
+        ([0xFFFF], 0xFFFF),
+        ([0xFF81, 0x3F80], 0xFFC1),
+        ([0x3F80, 0x7F81], 0x7FC1),
+    ]:
+        src = np.array(k_inputs, np.uint16).reshape(-1, 1)
+        assert run_rows("bf16", src)[0] == expected, [hex(v) for v in k_inputs]
+
+
+@pytest.mark.parametrize("dt", F16)
+def test_f16_nan_keeps_sign_and_is_quiet(dt):
+    # The bit-level path gives the canonical 0x7E00 | sign; hardware
+    # conversions keep the top payload bits too.
+    canonical = dt == "f16soft" or not R.HARDWARE_F16
+    cases = [([0x7C01], 0), ([0xFC01], 0x8000), ([0x7FFF, 0x3C00], 0), ([0x3C00, 0xFE01], 0x8000)]
+    for k_inputs, sign in cases:
+        src = np.array(k_inputs, np.uint16).reshape(-1, 1)
+        out = run_rows(dt, src)[0]
+        assert is_nan(out, dt) and out & 0x0200 and out & 0x8000 == sign, hex(out)
+        if canonical:
+            assert out == 0x7E00 | sign
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_subnormals(dt):
+    # Patterns: smallest subnormal, largest subnormal, smallest normal.
+    s_min, s_max, n_min = (0x0001, 0x007F, 0x0080) if dt == "bf16" else (0x0001, 0x03FF, 0x0400)
+    neg = 0x8000
+    cases = [
+        ([s_min], s_min),
+        ([s_min, s_min], 2 * s_min),
+        ([s_min, neg | s_min], 0x0000),
+        ([neg | s_min, neg | s_min], neg | 2),
+        ([s_max, s_min], n_min),  # subnormal + subnormal = smallest normal
+        ([n_min, neg | s_min], s_max),  # normal - subnormal = subnormal
+        ([s_max, s_max, s_max], None),
+        ([0x0005, 0x0003, neg | 0x0002], 0x0006),
+    ]
+    for inputs, expected in cases:
+        src = np.array(inputs, np.uint16).reshape(-1, 1)
+        out = run_rows(dt, src)
+        ref = reference_rows(src, 0, 1, dt)
+        assert out[0] == ref[0], ([hex(v) for v in inputs], hex(out[0]), hex(ref[0]))
+        if expected is not None:
+            assert out[0] == expected
+    # All subnormal pairs of one sign and of mixed sign, vectorized.
+    sub = np.arange(1, s_max + 1, dtype=np.uint16)
+    a = np.repeat(sub, sub.size)
+    b = np.tile(sub, sub.size)
+    if not JIT:
+        a, b = a[::37], b[::37]
+    for signs in (0, neg):
+        src = np.stack([a, b | signs]).astype(np.uint16)
+        assert_same(run_rows(dt, src), reference_rows(src, 0, a.size, dt), dt)
+
+
+@numba.njit(cache=True)
+def _narrow_bf16(x, out):
+    for i in range(x.shape[0]):
+        out[i] = np.uint16(R._bf16_round_hi(x[i]) >> np.uint32(16))
+
+
+@numba.njit(cache=True)
+def _narrow_f16(x, out):
+    for i in range(x.shape[0]):
+        out[i] = np.uint16(R._f16_bits_lo(x[i]))
+
+
+@numba.njit(cache=True)
+def _widen_f16(h, out):
+    for i in range(h.shape[0]):
+        out[i] = R._f16_hi_to_f32(np.uint32(np.uint32(h[i]) << np.uint32(16)))
+
+
+@numba.njit(cache=True)
+def _narrow_f16_hw(x, out):
+    for i in range(x.shape[0]):
+        out[i] = R._narrow_like(x[i], out)
+
+
+@numba.njit(cache=True)
+def _widen_f16_hw(h, out):
+    for i in range(h.shape[0]):
+        out[i] = R._widen(h[i])
+
+
+def float32_patterns(rng, count):
+    """float32 bit patterns hitting every rounding situation of 16-bit types."""
+    parts = [rng.integers(0, 1 << 32, size=count, dtype=np.uint64).astype(np.uint32)]
+    # Every 16-bit value with low halves 0 (exact), 0x8000 (tie), 0x7FFF and
+    # 0x8001 (just below and above the tie): covers bf16 ties everywhere.
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    parts += [hi | low for low in (0x0000, 0x8000, 0x7FFF, 0x8001, 0x0001, 0xFFFF)]
+    # f16 ties and neighbours over the whole float16 range, including the
+    # subnormal grid (2**-24 spacing) and the overflow threshold.
+    h = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    h = h[np.isfinite(h)].astype(np.float64)
+    up = np.nextafter(h.astype(np.float16), np.float16(np.inf)).astype(np.float64)
+    mid = ((h + up) / 2)[np.isfinite(up)]
+    mid32 = mid.astype(np.float32)  # exact: f16 midpoints need 12 bits
+    for m in (mid32, np.nextafter(mid32, np.float32(np.inf)), np.nextafter(mid32, np.float32(-np.inf))):
+        parts.append(m.view(np.uint32))
+    # f16 overflow threshold 65520 and neighbours, Inf, NaNs, float32
+    # subnormals, and 2**-25 (half the smallest f16 subnormal) with neighbours.
+    edges = [0x477FF000, 0x477FEFFF, 0x477FF001, 0xC77FF000, 0x7F800000, 0xFF800000, 0x7F800001,
+             0xFFC00000, 0x00000001, 0x80000001, 0x33000000, 0x33000001, 0x32FFFFFF, 0xB3000000]
+    parts.append(np.array(edges, np.uint32))
+    return np.concatenate(parts)
+
+
+def test_narrowing_conversions_match_oracles():
+    """The float32 -> bf16 / f16 rounding itself, including subnormal results
+    (sum_rows can't produce those inexactly: 16-bit inputs sum to multiples of
+    the subnormal spacing)."""
+    rng = np.random.default_rng(15)
+    bits = float32_patterns(rng, 200_000 if JIT else 2_000)
+    if not JIT:
+        bits = bits[:: max(1, bits.size // 20_000)]
+    x = bits.view(np.float32)
+    out = np.zeros(x.size, np.uint16)
+    _narrow_f16(x, out)
+    assert_same(out, x.astype(np.float16).view(np.uint16), "f16")
+    if R.HARDWARE_F16 or not JIT:
+        _narrow_f16_hw(x, out)
+        assert_same(out, x.astype(np.float16).view(np.uint16), "f16")
+    _narrow_bf16(x, out)
+    assert_same(out, narrow(x, "bf16"), "bf16")
+
+
+def test_f16_widening_is_exact_for_every_pattern():
+    h = np.arange(1 << 16, dtype=np.uint16)
+    if not JIT:
+        h = h[::17]
+    out = np.zeros(h.size, np.float32)
+    _widen_f16(h, out)
+    assert_same(out, h.view(np.float16).astype(np.float32), "f32")
+    if R.HARDWARE_F16 or not JIT:
+        _widen_f16_hw(h, out)
+        assert_same(out, h.view(np.float16).astype(np.float32), "f32")
+
+
+# ---------------------------------------------------------------------------
+# Error bound
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_error_bound_against_exact_sums(dt):
+    """|out - s*| <= 0.5 ulp_T(s) + gamma_{k-1} sum|x|, as the module states."""
+    rng = np.random.default_rng(16)
+    n = 2000 if JIT else 300
+    u = 2.0**-24
+    for k in (1, 2, 3, 4, 5):
+        x = rng.standard_normal((k, n)).astype(np.float32) * np.float32(2.0 ** rng.integers(-6, 7))
+        if dt in F16:
+            src = x.astype(np.float16).view(np.uint16)
+        else:
+            src = narrow(x, "bf16")
+        out = widen(run_rows(dt, src), dt).astype(np.float64)
+        vals = widen(src, dt).astype(np.float64)
+        s = seq_sum(list(widen(src, dt))).astype(np.float64)
+        exact = np.array([math.fsum(vals[:, i]) for i in range(n)])
+        _, e = np.frexp(s)
+        e = np.maximum(e - 1, -126 if dt == "bf16" else -14)
+        ulp = np.ldexp(1.0, e - (7 if dt == "bf16" else 10))
+        gamma = (k - 1) * u / (1 - (k - 1) * u)
+        bound = 0.5 * ulp + gamma * np.abs(vals).sum(axis=0)
+        err = np.abs(out - exact)
+        assert np.all(err <= bound * (1 + 1e-12)), float(np.max(err / bound))
+        if k == 2:  # exponents within 15 (bf16) / 12 (f16): float32 sum exact
+            limit = 15 if dt == "bf16" else 12
+            _, ea = np.frexp(vals[0])
+            _, eb = np.frexp(vals[1])
+            close = (np.abs(ea - eb) <= limit) & (vals[0] != 0) & (vals[1] != 0)
+            assert close.sum() > n // 2
+            assert np.array_equal(s[close], exact[close])
+
+
+# ---------------------------------------------------------------------------
+# Calling conventions
+# ---------------------------------------------------------------------------
+
+
+# How the collectives hand memory to the kernels: an integer address turned
+# into a typed pointer (inttoptr) and wrapped with numba.carray.
+if JIT:
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _address_to_pointer(typingctx, address, example):
+        """Typed pointer (CPointer of example's type) from an integer address."""
+        ptrty = types.CPointer(example)
+
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(ptrty))
+
+        return ptrty(address, example), codegen
+
+else:
+
+    def _address_to_pointer(address, example):
+        ctype = {np.uint16: ctypes.c_uint16, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
+        return ctypes.cast(int(address), ctypes.POINTER(ctype[type(example)]))
+
+
+@numba.njit
+def _rows_via_carray(kernel, src_addr, k, ncols, out_addr, nout, lo, hi, out_lo, example):
+    src = numba.carray(_address_to_pointer(src_addr, example), (k, ncols))
+    out = numba.carray(_address_to_pointer(out_addr, example), (nout,))
+    kernel(src, lo, hi, out, out_lo)
+
+
+@numba.njit
+def _sum2_via_carray(kernel, a_addr, b_addr, out_addr, n, example):
+    a = numba.carray(_address_to_pointer(a_addr, example), (n,))
+    b = numba.carray(_address_to_pointer(b_addr, example), (n,))
+    out = numba.carray(_address_to_pointer(out_addr, example), (n,))
+    kernel(a, b, out)
+
+
+@numba.njit
+def _rows_repeatedly(kernel, src, out, reps):
+    # Many calls from one compiled loop (each call gets its own stack scratch).
+    for r in range(reps):
+        kernel(src, r, src.shape[1], out, r)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_callable_from_compiled_code(dt):
+    rng = np.random.default_rng(17)
+    k, ncols = 3, 1301
+    src = random_values(rng, dt, (k, ncols))
+    out = np.zeros(ncols + 5, src.dtype)
+    example = STORAGE[dt](0)
+    _rows_via_carray(ROWS[dt], src.ctypes.data, k, ncols, out.ctypes.data, out.size, 10, 1200, 5, example)
+    assert_same(out[5 : 5 + 1190], reference_rows(src, 10, 1200, dt), dt)
+
+    a, b = src[0].copy(), src[1].copy()
+    out = np.zeros(ncols, src.dtype)
+    _sum2_via_carray(SUM2[dt], a.ctypes.data, b.ctypes.data, out.ctypes.data, ncols, example)
+    assert_same(out, reference_rows(src[:2], 0, ncols, dt), dt)
+
+    out = np.zeros(ncols, src.dtype)
+    _rows_repeatedly(ROWS[dt], src, out, 4)
+    assert_same(out[3:], reference_rows(src, 3, ncols, dt), dt)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_bad_ranges_raise(dt):
+    src = np.zeros((2, 10), STORAGE[dt])
+    out = np.zeros(10, STORAGE[dt])
+    f = ROWS[dt]
+    for lo, hi, out_lo in [(-1, 5, 0), (6, 5, 0), (0, 11, 0), (0, 10, 1), (0, 5, -1), (2, 10, 3)]:
+        with pytest.raises(ValueError):
+            f(src, lo, hi, out, out_lo)
+    with pytest.raises(ValueError):
+        f(np.zeros((0, 10), STORAGE[dt]), 0, 10, out, 0)
+    f(src, 4, 4, out, 10)  # empty range at the very end is fine
+    with pytest.raises(ValueError):
+        SUM2[dt](src[0, :5], src[1], out)
+
+
+@pytest.mark.skipif(not JIT, reason="signatures exist only when compiled")
+@pytest.mark.parametrize("dt", PUBLIC)
+def test_signatures_are_exact_and_strict(dt):
+    # One compiled signature each, no lazy compilation of others.
+    assert len(ROWS[dt].signatures) == 1
+    assert len(SUM2[dt].signatures) == 1
+    src = np.zeros((2, 8), STORAGE[dt])
+    with pytest.raises(TypeError):
+        ROWS[dt](src[:, ::2], 0, 4, np.zeros(4, STORAGE[dt]), 0)  # not C-contiguous
+    with pytest.raises(TypeError):
+        ROWS[dt](src.astype(np.int32), 0, 4, np.zeros(4, np.int32), 0)
+
+
+def test_tables_and_warm_up():
+    assert set(R.SUM_ROWS) == set(R.SUM2) == set(PUBLIC)
+    assert R.SUM_ROWS["bf16"] is R.sum_rows_bf16 and R.SUM2["f64"] is R.sum2_f64
+    R.warm_up()
+
+
+@pytest.mark.skipif(not JIT, reason="already in pure-Python mode")
+def test_pure_python_mode():
+    """This whole file again with NUMBA_DISABLE_JIT=1: runs the kernel code as
+    Python (coverage) and checks the numpy fallbacks of the intrinsics."""
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
