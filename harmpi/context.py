@@ -149,14 +149,21 @@ class Context:
             self._allgather = HierAllgather(self)
         return self._allgather
 
-    def fail(self, rc, call, rail_poison=False, after_rail=False):
-        """Turn a compiled step's status into the right exception."""
-        topo = self.topo
+    def error_state(self):
+        """The (peer, a, b) a failed compiled step left in ctl."""
         ctl = self.ctl
+        return int(ctl[node.C_ERR_PEER]), int(ctl[node.C_ERR_A]), int(ctl[node.C_ERR_B])
+
+    def fail(self, rc, call, rail_poison=False, after_rail=False, state=None):
+        """Turn a compiled step's status into the right exception.
+
+        ``state``: an earlier :meth:`error_state`, when the algorithm went on
+        (in poisoned mode) after the failing step so its peers fail too.
+        """
+        topo = self.topo
         who = f"rank {topo.rank} (node {topo.node_index}, local rank {topo.local_rank})"
-        peer = int(ctl[node.C_ERR_PEER])
+        peer, a, b = state or self.error_state()
         peer_rank = topo.node_ranks[topo.node_index][peer]
-        a, b = int(ctl[node.C_ERR_A]), int(ctl[node.C_ERR_B])
         if rc == node.TIMEOUT:
             self.broken = (f"{who}: {call}: local rank {peer} (rank {peer_rank}) did not publish "
                            f"step {a} within {self.config.timeout_s:g} s; its flag shows {b}")

@@ -218,7 +218,7 @@ def stage(ctl, x_addr, r_addr, m, total_nbytes, code, fmt, w):
         peer_meta = ctl[C_FLAGS] + j * _LINE + (W_META + 2 * parity) * _WORD
         a = load_acquire(peer_meta)
         b = load_acquire(peer_meta + _WORD)
-        if a != total_nbytes or b != code:
+        if a != total_nbytes or b != code or b == POISON_CODE:
             ctl[C_ERR_PEER] = j
             ctl[C_ERR_A] = a
             ctl[C_ERR_B] = b

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import node
 from ..transports import tag_for
-from .base import recv_check
+from .base import mismatch_error, recv_check
 
 __all__ = ["HierAllgather"]
 
@@ -60,6 +60,12 @@ class HierAllgather:
         ctx = self.ctx
         isz = call.itemsize
         if not self.uniform:
+            # one small object allgather first: MPI_Allgather itself cannot
+            # tell that ranks passed different shapes
+            kinds = ctx.comm.allgather((call.nbytes, call.code))
+            if any(k != kinds[0] for k in kinds):
+                raise mismatch_error(ctx.topo.rank, call,
+                                     f"(bytes, kind) by rank: {kinds}")
             size = ctx.topo.size
             ctx.comm.Allgather(ctx.view(call.addr, call.nbytes),
                                ctx.view(out_addr, call.nbytes * size))

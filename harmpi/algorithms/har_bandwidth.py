@@ -55,16 +55,23 @@ class HarBandwidthAllreduce:
             m = min(chunk, call.n - start)
             addr = call.addr + start * call.itemsize
             rc = node.stage(ctl, addr, 0, m, call.nbytes, call.code, call.fmt, call.w)
-            if rc:
+            if rc == node.TIMEOUT:
                 ctx.fail(rc, call)
+            # on disagreement inside the node, go on poisoned: the rails then
+            # carry the poison tag and every node fails instead of waiting
+            local = ctx.error_state() if rc else None
             lo, hi = node.part_bounds(m, self.L, self.me, call.itemsize)
-            node.sum_own_part(ctl, lo, hi, call.fmt, call.w)
+            if local is None:
+                node.sum_own_part(ctl, lo, hi, call.fmt, call.w)
             share_addr = node.slot_addr(ctl, self.me) + lo * call.itemsize
             poisoned = rail_allreduce(self.transport, self.g, self.G, share_addr, hi - lo, call,
-                                      self.recv_buf, tag, ctx.config.timeout_s)
-            rc = node.publish_wait_status(ctl, 1 if poisoned else 0)
-            if rc:
-                ctx.fail(rc, call, after_rail=True)
+                                      self.recv_buf, tag, ctx.config.timeout_s,
+                                      poisoned=local is not None)
+            rc2 = node.publish_wait_status(ctl, 1 if poisoned else 0)
+            if local is not None:
+                ctx.fail(rc, call, state=local)
+            if rc2:
+                ctx.fail(rc2, call, after_rail=True)
             node.gather_parts(ctl, addr, m, call.w)
             start += m
             if start >= call.n:

@@ -4,29 +4,35 @@ The published hierarchical all-reduce for decode-sized tensors (G nodes of
 L ranks, every node the same L; rank (g, l) is local rank l of node g).
 
 Steps (per chunk of at most one slot of m elements):
-  1. post the rail exchange first: receive from and send x to the rail
-     peer (same local rank on the other node) — straight from the caller's
-     buffer, no copy;
-  2. G = 2: when it completes, my slot = x + received, in one fused pass
-     (the "copy into the slot" and the cross-node add are the same pass);
-     G > 2: recursive doubling over the rail in place on x (log2 G
-     exchanges; ranks beyond the largest power of two fold in first and get
-     the result last), then x is copied into my slot;
-  3. post (size, kind), publish, wait for the node, check;
-  4. every rank sums the L slots in rank order into x.
+  1. G = 2: post the rail exchange first — receive from, and send x to, the
+     rail peer (same local rank on the other node), straight from the
+     caller's buffer — so the network works while the node does step 2;
+  2. copy x into my slot, post (size, kind), publish, wait for the node,
+     check that every local rank passes the same size and kind;
+  3. G = 2: complete the exchange and add the peer's tensor into my slot;
+     G > 2: recursive doubling over the rail, in place in my slot (log2 G
+     exchanges; ranks beyond the largest power of two fold in first and
+     get the result last);
+  4. post my status (did the exchange disagree?), publish, wait for the node;
+  5. every rank sums the L slots in rank order into x.
 
 No root, no relay, no broadcast: each rank's only network step is its own
-rail exchange, all rails in parallel.
+rail exchange, and all L rails run in parallel.
 
-Invariants: after step 2 the slot of local rank l holds the same bits on
+Invariants: after step 3 the slot of local rank l holds the same bits on
 every node (a + b == b + a in IEEE arithmetic, also after rounding to bf16,
-and recursive doubling combines identical pairs), so step 4 yields the same
-bits everywhere. A bf16 result has rounded log2 G times on the rail and once
-in the node sum.
+and recursive doubling combines identical pairs), so step 5 yields the same
+bits everywhere. The caller's x is only read until step 5, so any
+disagreement (found in step 2 inside the node or in step 3 across nodes)
+fails every rank with x untouched. Steps 2 and 4 are shared with
+har_bandwidth and leader, so ranks that picked different algorithms from
+different sizes still meet in the same flag rounds and fail cleanly.
+A bf16 result rounds once per rail combine and once in the node sum.
 
-Cost: per rank, log2 G messages of m bytes (1 for two nodes) + one fused
-pass over m + one flag round + L*m reads. Network bytes per rank ~m*log2 G:
-fine for small m, wasteful for large m (see har_bandwidth).
+Cost: per rank, log2 G messages of m bytes (1 for two nodes), overlapped
+with the copy into the slot; one add pass; two flag rounds; L*m bytes read
+in the final sum. Network bytes per rank ~m*log2 G: right for small m,
+wasteful for large m (see har_bandwidth).
 """
 
 from __future__ import annotations
@@ -48,37 +54,48 @@ class HarLatencyAllreduce:
         self.transport = ctx.rail_transport()
         self.G = ctx.topo.node_count
         self.g = ctx.topo.node_index
+        self.me = ctx.topo.local_rank
         self.recv_buf = ctx.rail_recv_buffer()
         self.recv_addr = self.recv_buf.ctypes.data
 
     def run(self, call):
         ctx = self.ctx
-        chunk = ctx.config.slot_nbytes // call.itemsize
+        ctl = ctx.ctl
+        isz = call.itemsize
+        chunk = ctx.config.slot_nbytes // isz
         tag = tag_for(call.nbytes, call.code)
+        timeout_s = ctx.config.timeout_s
         start = 0
         while True:
             m = min(chunk, call.n - start)
-            addr = call.addr + start * call.itemsize
-            poisoned = False
+            addr = call.addr + start * isz
+            pending = None
             if self.G == 2:
                 peer = 1 - self.g
-                data = ctx.view(addr, m * call.itemsize)
-                got, = self.transport.complete(
-                    self.transport.post([(peer, data, tag)],
-                                        [(peer, self.recv_buf)]),
-                    ctx.config.timeout_s, call)
-                poisoned = recv_check(got, m * call.itemsize, tag)
-                r_addr = 0 if poisoned else self.recv_addr
+                # the whole receive buffer: a larger tensor from a mismatched
+                # peer is then seen by its count, not a truncation error
+                pending = self.transport.post([(peer, ctx.view(addr, m * isz), tag)],
+                                              [(peer, self.recv_buf)])
+            rc = node.stage(ctl, addr, 0, m, call.nbytes, call.code, call.fmt, call.w)
+            if rc == node.TIMEOUT:
+                ctx.fail(rc, call)
+            local = ctx.error_state() if rc else None
+            mine = node.slot_addr(ctl, self.me)
+            if pending is not None:
+                got, = self.transport.complete(pending, timeout_s, call)
+                poisoned = local is not None or recv_check(got, m * isz, tag)
+                if not poisoned:
+                    node.add_into(mine, self.recv_addr, m, call.fmt, call.w)
             else:
-                poisoned = rail_allreduce(self.transport, self.g, self.G, addr, m, call,
-                                          self.recv_buf, tag, ctx.config.timeout_s)
-                r_addr = 0
-            code = node.POISON_CODE if poisoned else call.code
-            rc = node.stage(ctx.ctl, addr, r_addr, m, call.nbytes, code, call.fmt, call.w)
-            if rc:
-                ctx.fail(rc, call, rail_poison=poisoned)
-            node.sum_slots(ctx.ctl, addr, 0, m, call.fmt, call.w)
+                poisoned = rail_allreduce(self.transport, self.g, self.G, mine, m, call,
+                                          self.recv_buf, tag, timeout_s,
+                                          poisoned=local is not None)
+            rc2 = node.publish_wait_status(ctl, 1 if poisoned else 0)
+            if local is not None:
+                ctx.fail(rc, call, state=local)
+            if rc2:
+                ctx.fail(rc2, call, after_rail=True)
+            node.sum_slots(ctl, addr, 0, m, call.fmt, call.w)
             start += m
             if start >= call.n:
                 return
-

@@ -7,7 +7,8 @@ all nodes.
 
 Steps (per chunk of at most one slot of m elements):
   1. every rank copies x into its slot, posts (size, kind), publishes, waits
-     for the node, checks;
+     for the node, checks (on disagreement the node still takes part in
+     steps 3-4 with the poison tag, so every node fails, none waits);
   2. the leader sums the L slots in rank order into its own slot;
   3. the leaders all-reduce that node sum across the G nodes (recursive
      doubling in place in the leader's slot);
@@ -55,18 +56,25 @@ class LeaderAllreduce:
             m = min(chunk, call.n - start)
             addr = call.addr + start * call.itemsize
             rc = node.stage(ctl, addr, 0, m, call.nbytes, call.code, call.fmt, call.w)
-            if rc:
+            if rc == node.TIMEOUT:
                 ctx.fail(rc, call)
-            poisoned = False
+            # A node that disagrees internally still runs the leaders'
+            # exchange, with the poison tag, so that the other nodes fail too
+            # instead of waiting for it.
+            local = ctx.error_state() if rc else None
+            poisoned = rc != node.OK
             if self.is_leader:
-                node.sum_own_part(ctl, 0, m, call.fmt, call.w)
+                if not poisoned:
+                    node.sum_own_part(ctl, 0, m, call.fmt, call.w)
                 if self.G > 1:
                     poisoned = rail_allreduce(self.transport, self.g, self.G,
                                               node.slot_addr(ctl, 0), m, call, self.recv_buf,
-                                              tag, ctx.config.timeout_s)
-            rc = node.publish_wait_status(ctl, 1 if poisoned else 0)
-            if rc:
-                ctx.fail(rc, call, after_rail=True)
+                                              tag, ctx.config.timeout_s, poisoned=poisoned)
+            rc2 = node.publish_wait_status(ctl, 1 if poisoned else 0)
+            if local is not None:
+                ctx.fail(rc, call, state=local)
+            if rc2:
+                ctx.fail(rc2, call, after_rail=True)
             node.copy_slot(ctl, 0, addr, 0, m, call.w)
             start += m
             if start >= call.n:

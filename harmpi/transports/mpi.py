@@ -68,13 +68,24 @@ class MpiTransport(Transport):
             raise
         return [(st.Get_count(MPI.BYTE), st.Get_tag()) for st in statuses[: pending.nrecv]]
 
+    def _world_rank(self, peer):
+        """The COMM_WORLD rank of ``peer`` (errors should name ranks users know)."""
+        try:
+            (w,) = MPI.Group.Translate_ranks(self.comm.Get_group(), [peer],
+                                             MPI.COMM_WORLD.Get_group())
+            return w
+        except MPI.Exception:
+            return peer
+
     def _timeout(self, pending, timeout_s, what):
         waiting = []
         for i, req in enumerate(pending.reqs):
             if not req.Test():
-                kind, peer = (("receive from", pending.recv_peers[i]) if i < pending.nrecv
-                              else ("send to", pending.send_peers[i - pending.nrecv]))
-                waiting.append(f"{kind} rank {peer}")
+                kind, peer = (("a message from", pending.recv_peers[i]) if i < pending.nrecv
+                              else ("delivery to", pending.send_peers[i - pending.nrecv]))
+                waiting.append(f"{kind} rank {self._world_rank(peer)}")
+        if not waiting:  # everything completed just now: not a timeout after all
+            return
         for req in pending.reqs:
             if req != MPI.REQUEST_NULL:
                 try:
@@ -82,9 +93,9 @@ class MpiTransport(Transport):
                 except MPI.Exception:
                     pass  # a request that completed meanwhile cannot be cancelled
         raise HarmpiTimeoutError(
-            f"rank {self.rank} (of its {self.name} transport communicator): {what}: no progress "
-            f"after {timeout_s:g} s on {', '.join(waiting)}; that rank crashed, hangs, or called "
-            "a different collective (HARMPI_TIMEOUT_S sets the deadline)")
+            f"rank {self._world_rank(self.rank)}: {what}: waited {timeout_s:g} s for "
+            f"{', '.join(waiting)} over the {self.name} transport; that rank crashed, hangs, or "
+            "called a different collective (HARMPI_TIMEOUT_S sets the deadline)")
 
     def close(self):
         if self.comm is not None and self.comm != MPI.COMM_NULL:
