@@ -72,9 +72,19 @@ class _Contexts:
             self.world = ctx
         if not self.atexit_registered:
             # Runs before mpi4py's own finalisation (atexit is last-in, first-out).
-            atexit.register(self.free_all)
+            atexit.register(self.free_at_exit)
             self.atexit_registered = True
         return ctx
+
+    def free_at_exit(self):
+        """Interpreter exit: free collectively, unless the exit is an uncaught
+        exception. Then the peers may be stuck in a collective (or be gone),
+        a collective free would wait for them, and the abort that
+        ``python -m mpi4py`` is about to make reclaims everything anyway."""
+        if getattr(sys, "last_value", None) is not None:
+            log.debug("exiting on an uncaught exception: leaving teardown to MPI")
+            return
+        self.free_all()
 
     def free_all(self):
         if MPI.Is_finalized():

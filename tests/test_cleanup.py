@@ -1,0 +1,66 @@
+"""Nothing leaks: after a normal run and after a rank dies with an error,
+no shared-memory segment, session directory or rank process is left."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = textwrap.dedent("""
+    import os, sys, torch, harmpi
+    from mpi4py import MPI
+    x = torch.ones(300_000, dtype=torch.bfloat16)
+    harmpi.allreduce(x)
+    if MPI.COMM_WORLD.rank == 0:
+        print("segments during:", len(os.listdir(sys.argv[1])), flush=True)
+    MPI.COMM_WORLD.Barrier()
+    if sys.argv[2] == "crash" and MPI.COMM_WORLD.rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    harmpi.allreduce(x)
+    if sys.argv[2] == "crash":
+        harmpi.allreduce(x)   # rank 0 waits here until the job is aborted
+""")
+
+
+def _mpirun():
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return here if os.path.exists(here) else shutil.which("mpirun")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["normal", "crash"])
+def test_no_segments_or_processes_left(tmp_path, mode):
+    mpirun = _mpirun()
+    if mpirun is None:
+        pytest.skip("no mpirun")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    session = tmp_path / "tmp"
+    session.mkdir()
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=REPO, TMPDIR=str(session),
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_osc="^ucx", OMPI_MCA_pml="ob1",
+               # put Open MPI's shared-memory backing files where we can look
+               OMPI_MCA_btl_sm_backing_directory=str(shm),
+               OMPI_MCA_osc_sm_backing_directory=str(shm))
+    proc = subprocess.run(
+        [mpirun, "-np", "2", "--map-by", ":OVERSUBSCRIBE", "--bind-to", "none",
+         "-x", "OMPI_MCA_btl_sm_backing_directory", "-x", "OMPI_MCA_osc_sm_backing_directory",
+         "-x", "PYTHONPATH", sys.executable, "-m", "mpi4py", str(script), str(shm), mode],
+        env=env, capture_output=True, text=True, timeout=150)
+    if mode == "normal":
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    else:
+        assert proc.returncode != 0
+        assert "rank 1 fails on purpose" in proc.stderr
+    assert "segments during: " in proc.stdout and "segments during: 0" not in proc.stdout
+    assert os.listdir(shm) == [], "shared-memory segments left behind"
+    assert os.listdir(session) == [], "session directories left behind"
+    left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", "rank processes left behind"
