@@ -57,6 +57,9 @@ class Context:
         self.arena = Arena(self.node_comm, self.config.slot_nbytes)
         self.ctl = node.new_ctl(self.arena, spin, self.config.timeout_s)
         self.broken = None
+        #: auto on one node with peers: the API may call the shm kernel directly
+        self.single_node_auto = (self.topo.node_count == 1 and self.topo.size > 1
+                                 and self.config.algorithm == "auto")
         self._logged = set()
         self._allreduce = {}
         self._allgather = None
