@@ -49,6 +49,7 @@ class _Contexts:
         self.by_comm = {}
         self.world = None           # fast path for comm=None
         self.torch = None           # harmpi.torch, once a tensor has been seen
+        self.tensor_type = None     # torch.Tensor, likewise
         self.atexit_registered = False
 
     def get(self, comm):
@@ -177,6 +178,7 @@ def _describe(x, dtype, writable):
                 f"expected a numpy array or a torch tensor, got {type(x).__name__}")
         from . import torch as ht  # noqa: PLC0415 - torch only once a tensor is seen
         _CONTEXTS.torch = ht
+        _CONTEXTS.tensor_type = ht.Tensor
     if isinstance(x, ht.Tensor):
         if dtype is not None:
             raise HarmpiArgumentError("dtype= is only for numpy uint16 arrays; a tensor has its own")
@@ -210,24 +212,23 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
     bf16/f16 sums accumulate in float32 and round to nearest even once per
     stage (node sum, and each cross-node combine).
     """
-    # Fast path for the decode loop's call: a CPU tensor, COMM_WORLD on one
-    # node, everything else default. Same checks and kernel as below, minus
+    # Fast path for the decode loop's call: a CPU tensor, a communicator
+    # already set up on one node, everything else default. Same checks and kernel as below, minus
     # ~1 us of generic dispatch.
-    ht = _CONTEXTS.torch
-    if type(x) is getattr(ht, "Tensor", None) and op == "sum" and comm is None \
-            and algorithm is None and dtype is None:
-        ctx = _CONTEXTS.world
+    if type(x) is _CONTEXTS.tensor_type and op == "sum" and algorithm is None and dtype is None:
+        ctx = _CONTEXTS.world if comm is None else \
+            _CONTEXTS.by_comm.get(getattr(comm, "handle", None))
         if ctx is not None and ctx.single_node_auto and ctx.broken is None:
-            kind = ht.KINDS.get(x.dtype)
-            if kind is not None and x.is_contiguous() and x.is_cpu and not x.requires_grad:
-                fmt, w, itemsize = kind
+            fast = _CONTEXTS.torch.FAST.get(x.dtype)
+            if fast is not None and x.is_contiguous() and x.is_cpu and not x.requires_grad:
+                fmt, kernel, itemsize = fast
                 n = x.numel()
                 addr = x.data_ptr()
-                code = fmt | _AUTO_ALLREDUCE_CODE
-                rc = node.shm_allreduce(ctx.ctl, addr, n, code, fmt,
-                                        ctx.config.small_max_nbytes // itemsize, w)
+                rc = kernel(ctx.ctl, addr, n, fmt | _AUTO_ALLREDUCE_CODE, fmt,
+                            ctx.config.small_max_nbytes // itemsize)
                 if rc:
-                    ctx.fail(rc, Call(addr, n, itemsize, fmt, w, code, "allreduce"))
+                    ctx.fail(rc, Call(addr, n, itemsize, fmt, _CONTEXTS.torch.KINDS[x.dtype][1],
+                                      fmt | _AUTO_ALLREDUCE_CODE, "allreduce"))
                 return x
     opid = _op_id(op)
     addr, n, fmt, w, itemsize, _ = _describe(x, dtype, True)

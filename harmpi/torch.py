@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from .errors import HarmpiArgumentError
-from .node import FMT_BF16, FMT_F16, FMT_F32, FMT_F64
+from .node import FMT_BF16, FMT_F16, FMT_F32, FMT_F64, SHM_ALLREDUCE_BY_FMT
 
-__all__ = ["KINDS", "Tensor", "describe", "empty_like_gathered"]
+__all__ = ["KINDS", "FAST", "Tensor", "describe", "empty_like_gathered"]
 
 Tensor = torch.Tensor
 
@@ -25,6 +25,10 @@ KINDS = {
     torch.float32: (FMT_F32, np.empty(0, np.float32), 4),
     torch.float64: (FMT_F64, np.empty(0, np.float64), 8),
 }
+
+
+#: torch dtype -> (storage format, fast-path kernel, itemsize) for the API's fast path
+FAST = {dt: (fmt, SHM_ALLREDUCE_BY_FMT[fmt], isz) for dt, (fmt, _, isz) in KINDS.items()}
 
 
 def describe(t, writable=True):
