@@ -22,7 +22,7 @@ from . import node
 from .algorithms import ALGORITHM_IDS
 from .algorithms.base import Call
 from .config import ALGORITHMS, Config
-from .context import Context
+from .context import COLL_ALLGATHER, COLL_ALLREDUCE, OP_SUM, Context
 from .errors import HarmpiArgumentError, HarmpiError, HarmpiTimeoutError
 
 __all__ = ["init", "finalize", "allreduce", "allgather", "barrier", "info"]
@@ -36,10 +36,8 @@ _NUMPY_KINDS = {
     np.dtype(np.float64): (node.FMT_F64, np.empty(0, np.float64), 8),
 }
 _BF16 = (node.FMT_BF16, np.empty(0, np.uint16), 2)
-_OP_SUM = 1
-_OPS = {"sum": _OP_SUM}
-_COLL_ALLREDUCE, _COLL_ALLGATHER = 1, 2
-_AUTO_ALLREDUCE_CODE = (ALGORITHM_IDS["auto"] << 8) | (_COLL_ALLREDUCE << 16) | (_OP_SUM << 20)
+_OPS = {"sum": OP_SUM}
+from .context import AUTO_ALLREDUCE_CODE  # noqa: E402 - the fast path's code, kept in ctl
 
 
 class _Contexts:
@@ -189,7 +187,7 @@ def _describe(x, dtype, writable):
 
 def _op_id(op):
     if op is MPI.SUM:
-        return _OP_SUM
+        return OP_SUM
     opid = _OPS.get(op) if isinstance(op, str) else None
     if opid is None:
         raise HarmpiArgumentError(f"op={op!r} is not supported; harmpi all-reduce sums (op='sum')")
@@ -219,16 +217,13 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
         ctx = _CONTEXTS.world if comm is None else \
             _CONTEXTS.by_comm.get(getattr(comm, "handle", None))
         if ctx is not None and ctx.single_node_auto and ctx.broken is None:
-            fast = _CONTEXTS.torch.FAST.get(x.dtype)
-            if fast is not None and x.is_contiguous() and x.is_cpu and not x.requires_grad:
-                fmt, kernel, itemsize = fast
-                n = x.numel()
-                addr = x.data_ptr()
-                rc = kernel(ctx.ctl, addr, n, fmt | _AUTO_ALLREDUCE_CODE, fmt,
-                            ctx.config.small_max_nbytes // itemsize)
+            kernel = _CONTEXTS.torch.FAST.get(x.dtype)
+            if kernel is not None and x.is_contiguous() and x.is_cpu and not x.requires_grad:
+                rc = kernel(ctx.ctl, x.data_ptr(), x.numel())
                 if rc:
-                    ctx.fail(rc, Call(addr, n, itemsize, fmt, _CONTEXTS.torch.KINDS[x.dtype][1],
-                                      fmt | _AUTO_ALLREDUCE_CODE, "allreduce"))
+                    addr, n, fmt, w, itemsize, _ = _describe(x, None, True)
+                    ctx.fail(rc, Call(addr, n, itemsize, fmt, w, fmt | AUTO_ALLREDUCE_CODE,
+                                      "allreduce"))
                 return x
     opid = _op_id(op)
     addr, n, fmt, w, itemsize, _ = _describe(x, dtype, True)
@@ -240,7 +235,7 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
     if ctx.topo.size == 1:
         return x
     algo = ctx.allreduce_algorithm(name, n * itemsize)
-    code = fmt | (ALGORITHM_IDS[name] << 8) | (_COLL_ALLREDUCE << 16) | (opid << 20)
+    code = fmt | (ALGORITHM_IDS[name] << 8) | (COLL_ALLREDUCE << 16) | (opid << 20)
     try:
         algo.run(Call(addr, n, itemsize, fmt, w, code, "allreduce"))
     except HarmpiTimeoutError as exc:
@@ -271,7 +266,7 @@ def allgather(x, comm=None, dtype=None):
         node.copy_bytes(out_addr, addr, n * itemsize)
         return out
     shape_digest = zlib.crc32(repr(tuple(x.shape)).encode()) & 0xFFFFFF
-    code = fmt | (_COLL_ALLGATHER << 16) | (shape_digest << 24)
+    code = fmt | (COLL_ALLGATHER << 16) | (shape_digest << 24)
     try:
         ctx.allgather_algorithm().run(Call(addr, n, itemsize, fmt, w, code, "allgather"),
                                       out_addr)

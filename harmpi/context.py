@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import node, transports
-from .algorithms import ALLREDUCE, HierAllgather
+from .algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
 from .algorithms.shm import ShmAllreduce
 from .config import Config
 from .errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError, HarmpiTimeoutError
@@ -23,6 +23,12 @@ from .topology import discover
 __all__ = ["Context"]
 
 log = logging.getLogger("harmpi")
+
+#: ids carried in the meta code (see algorithms.base.Call)
+OP_SUM = 1
+COLL_ALLREDUCE, COLL_ALLGATHER = 1, 2
+#: meta code of an "auto" all-reduce, without its dtype bits
+AUTO_ALLREDUCE_CODE = (ALGORITHM_IDS["auto"] << 8) | (COLL_ALLREDUCE << 16) | (OP_SUM << 20)
 
 #: spins before yielding when ranks outnumber cores (a spinning waiter would
 #: hold the core its peer needs to arrive)
@@ -55,7 +61,8 @@ class Context:
             spin = OVERSUBSCRIBED_SPIN_COUNT
         self.spin_count = spin
         self.arena = Arena(self.node_comm, self.config.slot_nbytes)
-        self.ctl = node.new_ctl(self.arena, spin, self.config.timeout_s)
+        self.ctl = node.new_ctl(self.arena, spin, self.config.timeout_s, AUTO_ALLREDUCE_CODE,
+                                self.config.small_max_nbytes)
         self.broken = None
         #: auto on one node with peers: the API may call the shm kernel directly
         self.single_node_auto = (self.topo.node_count == 1 and self.topo.size > 1

@@ -58,6 +58,7 @@ FMT_BF16, FMT_F16, FMT_F32, FMT_F64 = 0, 1, 2, 3
 # ctl layout (int64 words)
 C_EPOCH, C_STEPS, C_FLAGS, C_SLOTS, C_SLOT_NBYTES, C_L, C_ME, C_SPIN, C_TIMEOUT_NS = range(9)
 C_ERR_PEER, C_ERR_A, C_ERR_B = 9, 10, 11
+C_FAST_CODE, C_SMALL_MAX_NBYTES = 12, 13
 C_LEN = 16
 
 _LINE = FLAG_LINE_NBYTES
@@ -66,8 +67,11 @@ _WORD = 8
 PART_ALIGN_NBYTES = 64
 
 
-def new_ctl(arena, spin_count: int, timeout_s: float) -> np.ndarray:
+def new_ctl(arena, spin_count: int, timeout_s: float, fast_code: int = 0,
+            small_max_nbytes: int = 0) -> np.ndarray:
     ctl = np.zeros(C_LEN, dtype=np.int64)
+    ctl[C_FAST_CODE] = fast_code
+    ctl[C_SMALL_MAX_NBYTES] = small_max_nbytes
     ctl[C_FLAGS] = arena.flags_addr
     ctl[C_SLOTS] = arena.slots_addr
     ctl[C_SLOT_NBYTES] = arena.slot_nbytes
@@ -378,27 +382,37 @@ def address_of(a):
     return a.ctypes.data
 
 
-# Single-signature entry points for the API's fast path: one storage type
-# each, the witness made inside (numba's global arrays are read-only), so the
-# dispatcher has fewer arguments to type (~0.1 us per call).
-_FAST_SIG = _i64(_ctl, types.intp, _i64, _i64, _i64, _i64)
+# The API's fast path: one kernel per dtype with everything but the tensor's
+# address and length already in ctl (C_FAST_CODE: the meta code of an auto
+# all-reduce without its dtype bits; C_SMALL_MAX_NBYTES: the size switch), so
+# the dispatcher types three arguments instead of seven (~0.15 us per call).
+_FAST_SIG = _i64(_ctl, types.intp, _i64)
 
 
 @numba.njit(_FAST_SIG, cache=True, nogil=True)
-def shm_allreduce_u16(ctl, x_addr, n, code, fmt, small_max_elems):
-    return shm_allreduce(ctl, x_addr, n, code, fmt, small_max_elems, np.empty(0, np.uint16))
+def fast_allreduce_bf16(ctl, x_addr, n):
+    return shm_allreduce(ctl, x_addr, n, ctl[C_FAST_CODE] | FMT_BF16, FMT_BF16,
+                         ctl[C_SMALL_MAX_NBYTES] // 2, np.empty(0, np.uint16))
 
 
 @numba.njit(_FAST_SIG, cache=True, nogil=True)
-def shm_allreduce_f32(ctl, x_addr, n, code, fmt, small_max_elems):
-    return shm_allreduce(ctl, x_addr, n, code, fmt, small_max_elems, np.empty(0, np.float32))
+def fast_allreduce_f16(ctl, x_addr, n):
+    return shm_allreduce(ctl, x_addr, n, ctl[C_FAST_CODE] | FMT_F16, FMT_F16,
+                         ctl[C_SMALL_MAX_NBYTES] // 2, np.empty(0, np.uint16))
 
 
 @numba.njit(_FAST_SIG, cache=True, nogil=True)
-def shm_allreduce_f64(ctl, x_addr, n, code, fmt, small_max_elems):
-    return shm_allreduce(ctl, x_addr, n, code, fmt, small_max_elems, np.empty(0, np.float64))
+def fast_allreduce_f32(ctl, x_addr, n):
+    return shm_allreduce(ctl, x_addr, n, ctl[C_FAST_CODE] | FMT_F32, FMT_F32,
+                         ctl[C_SMALL_MAX_NBYTES] // 4, np.empty(0, np.float32))
+
+
+@numba.njit(_FAST_SIG, cache=True, nogil=True)
+def fast_allreduce_f64(ctl, x_addr, n):
+    return shm_allreduce(ctl, x_addr, n, ctl[C_FAST_CODE] | FMT_F64, FMT_F64,
+                         ctl[C_SMALL_MAX_NBYTES] // 8, np.empty(0, np.float64))
 
 
 #: fast-path kernel by storage format
-SHM_ALLREDUCE_BY_FMT = {FMT_BF16: shm_allreduce_u16, FMT_F16: shm_allreduce_u16,
-                        FMT_F32: shm_allreduce_f32, FMT_F64: shm_allreduce_f64}
+FAST_ALLREDUCE = {FMT_BF16: fast_allreduce_bf16, FMT_F16: fast_allreduce_f16,
+                  FMT_F32: fast_allreduce_f32, FMT_F64: fast_allreduce_f64}

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .errors import HarmpiArgumentError
-from .node import FMT_BF16, FMT_F16, FMT_F32, FMT_F64, SHM_ALLREDUCE_BY_FMT
+from .node import FMT_BF16, FMT_F16, FMT_F32, FMT_F64, FAST_ALLREDUCE
 
 __all__ = ["KINDS", "FAST", "Tensor", "describe", "empty_like_gathered"]
 
@@ -27,8 +27,8 @@ KINDS = {
 }
 
 
-#: torch dtype -> (storage format, fast-path kernel, itemsize) for the API's fast path
-FAST = {dt: (fmt, SHM_ALLREDUCE_BY_FMT[fmt], isz) for dt, (fmt, _, isz) in KINDS.items()}
+#: torch dtype -> the API's fast-path kernel
+FAST = {dt: FAST_ALLREDUCE[fmt] for dt, (fmt, _, _) in KINDS.items()}
 
 
 def describe(t, writable=True):
