@@ -585,7 +585,7 @@ def _host_info(comm):
 
 
 def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int, warmup_steps: int,
-        seed: int, threads: int | None, json_path: str | None, rounds: int = 3, comm=None) -> int:
+        seed: int, threads: int | None, json_path: str | None, rounds: int = 4, comm=None) -> int:
     from mpi4py import MPI
 
     from bench.osu import bench_version, environment_lines, topology
@@ -792,7 +792,7 @@ def _jsonable(value):
 @click.option("--prompt-len", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--tokens", "steps", type=click.IntRange(min=1), default=96, show_default=True,
               help="Timed decode steps per backend (each yields one token per sequence), split over the rounds.")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--rounds", type=click.IntRange(min=1), default=4, show_default=True,
               help="Backends take turns this many times, each round restarting from the prompt.")
 @click.option("--warmup", "warmup_steps", type=click.IntRange(min=0), default=2, show_default=True,
               help="Untimed decode steps at the start of each round.")
