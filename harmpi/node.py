@@ -382,6 +382,27 @@ def address_of(a):
     return a.ctypes.data
 
 
+@numba.njit(cache=True, nogil=True)
+def _my_slot(ctl):
+    L = ctl[C_L]
+    return ctl[C_SLOTS] + (((ctl[C_STEPS] - 1) & 1) * L + ctl[C_ME]) * ctl[C_SLOT_NBYTES]
+
+
+@numba.njit(_sigs(_i64, _ctl, types.intp, types.intp, _i64, _i64, _i64, "W"),
+            cache=True, nogil=True)
+def add_publish_sum(ctl, x_addr, r_addr, m, status, fmt, w):
+    """Tail of the hierarchical latency step in one call: my slot += r (if
+    r_addr and status is 0), post ``status``, publish, wait, and if no rank
+    failed, x[:m] = sum of the slots. Returns publish_wait_status's code."""
+    if status == 0 and r_addr != 0 and m > 0:
+        add_into(_my_slot(ctl), r_addr, m, fmt, w)
+    rc = publish_wait_status(ctl, status)
+    if rc != OK:
+        return rc
+    sum_slots(ctl, x_addr, 0, m, fmt, w)
+    return OK
+
+
 # The API's fast path: one kernel per dtype with everything but the tensor's
 # address and length already in ctl (C_FAST_CODE: the meta code of an auto
 # all-reduce without its dtype bits; C_SMALL_MAX_NBYTES: the size switch), so

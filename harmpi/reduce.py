@@ -87,13 +87,25 @@ Kernels
     ``out`` may be the memory it reads, row j of ``src`` over the same range
     (``out`` is ``src[j]`` and ``out_lo == lo``); any other overlap of ``out``
     with ``src`` gives undefined results.
+``sum_rows_x_<dt>(src, lo, hi, me, x, out, out2, out_lo)``
+    The reduce-scatter variant, where this rank's own row is private: the
+    same sum as ``sum_rows_<dt>`` on a copy of ``src`` whose row ``me`` is
+    ``x`` (``x[i]`` pairs with ``src[j, i]``; row order, accumulation and
+    rounding unchanged, so the bits are the same), written to both
+    ``out[out_lo + i - lo]`` and ``out2[out_lo + i - lo]`` for i in
+    [lo, hi). ``0 <= me < k`` and ``len(x) >= hi``; ``src[me]`` itself is
+    not read. Allowed overlaps, with ``out_lo == lo``: ``out`` may be a row
+    of ``src`` (typically ``src[me]``) and ``out2`` may be ``x`` (the sum
+    overwrites the input in place), both at once; ``out`` and ``out2`` must
+    not overlap each other unless they are the same array. Any other
+    overlap gives undefined results.
 ``sum2_<dt>(a, b, out)``
     For i in [0, len(out)): ``out[i] = round(a[i] + b[i])``. ``a`` and ``b``
     must be at least ``len(out)`` long. ``out`` may be ``a`` or ``b`` (same
     start), nothing else that overlaps them.
 
-``<dt>`` is bf16, f16 (both on uint16 arrays), f32 or f64; ``SUM_ROWS`` and
-``SUM2`` map these names to the kernels. Each kernel has exactly one
+``<dt>`` is bf16, f16 (both on uint16 arrays), f32 or f64; ``SUM_ROWS``,
+``SUM_ROWS_X`` and ``SUM2`` map these names to the kernels. Each kernel has exactly one
 signature (mutable, C-contiguous, aligned arrays of the storage type; intp
 indices), compiled for the host CPU at import or loaded from numba's on-disk
 cache (``cache=True``; NUMBA_CACHE_DIR is honoured). Other argument types
@@ -127,6 +139,7 @@ __all__ = [
     "HARDWARE_F16",
     "SUM2",
     "SUM_ROWS",
+    "SUM_ROWS_X",
     "sum2_bf16",
     "sum2_f16",
     "sum2_f32",
@@ -135,6 +148,10 @@ __all__ = [
     "sum_rows_f16",
     "sum_rows_f32",
     "sum_rows_f64",
+    "sum_rows_x_bf16",
+    "sum_rows_x_f16",
+    "sum_rows_x_f32",
+    "sum_rows_x_f64",
     "warm_up",
 ]
 
@@ -182,6 +199,15 @@ HARDWARE_F16 = _target_has_f16_conversions()
 _SIG_ROWS_U16 = "void(uint16[:, ::1], intp, intp, uint16[::1], intp)"
 _SIG_ROWS_F32 = "void(float32[:, ::1], intp, intp, float32[::1], intp)"
 _SIG_ROWS_F64 = "void(float64[:, ::1], intp, intp, float64[::1], intp)"
+_SIG_ROWS_X_U16 = (
+    "void(uint16[:, ::1], intp, intp, intp, uint16[::1], uint16[::1], uint16[::1], intp)"
+)
+_SIG_ROWS_X_F32 = (
+    "void(float32[:, ::1], intp, intp, intp, float32[::1], float32[::1], float32[::1], intp)"
+)
+_SIG_ROWS_X_F64 = (
+    "void(float64[:, ::1], intp, intp, intp, float64[::1], float64[::1], float64[::1], intp)"
+)
 _SIG_SUM2_U16 = "void(uint16[::1], uint16[::1], uint16[::1])"
 _SIG_SUM2_F32 = "void(float32[::1], float32[::1], float32[::1])"
 _SIG_SUM2_F64 = "void(float64[::1], float64[::1], float64[::1])"
@@ -223,6 +249,12 @@ if numba.config.DISABLE_JIT:
 
     def _view_pairs(arr, row, start, count):
         return _view(arr, row, start, 2 * count).view(np.uint32)
+
+    def _row_view(src, x, me, j, start, count):
+        return _view(x, 0, start, count) if j == me else _view(src, j, start, count)
+
+    def _row_view_pairs(src, x, me, j, start, count):
+        return _row_view(src, x, me, j, start, 2 * count).view(np.uint32)
 
 else:
     import llvmlite.ir as _llir
@@ -360,17 +392,13 @@ else:
                 and isinstance(count, types.Integer)
             ):
                 return None
-            if pairs:
-                if arr.dtype != types.uint16:
-                    return None
-                retty = types.Array(types.uint32, 1, "C", aligned=False)
-            else:
-                retty = types.Array(arr.dtype, 1, "C")
+            retty = _view_type(arr.dtype, pairs)
+            if retty is None:
+                return None
 
             def codegen(context, builder, sig, args):
                 arrty = sig.args[0]
                 a = _make_array(arrty)(context, builder, args[0])
-                intp = context.get_value_type(types.intp)
                 row_v, start_v, count_v = (
                     context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])
                 )
@@ -379,26 +407,83 @@ else:
                     ncols = builder.extract_value(a.shape, 1)
                     offset = builder.add(builder.mul(row_v, ncols), start_v)
                 first = builder.gep(a.data, [offset])
-                if pairs:
-                    first = builder.bitcast(first, _llir.IntType(32).as_pointer())
-                itemsize = context.get_abi_sizeof(context.get_data_type(retty.dtype))
-                ary = _make_array(retty)(context, builder)
-                _populate_array(
-                    ary,
-                    data=first,
-                    shape=[count_v],
-                    strides=[_llir.Constant(intp, itemsize)],
-                    itemsize=_llir.Constant(intp, itemsize),
-                    meminfo=None,
-                )
-                return ary._getvalue()
+                return _view_value(context, builder, retty, first, count_v)
 
             return retty(arr, row, start, count), codegen
 
         return view
 
+    def _view_type(elty, pairs):
+        """Type of a view of elements elty (None if pairs and elty is not uint16)."""
+        if pairs:
+            if elty != types.uint16:
+                return None
+            return types.Array(types.uint32, 1, "C", aligned=False)
+        return types.Array(elty, 1, "C")
+
+    def _view_value(context, builder, retty, first, count_v):
+        """The view array (no meminfo) of count_v retty.dtype items at pointer first."""
+        intp = context.get_value_type(types.intp)
+        first = builder.bitcast(first, context.get_data_type(retty.dtype).as_pointer())
+        itemsize = context.get_abi_sizeof(context.get_data_type(retty.dtype))
+        ary = _make_array(retty)(context, builder)
+        _populate_array(
+            ary,
+            data=first,
+            shape=[count_v],
+            strides=[_llir.Constant(intp, itemsize)],
+            itemsize=_llir.Constant(intp, itemsize),
+            meminfo=None,
+        )
+        return ary._getvalue()
+
+    def _make_row_view(pairs):
+        """Intrinsic row_view(src, x, me, j, start, count): like
+        view(x, 0, start, count) if j == me else view(src, j, start, count).
+
+        src is a C-contiguous 2-d array, x a C-contiguous 1-d array of the
+        same dtype. The row is picked by a pointer select, not by a call: an
+        njit helper returning either view would pass src and x by reference,
+        with an atomic reference count update per block.
+        """
+
+        @_intrinsic
+        def row_view(typingctx, src, x, me, j, start, count):
+            if not (
+                isinstance(src, types.Array)
+                and isinstance(x, types.Array)
+                and src.layout == "C"
+                and x.layout == "C"
+                and src.ndim == 2
+                and x.ndim == 1
+                and src.dtype == x.dtype
+                and all(isinstance(t, types.Integer) for t in (me, j, start, count))
+            ):
+                return None
+            retty = _view_type(src.dtype, pairs)
+            if retty is None:
+                return None
+
+            def codegen(context, builder, sig, args):
+                a = _make_array(sig.args[0])(context, builder, args[0])
+                b = _make_array(sig.args[1])(context, builder, args[1])
+                me_v, j_v, start_v, count_v = (
+                    context.cast(builder, v, t, types.intp) for v, t in zip(args[2:], sig.args[2:])
+                )
+                ncols = builder.extract_value(a.shape, 1)
+                in_src = builder.gep(a.data, [builder.add(builder.mul(j_v, ncols), start_v)])
+                in_x = builder.gep(b.data, [start_v])
+                first = builder.select(builder.icmp_signed("==", j_v, me_v), in_x, in_src)
+                return _view_value(context, builder, retty, first, count_v)
+
+            return retty(src, x, me, j, start, count), codegen
+
+        return row_view
+
     _view = _make_view(pairs=False)
     _view_pairs = _make_view(pairs=True)
+    _row_view = _make_row_view(pairs=False)
+    _row_view_pairs = _make_row_view(pairs=True)
 
 
 # ---------------------------------------------------------------------------
@@ -682,6 +767,144 @@ def _sum2_plain(a, b, out):
             o[i] = _narrow_like(acc[i], out)
 
 
+# sum_rows_x: row `me` comes from the private vector x instead of src[me].
+# The bodies are those of sum_rows with every row view taken through
+# _row_view / _row_view_pairs, and each block's result stored twice.
+
+
+@numba.njit
+def _check_rows_x(k, ncols, lo, hi, me, nx, nout, nout2, out_lo):
+    if k < 1:
+        raise ValueError("sum_rows_x: src has no rows")
+    if me < 0 or me >= k:
+        raise ValueError("sum_rows_x: need 0 <= me < src.shape[0]")
+    if lo < 0 or hi < lo or hi > ncols:
+        raise ValueError("sum_rows_x: need 0 <= lo <= hi <= src.shape[1]")
+    if hi > nx:
+        raise ValueError("sum_rows_x: x is shorter than hi")
+    if out_lo < 0 or out_lo > nout - (hi - lo):
+        raise ValueError("sum_rows_x: out[out_lo : out_lo + hi - lo] is out of bounds")
+    if out_lo > nout2 - (hi - lo):
+        raise ValueError("sum_rows_x: out2[out_lo : out_lo + hi - lo] is out of bounds")
+
+
+@numba.njit
+def _sum_rows_x_pairs(src, lo, hi, me, x, out, out2, out_lo, f16):
+    """sum_rows_x for 16-bit values read and written two per uint32 word."""
+    k = src.shape[0]
+    _check_rows_x(k, src.shape[1], lo, hi, me, x.shape[0], out.shape[0], out2.shape[0], out_lo)
+    n = hi - lo
+    npairs = n // 2
+    acc_lo = _scratch_f32()  # even elements
+    acc_hi = _scratch_f32()  # odd elements
+    for p0 in range(0, npairs, _BLOCK):
+        m = min(_BLOCK, npairs - p0)
+        s = lo + 2 * p0
+        # Every input of the block into acc, then the stores: out may be a
+        # row of src and out2 may be x.
+        r0 = _row_view_pairs(src, x, me, 0, s, m)
+        if k == 1:
+            for p in range(m):
+                w0 = r0[p]
+                acc_lo[p] = _dec_lo(w0, f16)
+                acc_hi[p] = _dec_hi(w0, f16)
+        elif k == 2:
+            r1 = _row_view_pairs(src, x, me, 1, s, m)
+            for p in range(m):
+                w0 = r0[p]
+                w1 = r1[p]
+                acc_lo[p] = _dec_lo(w0, f16) + _dec_lo(w1, f16)
+                acc_hi[p] = _dec_hi(w0, f16) + _dec_hi(w1, f16)
+        elif k == 3:
+            r1 = _row_view_pairs(src, x, me, 1, s, m)
+            r2 = _row_view_pairs(src, x, me, 2, s, m)
+            for p in range(m):
+                w0 = r0[p]
+                w1 = r1[p]
+                w2 = r2[p]
+                acc_lo[p] = _dec_lo(w0, f16) + _dec_lo(w1, f16) + _dec_lo(w2, f16)
+                acc_hi[p] = _dec_hi(w0, f16) + _dec_hi(w1, f16) + _dec_hi(w2, f16)
+        else:
+            r1 = _row_view_pairs(src, x, me, 1, s, m)
+            r2 = _row_view_pairs(src, x, me, 2, s, m)
+            r3 = _row_view_pairs(src, x, me, 3, s, m)
+            for p in range(m):
+                w0 = r0[p]
+                w1 = r1[p]
+                w2 = r2[p]
+                w3 = r3[p]
+                acc_lo[p] = (
+                    _dec_lo(w0, f16) + _dec_lo(w1, f16) + _dec_lo(w2, f16) + _dec_lo(w3, f16)
+                )
+                acc_hi[p] = (
+                    _dec_hi(w0, f16) + _dec_hi(w1, f16) + _dec_hi(w2, f16) + _dec_hi(w3, f16)
+                )
+        for j in range(4, k):
+            rj = _row_view_pairs(src, x, me, j, s, m)
+            for p in range(m):
+                w = rj[p]
+                acc_lo[p] += _dec_lo(w, f16)
+                acc_hi[p] += _dec_hi(w, f16)
+        o = _view_pairs(out, 0, out_lo + 2 * p0, m)
+        o2 = _view_pairs(out2, 0, out_lo + 2 * p0, m)
+        for p in range(m):
+            w = _enc_pair(acc_lo[p], acc_hi[p], f16)
+            o[p] = w
+            o2[p] = w
+    if n & 1:  # odd length: the last element on its own
+        i = hi - 1
+        v = _dec_one(x[i] if me == 0 else src[0, i], f16)
+        for j in range(1, k):
+            v += _dec_one(x[i] if j == me else src[j, i], f16)
+        h = _enc_one(v, f16)
+        out[out_lo + n - 1] = h
+        out2[out_lo + n - 1] = h
+
+
+@numba.njit
+def _sum_rows_x_plain(src, lo, hi, me, x, out, out2, out_lo):
+    """sum_rows_x for one stored value per element: float32, float64, and f16
+    with hardware conversions."""
+    k = src.shape[0]
+    _check_rows_x(k, src.shape[1], lo, hi, me, x.shape[0], out.shape[0], out2.shape[0], out_lo)
+    n = hi - lo
+    acc = _scratch_acc(src)
+    for b0 in range(0, n, _BLOCK):
+        m = min(_BLOCK, n - b0)
+        s = lo + b0
+        # Every input of the block into acc, then the stores: out may be a
+        # row of src and out2 may be x.
+        r0 = _row_view(src, x, me, 0, s, m)
+        if k == 1:
+            for i in range(m):
+                acc[i] = _widen(r0[i])
+        elif k == 2:
+            r1 = _row_view(src, x, me, 1, s, m)
+            for i in range(m):
+                acc[i] = _widen(r0[i]) + _widen(r1[i])
+        elif k == 3:
+            r1 = _row_view(src, x, me, 1, s, m)
+            r2 = _row_view(src, x, me, 2, s, m)
+            for i in range(m):
+                acc[i] = _widen(r0[i]) + _widen(r1[i]) + _widen(r2[i])
+        else:
+            r1 = _row_view(src, x, me, 1, s, m)
+            r2 = _row_view(src, x, me, 2, s, m)
+            r3 = _row_view(src, x, me, 3, s, m)
+            for i in range(m):
+                acc[i] = _widen(r0[i]) + _widen(r1[i]) + _widen(r2[i]) + _widen(r3[i])
+        for j in range(4, k):
+            rj = _row_view(src, x, me, j, s, m)
+            for i in range(m):
+                acc[i] += _widen(rj[i])
+        o = _view(out, 0, out_lo + b0, m)
+        o2 = _view(out2, 0, out_lo + b0, m)
+        for i in range(m):
+            v = _narrow_like(acc[i], out)
+            o[i] = v
+            o2[i] = v
+
+
 @numba.njit
 def _sum_rows_f16_bits(src, lo, hi, out, out_lo):
     _sum_rows_pairs(src, lo, hi, out, out_lo, True)
@@ -692,9 +915,15 @@ def _sum2_f16_bits(a, b, out):
     _sum2_pairs(a, b, out, True)
 
 
+@numba.njit
+def _sum_rows_x_f16_bits(src, lo, hi, me, x, out, out2, out_lo):
+    _sum_rows_x_pairs(src, lo, hi, me, x, out, out2, out_lo, True)
+
+
 # Chosen here rather than by a branch in the kernels, so that no half-precision
 # instruction is ever generated for a target without them.
 _sum_rows_f16_body = _sum_rows_plain if HARDWARE_F16 else _sum_rows_f16_bits
+_sum_rows_x_f16_body = _sum_rows_x_plain if HARDWARE_F16 else _sum_rows_x_f16_bits
 _sum2_f16_body = _sum2_plain if HARDWARE_F16 else _sum2_f16_bits
 
 
@@ -725,6 +954,30 @@ def sum_rows_f32(src, lo, hi, out, out_lo):
 def sum_rows_f64(src, lo, hi, out, out_lo):
     """out[out_lo + i - lo] = sum_j src[j, i] in float64, for i in [lo, hi)."""
     _sum_rows_plain(src, lo, hi, out, out_lo)
+
+
+@numba.njit(_SIG_ROWS_X_U16, **_KERNEL_OPTIONS)
+def sum_rows_x_bf16(src, lo, hi, me, x, out, out2, out_lo):
+    """sum_rows_bf16 with row me read from x; the result to out and out2."""
+    _sum_rows_x_pairs(src, lo, hi, me, x, out, out2, out_lo, False)
+
+
+@numba.njit(_SIG_ROWS_X_U16, **_KERNEL_OPTIONS)
+def sum_rows_x_f16(src, lo, hi, me, x, out, out2, out_lo):
+    """sum_rows_f16 with row me read from x; the result to out and out2."""
+    _sum_rows_x_f16_body(src, lo, hi, me, x, out, out2, out_lo)
+
+
+@numba.njit(_SIG_ROWS_X_F32, **_KERNEL_OPTIONS)
+def sum_rows_x_f32(src, lo, hi, me, x, out, out2, out_lo):
+    """sum_rows_f32 with row me read from x; the result to out and out2."""
+    _sum_rows_x_plain(src, lo, hi, me, x, out, out2, out_lo)
+
+
+@numba.njit(_SIG_ROWS_X_F64, **_KERNEL_OPTIONS)
+def sum_rows_x_f64(src, lo, hi, me, x, out, out2, out_lo):
+    """sum_rows_f64 with row me read from x; the result to out and out2."""
+    _sum_rows_x_plain(src, lo, hi, me, x, out, out2, out_lo)
 
 
 @numba.njit(_SIG_SUM2_U16, **_KERNEL_OPTIONS)
@@ -758,6 +1011,13 @@ SUM_ROWS = {
     "f64": sum_rows_f64,
 }
 
+SUM_ROWS_X = {
+    "bf16": sum_rows_x_bf16,
+    "f16": sum_rows_x_f16,
+    "f32": sum_rows_x_f32,
+    "f64": sum_rows_x_f64,
+}
+
 SUM2 = {
     "bf16": sum2_bf16,
     "f16": sum2_f16,
@@ -779,4 +1039,5 @@ def warm_up():
         src = np.zeros((2, 3), storage)
         out = np.zeros(3, storage)
         SUM_ROWS[name](src, 0, 3, out, 0)
+        SUM_ROWS_X[name](src, 0, 3, 1, out.copy(), out, out.copy(), 0)
         SUM2[name](src[0], src[1], out)

@@ -14,6 +14,7 @@ full rails check :attr:`Topology.uniform`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from mpi4py import MPI
 
@@ -36,11 +37,11 @@ class Topology:
     virtual: bool             #: nodes were cut by HARMPI_RANKS_PER_NODE
     hostname: str
 
-    @property
+    @functools.cached_property
     def node_sizes(self) -> tuple:
         return tuple(len(r) for r in self.node_ranks)
 
-    @property
+    @functools.cached_property
     def uniform(self) -> bool:
         """Every node has the same number of ranks (so every rail spans all nodes)."""
         return len(set(self.node_sizes)) == 1

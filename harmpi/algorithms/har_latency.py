@@ -71,31 +71,30 @@ class HarLatencyAllreduce:
             addr = call.addr + start * isz
             pending = None
             if self.G == 2:
-                peer = 1 - self.g
                 # the whole receive buffer: a larger tensor from a mismatched
                 # peer is then seen by its count, not a truncation error
-                pending = self.transport.post([(peer, ctx.view(addr, m * isz), tag)],
-                                              [(peer, self.recv_buf)])
+                pending = self.transport.post_exchange(1 - self.g, ctx.view(addr, m * isz), tag,
+                                                       self.recv_buf)
             rc = node.stage(ctl, addr, 0, m, call.nbytes, call.code, call.fmt, call.w)
             if rc == node.TIMEOUT:
                 ctx.fail(rc, call)
             local = ctx.error_state() if rc else None
-            mine = node.slot_addr(ctl, self.me)
             if pending is not None:
                 got, = self.transport.complete(pending, timeout_s, call)
                 poisoned = local is not None or recv_check(got, m * isz, tag)
-                if not poisoned:
-                    node.add_into(mine, self.recv_addr, m, call.fmt, call.w)
+                r_addr = self.recv_addr
             else:
-                poisoned = rail_allreduce(self.transport, self.g, self.G, mine, m, call,
-                                          self.recv_buf, tag, timeout_s,
-                                          poisoned=local is not None)
-            rc2 = node.publish_wait_status(ctl, 1 if poisoned else 0)
+                poisoned = rail_allreduce(self.transport, self.g, self.G,
+                                          node.slot_addr(ctl, self.me), m, call, self.recv_buf,
+                                          tag, timeout_s, poisoned=local is not None)
+                r_addr = 0
+            # add the peer's tensor, flag round, sum: one compiled call
+            rc2 = node.add_publish_sum(ctl, addr, r_addr, m, 1 if poisoned else 0, call.fmt,
+                                       call.w)
             if local is not None:
                 ctx.fail(rc, call, state=local)
             if rc2:
                 ctx.fail(rc2, call, after_rail=True)
-            node.sum_slots(ctl, addr, 0, m, call.fmt, call.w)
             start += m
             if start >= call.n:
                 return

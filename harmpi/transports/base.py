@@ -48,6 +48,10 @@ class Transport(abc.ABC):
         (numpy arrays); they must stay untouched until completion.
         """
 
+    def post_exchange(self, peer, send_buf, tag, recv_buf) -> Pending:
+        """Post one send to and one receive from ``peer`` (the common case)."""
+        return self.post([(peer, send_buf, tag)], [(peer, recv_buf)])
+
     @abc.abstractmethod
     def complete(self, pending: Pending, timeout_s: float, what: str) -> list:
         """Wait for everything in ``pending``; return [(nbytes, tag)] per receive.

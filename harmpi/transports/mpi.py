@@ -22,12 +22,12 @@ __all__ = ["MpiTransport"]
 class _MpiPending(Pending):
     __slots__ = ("reqs", "statuses", "recv_peers", "send_peers", "nrecv")
 
-    def __init__(self, reqs, recv_peers, send_peers):
+    def __init__(self, reqs, recv_peers, send_peers, statuses):
         self.reqs = reqs
         self.recv_peers = recv_peers
         self.send_peers = send_peers
         self.nrecv = len(recv_peers)
-        self.statuses = [MPI.Status() for _ in reqs]
+        self.statuses = statuses
 
 
 class MpiTransport(Transport):
@@ -38,12 +38,27 @@ class MpiTransport(Transport):
         self.comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.spin_count = spin_count
+        self._status_pool = []   # reused: one exchange is in flight at a time
+
+    def _statuses(self, n):
+        pool = self._status_pool
+        while len(pool) < n:
+            pool.append(MPI.Status())
+        return pool[:n]
 
     def post(self, sends, recvs):
         comm = self.comm
         reqs = [comm.Irecv(buf, source=peer, tag=MPI.ANY_TAG) for peer, buf in recvs]
         reqs += [comm.Isend(buf, dest=peer, tag=tag) for peer, buf, tag in sends]
-        return _MpiPending(reqs, [p for p, _ in recvs], [p for p, _, _ in sends])
+        return _MpiPending(reqs, [p for p, _ in recvs], [p for p, _, _ in sends],
+                           self._statuses(len(reqs)))
+
+    def post_exchange(self, peer, send_buf, tag, recv_buf):
+        # the decode-size path: one receive and one send, no list building
+        comm = self.comm
+        reqs = [comm.Irecv(recv_buf, source=peer, tag=MPI.ANY_TAG),
+                comm.Isend(send_buf, dest=peer, tag=tag)]
+        return _MpiPending(reqs, (peer,), (peer,), self._statuses(2))
 
     def complete(self, pending, timeout_s, what):
         reqs, statuses = pending.reqs, pending.statuses
