@@ -4,11 +4,15 @@
     python -m bench.reduce_kernels --dtype bf16 --rows 2,4 --count 5120,2097152
 
 Each row times ``sum_rows_<dt>(src, 0, count, out, 0)`` with ``src`` of
-shape (rows, count):
+shape (rows, count), and the reduce-scatter variant
+``sum_rows_x_<dt>(src, 0, count, 0, x, out, out2, 0)`` (row 0 from x):
 
 ``njit us``     per call from a compiled loop (what the collectives pay),
 ``python us``   per call from Python (adds numba's dispatch, ~0.3 us),
 ``aliased us``  compiled loop with ``out`` = ``src[1]`` (the in-slot case),
+``x us``        sum_rows_x per call from a compiled loop, out and out2 separate,
+``x inpl us``   the same with ``out`` = ``src[0]`` and ``out2`` = ``x`` (as the
+                reduce-scatter calls it),
 ``GB/s``        (rows + 1) * count * itemsize / njit time,
 ``numpy us``    a plain numpy version (widen, add row by row, round).
 
@@ -21,7 +25,7 @@ import time
 import numba
 import numpy as np
 
-from harmpi.reduce import SUM_ROWS
+from harmpi.reduce import SUM_ROWS, SUM_ROWS_X
 
 _STORAGE = {"bf16": np.uint16, "f16": np.uint16, "f32": np.float32, "f64": np.float64}
 
@@ -31,6 +35,13 @@ def _loop(kernel, src, out, reps):
     n = src.shape[1]
     for _ in range(reps):
         kernel(src, 0, n, out, 0)
+
+
+@numba.njit
+def _loop_x(kernel, src, x, out, out2, reps):
+    n = src.shape[1]
+    for _ in range(reps):
+        kernel(src, 0, n, 0, x, out, out2, 0)
 
 
 def _python_loop(kernel, src, out, reps):
@@ -87,10 +98,17 @@ def measure(dt, rows, count, repeats=7):
     python_us = _best_us(lambda r: _python_loop(kernel, src, out, r), reps, repeats)
     aliased = src.copy()
     aliased_us = _best_us(lambda r: _loop(kernel, aliased, aliased[1], r), reps, repeats)
+    kernel_x = SUM_ROWS_X[dt]
+    x = src[0].copy()
+    out2 = np.empty(count, src.dtype)
+    x_us = _best_us(lambda r: _loop_x(kernel_x, src, x, out, out2, r), reps, repeats)
+    in_place = src.copy()
+    x_in = src[0].copy()
+    x_inpl_us = _best_us(lambda r: _loop_x(kernel_x, in_place, x_in, in_place[0], x_in, r), reps, repeats)
     np_reps = max(1, reps // 20)
     numpy_us = _best_us(lambda r: [numpy_sum_rows(dt, src) for _ in range(r)], np_reps, 3)
     gbps = (rows + 1) * count * src.itemsize / njit_us / 1e3
-    return njit_us, python_us, aliased_us, gbps, numpy_us
+    return njit_us, python_us, aliased_us, x_us, x_inpl_us, gbps, numpy_us
 
 
 def main(argv=None):
@@ -101,13 +119,16 @@ def main(argv=None):
     args = parser.parse_args(argv)
     print("# harmpi.reduce sum_rows kernels, one core")
     print(f"# {'dtype':<5} {'rows':>4} {'count':>9} {'njit us':>10} {'python us':>10} "
-          f"{'aliased us':>10} {'GB/s':>7} {'numpy us':>10}")
+          f"{'aliased us':>10} {'x us':>10} {'x inpl us':>10} {'GB/s':>7} {'numpy us':>10}")
     for dt in args.dtype.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
             for count in (int(c) for c in args.count.split(",")):
-                njit_us, python_us, aliased_us, gbps, numpy_us = measure(dt, rows, count)
+                njit_us, python_us, aliased_us, x_us, x_inpl_us, gbps, numpy_us = measure(
+                    dt, rows, count
+                )
                 print(f"  {dt:<5} {rows:>4} {count:>9} {njit_us:>10.3f} {python_us:>10.3f} "
-                      f"{aliased_us:>10.3f} {gbps:>7.1f} {numpy_us:>10.1f}")
+                      f"{aliased_us:>10.3f} {x_us:>10.3f} {x_inpl_us:>10.3f} {gbps:>7.1f} "
+                      f"{numpy_us:>10.1f}")
 
 
 if __name__ == "__main__":

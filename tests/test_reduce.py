@@ -44,7 +44,13 @@ def _sum2_f16soft(a, b, out):
     R._sum2_pairs(a, b, out, True)
 
 
+@numba.njit(cache=True)
+def _sum_rows_x_f16soft(src, lo, hi, me, x, out, out2, out_lo):
+    R._sum_rows_x_pairs(src, lo, hi, me, x, out, out2, out_lo, True)
+
+
 ROWS = dict(R.SUM_ROWS, f16soft=_sum_rows_f16soft)
+ROWS_X = dict(R.SUM_ROWS_X, f16soft=_sum_rows_x_f16soft)
 SUM2 = dict(R.SUM2, f16soft=_sum2_f16soft)
 PUBLIC = ["bf16", "f16", "f32", "f64"]
 # Lengths around the kernels' block size (256 pairs = 512 16-bit elements,
@@ -632,9 +638,254 @@ def test_signatures_are_exact_and_strict(dt):
 
 
 def test_tables_and_warm_up():
-    assert set(R.SUM_ROWS) == set(R.SUM2) == set(PUBLIC)
+    assert set(R.SUM_ROWS) == set(R.SUM_ROWS_X) == set(R.SUM2) == set(PUBLIC)
     assert R.SUM_ROWS["bf16"] is R.sum_rows_bf16 and R.SUM2["f64"] is R.sum2_f64
+    assert R.SUM_ROWS_X["f16"] is R.sum_rows_x_f16
     R.warm_up()
+
+
+# ---------------------------------------------------------------------------
+# sum_rows_x: row `me` from a private vector x, the result stored twice
+# ---------------------------------------------------------------------------
+
+# Around the blocks: 256 float elements, 256 pairs = 512 16-bit elements.
+LENGTHS_X = [0, 1, 2, 255, 256, 257, 511, 512, 513, 1000] if JIT else [0, 1, 255, 256, 257, 513]
+
+
+def substituted(src, me, x):
+    """src with row me replaced by x[:ncols]: what sum_rows_x must sum."""
+    s = src.copy()
+    s[me] = x[: src.shape[1]]
+    return s
+
+
+def nan_inputs(src, dt):
+    """Per column, how many of the rows are NaN."""
+    return is_nan(src, dt).sum(axis=0)
+
+
+def assert_x_matches_rows(dt, src, lo, hi, me, x, out, out2, out_lo):
+    """out and out2 hold, at out_lo, exactly sum_rows on the substituted src:
+    the same bits, NaN payloads included where at most one input is NaN."""
+    sub = substituted(src, me, x)
+    expected = np.zeros(hi - lo, src.dtype)
+    ROWS[dt](sub, lo, hi, expected, 0)
+    uint = {2: np.uint16, 4: np.uint32, 8: np.uint64}[src.dtype.itemsize]
+    one_nan = nan_inputs(sub[:, lo:hi], dt) <= 1
+    for o in (out, out2):
+        got = o[out_lo : out_lo + hi - lo]
+        assert_same(got, expected, dt)
+        a, b = got.view(uint)[one_nan], expected.view(uint)[one_nan]
+        assert np.array_equal(a, b), np.nonzero(a != b)[0][:5]
+    return expected
+
+
+def x_inputs(rng, dt, k, n, extra=0):
+    """src (k, n), and x of n + extra with different values (so that reading
+    src[me] instead of x would show)."""
+    src = random_values(rng, dt, (k, n))
+    x = random_values(rng, dt, (n + extra,))
+    return src, x
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_sum_rows_x_matches_sum_rows(dt, k):
+    rng = np.random.default_rng(2000 * k + DTYPES.index(dt))
+    for n in LENGTHS_X:
+        src, x = x_inputs(rng, dt, k, n)
+        for me in range(k):
+            out = np.zeros(n, src.dtype)
+            out2 = np.zeros(n, src.dtype)
+            s0, x0 = src.copy(), x.copy()
+            ROWS_X[dt](src, 0, n, me, x, out, out2, 0)
+            expected = assert_x_matches_rows(dt, src, 0, n, me, x, out, out2, 0)
+            # and against the independent reference
+            assert_same(expected, reference_rows(substituted(src, me, x), 0, n, dt), dt)
+            assert np.array_equal(src, s0, equal_nan=True) and np.array_equal(x, x0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_sum_rows_x_subranges_leave_the_rest_alone(dt):
+    rng = np.random.default_rng(21)
+    sentinel = np.array(0x5A5A, np.uint16) if dt in HALF else np.array(-1234.5, STORAGE[dt])
+    ncols = 1100 if JIT else 600
+    for k in (1, 2, 3, 4, 5):
+        src, x = x_inputs(rng, dt, k, ncols, extra=9)
+        for trial in range(6 if JIT else 2):
+            me = trial % k
+            lo = int(rng.integers(0, ncols))
+            hi = int(rng.integers(lo, ncols + 1))
+            out_lo = int(rng.integers(0, 40))
+            out = np.full(out_lo + (hi - lo) + 37, sentinel, src.dtype)
+            out2 = np.full(out_lo + (hi - lo) + 3, sentinel, src.dtype)
+            ROWS_X[dt](src, lo, hi, me, x, out, out2, out_lo)
+            assert_x_matches_rows(dt, src, lo, hi, me, x, out, out2, out_lo)
+            for o in (out, out2):
+                assert np.all(o[:out_lo] == sentinel)
+                assert np.all(o[out_lo + hi - lo :] == sentinel)
+        # out and out2 may be the same array
+        out = np.zeros(ncols + 3, src.dtype)
+        ROWS_X[dt](src, 1, ncols, 0, x, out, out, 3)
+        assert_x_matches_rows(dt, src, 1, ncols, 0, x, out, out, 3)
+        # x exactly hi long is enough
+        lo, hi = 5, 300
+        out = np.zeros(hi - lo, src.dtype)
+        out2 = np.zeros(hi - lo, src.dtype)
+        ROWS_X[dt](src, lo, hi, k - 1, x[:hi].copy(), out, out2, 0)
+        assert_x_matches_rows(dt, src, lo, hi, k - 1, x, out, out2, 0)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_sum_rows_x_in_place(dt):
+    """The reduce-scatter call: out is the rank's own shared row src[me], out2
+    is x itself, both at out_lo == lo (and out another row of src)."""
+    rng = np.random.default_rng(22)
+    ncols = 1537 if JIT else 520
+    ranges = [(0, ncols), (3, ncols - 100), (1, 2), (0, 0), (513, 1026)] if JIT else [(3, 518), (1, 2)]
+    for k in (1, 2, 3, 4, 5):
+        for lo, hi in ranges:
+            src, x = x_inputs(rng, dt, k, ncols, extra=5)
+            for me in range(k):
+                expected = np.zeros(hi - lo, src.dtype)
+                ROWS[dt](substituted(src, me, x), lo, hi, expected, 0)
+                for j in sorted({me, (me + 1) % k}):  # out = src[me], or another row
+                    s, xx = src.copy(), x.copy()
+                    ROWS_X[dt](s, lo, hi, me, xx, s[j], xx, lo)
+                    assert_same(s[j, lo:hi], expected, dt)
+                    assert_same(xx[lo:hi], expected, dt)
+                    assert np.array_equal(s[j, lo:hi], xx[lo:hi], equal_nan=True)
+                    others = [i for i in range(k) if i != j]
+                    assert np.array_equal(s[others], src[others], equal_nan=True)
+                    assert np.array_equal(s[j, :lo], src[j, :lo], equal_nan=True)
+                    assert np.array_equal(s[j, hi:], src[j, hi:], equal_nan=True)
+                    assert np.array_equal(xx[:lo], x[:lo], equal_nan=True)
+                    assert np.array_equal(xx[hi:], x[hi:], equal_nan=True)
+
+
+def special_pool(dt):
+    """Stored values that exercise ties, overflow, Inf, NaN and signed zeros."""
+    if dt in HALF:
+        ulp1 = 2.0**-7 if dt == "bf16" else 2.0**-10
+        big = float(np.float32(2.0**127 * (2 - 2.0**-7))) if dt == "bf16" else 65504.0
+        vals = [0.0, -0.0, 1.0, -1.0, ulp1 / 2, -ulp1 / 2, 1.0 + ulp1, -1.0 - ulp1, big, -big,
+                np.inf, -np.inf]
+        pool = list(bits16(vals, dt))
+        pool += [0x7F81, 0xFF81, 0x7FC5] if dt == "bf16" else [0x7C01, 0xFC01, 0x7E05]  # NaNs
+        pool += [0x0001, 0x8001]  # smallest subnormals
+        return np.array(pool, np.uint16)
+    tiny = np.finfo(STORAGE[dt]).smallest_subnormal
+    eps = np.finfo(STORAGE[dt]).eps
+    vals = [0.0, -0.0, 1.0, -1.0, eps / 2, -eps / 2, 1.0 + eps, np.inf, -np.inf, np.nan, -np.nan,
+            tiny, -tiny, np.finfo(STORAGE[dt]).max]
+    return np.array(vals, STORAGE[dt])
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_sum_rows_x_special_values(dt):
+    # Explicit cases with known results; every choice of me.
+    inf, nan = np.inf, np.nan
+    cases = [([inf, 1.0], inf), ([inf, -inf], nan), ([nan, 1.0], nan), ([1.0, nan], nan),
+             ([-0.0, -0.0], -0.0), ([-0.0, 0.0], 0.0), ([0.0, -0.0], 0.0), ([-0.0], -0.0),
+             ([-0.0, -0.0, -0.0, -0.0, -0.0], -0.0), ([-inf, 2.0, inf], nan), ([1.0, -1.0], 0.0)]
+    if dt in HALF:
+        cases += tie_cases(dt)
+    for inputs, result in cases:
+        if dt in HALF:
+            col, exp = bits16(inputs, dt), bits16([result], dt)
+        else:
+            col, exp = np.array(inputs, STORAGE[dt]), np.array([result], STORAGE[dt])
+        for me in range(len(col)):
+            # src[me] holds a NaN that must not be read; x holds the real input
+            src = col.reshape(-1, 1).copy()
+            x = src[me].copy()
+            src[me] = 0x7FC0 if dt in HALF else np.nan
+            out = np.zeros(1, src.dtype)
+            out2 = np.zeros(1, src.dtype)
+            ROWS_X[dt](src, 0, 1, me, x, out, out2, 0)
+            assert_same(out, exp, dt)
+            assert_same(out2, exp, dt)
+    # Long random mixes of those values across blocks and the odd tail.
+    rng = np.random.default_rng(23)
+    pool = special_pool(dt)
+    n = 1031 if JIT else 259
+    for k in (1, 2, 3, 5):
+        src = rng.choice(pool, (k, n))
+        x = rng.choice(pool, n)
+        for me in range(k):
+            out = np.zeros(n, src.dtype)
+            out2 = np.zeros(n, src.dtype)
+            ROWS_X[dt](src, 0, n, me, x, out, out2, 0)
+            assert_x_matches_rows(dt, src, 0, n, me, x, out, out2, 0)
+            s, xx = src.copy(), x.copy()
+            ROWS_X[dt](s, 0, n, me, xx, s[me], xx, 0)
+            assert np.array_equal(s[me], out, equal_nan=True) and np.array_equal(xx, out, equal_nan=True)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_sum_rows_x_bad_arguments_raise(dt):
+    st = STORAGE[dt]
+    src = np.zeros((3, 10), st)
+    x = np.zeros(10, st)
+    out = np.zeros(10, st)
+    out2 = np.zeros(10, st)
+    f = ROWS_X[dt]
+    for lo, hi, out_lo in [(-1, 5, 0), (6, 5, 0), (0, 11, 0), (0, 10, 1), (0, 5, -1), (2, 10, 3)]:
+        with pytest.raises(ValueError):
+            f(src, lo, hi, 0, x, out, out2, out_lo)
+    for me in (-1, 3, 100):
+        with pytest.raises(ValueError, match="me"):
+            f(src, 0, 10, me, x, out, out2, 0)
+    with pytest.raises(ValueError, match="x"):
+        f(src, 0, 10, 1, x[:9], out, out2, 0)
+    with pytest.raises(ValueError, match="out2"):
+        f(src, 0, 10, 1, x, out, out2[:9], 0)
+    with pytest.raises(ValueError, match="out"):
+        f(src, 0, 10, 1, x, out[:9], out2, 0)
+    with pytest.raises(ValueError, match="out2"):
+        f(src, 2, 7, 1, x, out, out2[:8], 4)
+    with pytest.raises(ValueError):
+        f(np.zeros((0, 10), st), 0, 10, 0, x, out, out2, 0)
+    f(src, 4, 4, 2, x[:4], out, out2, 10)  # empty range at the very end is fine
+    f(src, 2, 7, 1, x[:7], out[:5], out2[:5], 0)  # everything exactly long enough
+
+
+@pytest.mark.skipif(not JIT, reason="signatures exist only when compiled")
+@pytest.mark.parametrize("dt", PUBLIC)
+def test_sum_rows_x_signature_is_exact_and_strict(dt):
+    f = R.SUM_ROWS_X[dt]
+    assert len(f.signatures) == 1
+    st = STORAGE[dt]
+    src = np.zeros((2, 8), st)
+    x, out, out2 = np.zeros(8, st), np.zeros(8, st), np.zeros(8, st)
+    with pytest.raises(TypeError):
+        f(src, 0, 4, 0, np.zeros(16, st)[::2], out, out2, 0)  # x not C-contiguous
+    with pytest.raises(TypeError):
+        f(src, 0, 4, 0, x.astype(np.int32), out, out2, 0)
+    f(src, 0, 8, 1, x, out, out2, 0)
+    assert len(f.signatures) == 1
+
+
+@numba.njit
+def _rows_x_via_carray(kernel, src_addr, k, ncols, x_addr, nx, lo, hi, me, example):
+    # The reduce-scatter call from compiled code: out = src[me], out2 = x.
+    src = numba.carray(_address_to_pointer(src_addr, example), (k, ncols))
+    x = numba.carray(_address_to_pointer(x_addr, example), (nx,))
+    kernel(src, lo, hi, me, x, src[me], x, lo)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_sum_rows_x_callable_from_compiled_code(dt):
+    rng = np.random.default_rng(24)
+    k, ncols, lo, hi, me = 3, 1301, 10, 1200, 1
+    src, x = x_inputs(rng, dt, k, ncols)
+    expected = np.zeros(hi - lo, src.dtype)
+    ROWS[dt](substituted(src, me, x), lo, hi, expected, 0)
+    s, xx = src.copy(), x.copy()
+    example = STORAGE[dt](0)
+    _rows_x_via_carray(ROWS_X[dt], s.ctypes.data, k, ncols, xx.ctypes.data, xx.size, lo, hi, me, example)
+    assert_same(s[me, lo:hi], expected, dt)
+    assert_same(xx[lo:hi], expected, dt)
 
 
 @pytest.mark.skipif(not JIT, reason="already in pure-Python mode")
