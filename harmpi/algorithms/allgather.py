@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import node
 from ..transports import tag_for
-from .base import mismatch_error, recv_check
+from .base import chunks, mismatch_error, recv_check
 
 __all__ = ["HierAllgather"]
 
@@ -72,13 +72,9 @@ class HierAllgather:
             return
         ctl = ctx.ctl
         G, g = self.G, self.g
-        chunk = max(1, ctx.config.slot_nbytes // G // isz)
         tag = tag_for(call.nbytes, call.code)
-        start = 0
-        while True:
-            m = min(chunk, call.n - start)
+        for start, src, m in chunks(call, max(1, ctx.config.slot_nbytes // G // isz)):
             nb = m * isz
-            src = call.addr + start * isz
             slot = node.next_slot_addr(ctl, ctx.topo.local_rank)
             pending = None
             if G > 1:
@@ -99,7 +95,4 @@ class HierAllgather:
             if rc:
                 ctx.fail(rc, call, rail_poison=poisoned)
             node.copy_blocks(ctl, out_addr, call.n, start, m, self.table, call.w)
-            start += m
-            if start >= call.n:
-                return
 

@@ -9,7 +9,7 @@ from .. import node
 from ..errors import HarmpiMismatchError
 from ..transports import POISON_TAG
 
-__all__ = ["Call", "rail_allreduce", "recv_check", "mismatch_error", "FMT_NAMES"]
+__all__ = ["Call", "chunks", "rail_allreduce", "recv_check", "mismatch_error", "FMT_NAMES"]
 
 
 FMT_NAMES = ("bf16", "f16", "f32", "f64")
@@ -50,6 +50,19 @@ class Call:
         names = {v: k for k, v in ALGORITHM_IDS.items()}
         return (f"{FMT_NAMES[fmt] if fmt < len(FMT_NAMES) else fmt}, "
                 f"algorithm {names.get(algo, algo)}")
+
+
+def chunks(call, chunk_elems):
+    """Yield (start, address, count) of each chunk of at most ``chunk_elems``
+    elements of ``call``'s data; at least one (possibly empty) chunk, so a
+    zero-size collective still checks that every rank agrees."""
+    start = 0
+    while True:
+        m = min(chunk_elems, call.n - start)
+        yield start, call.addr + start * call.itemsize, m
+        start += m
+        if start >= call.n:
+            return
 
 
 def recv_check(got, expect_nbytes, expect_tag):

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import node
 from ..transports import POISON_TAG, tag_for
-from .base import mismatch_error, recv_check
+from .base import chunks, mismatch_error, recv_check
 
 __all__ = ["FlatRingAllreduce"]
 
@@ -57,16 +57,13 @@ class FlatRingAllreduce:
         if N == 1:
             return
         isz = call.itemsize
-        chunk = ctx.config.slot_nbytes // isz
         tag = tag_for(call.nbytes, call.code)
         right, left = (r + 1) % N, (r - 1) % N
         timeout_s = ctx.config.timeout_s
         poisoned = False
-        start = 0
-        while True:
-            m = min(chunk, call.n - start)
+        for _start, addr, m in chunks(call, ctx.config.slot_nbytes // isz):
             base = self.work_addr
-            node.copy_bytes(base, call.addr + start * isz, m * isz)
+            node.copy_bytes(base, addr, m * isz)
             bounds = [node.part_bounds(m, N, j, isz) for j in range(N)]
 
             def share(j):
@@ -98,7 +95,4 @@ class FlatRingAllreduce:
                 # in the first round's tags, and the poison tag then travels
                 # the whole ring within the first chunk's 2(N-1) rounds.
                 raise mismatch_error(r, call, "seen on the flat ring")
-            node.copy_bytes(call.addr + start * isz, base, m * isz)
-            start += m
-            if start >= call.n:
-                return
+            node.copy_bytes(addr, base, m * isz)

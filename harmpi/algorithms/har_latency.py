@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from .. import node
 from ..transports import tag_for
-from .base import rail_allreduce, recv_check
+from .base import chunks, rail_allreduce, recv_check
 
 __all__ = ["HarLatencyAllreduce"]
 
@@ -62,13 +62,9 @@ class HarLatencyAllreduce:
         ctx = self.ctx
         ctl = ctx.ctl
         isz = call.itemsize
-        chunk = ctx.config.slot_nbytes // isz
         tag = tag_for(call.nbytes, call.code)
         timeout_s = ctx.config.timeout_s
-        start = 0
-        while True:
-            m = min(chunk, call.n - start)
-            addr = call.addr + start * isz
+        for _start, addr, m in chunks(call, ctx.config.slot_nbytes // isz):
             pending = None
             if self.G == 2:
                 # the whole receive buffer: a larger tensor from a mismatched
@@ -95,6 +91,3 @@ class HarLatencyAllreduce:
                 ctx.fail(rc, call, state=local)
             if rc2:
                 ctx.fail(rc2, call, after_rail=True)
-            start += m
-            if start >= call.n:
-                return

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from .. import node
 from ..transports import tag_for
-from .base import rail_allreduce
+from .base import chunks, rail_allreduce
 
 __all__ = ["LeaderAllreduce"]
 
@@ -49,12 +49,8 @@ class LeaderAllreduce:
     def run(self, call):
         ctx = self.ctx
         ctl = ctx.ctl
-        chunk = ctx.config.slot_nbytes // call.itemsize
         tag = tag_for(call.nbytes, call.code)
-        start = 0
-        while True:
-            m = min(chunk, call.n - start)
-            addr = call.addr + start * call.itemsize
+        for _start, addr, m in chunks(call, ctx.config.slot_nbytes // call.itemsize):
             rc = node.stage(ctl, addr, 0, m, call.nbytes, call.code, call.fmt, call.w)
             if rc == node.TIMEOUT:
                 ctx.fail(rc, call)
@@ -76,6 +72,3 @@ class LeaderAllreduce:
             if rc2:
                 ctx.fail(rc2, call, after_rail=True)
             node.copy_slot(ctl, 0, addr, 0, m, call.w)
-            start += m
-            if start >= call.n:
-                return
