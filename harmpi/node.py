@@ -114,6 +114,10 @@ def _sum_rows(src, lo, hi, out, out_lo, fmt):  # pragma: no cover - typing stub
     raise NotImplementedError("compiled-only dispatch")
 
 
+def _sum_rows_x(src, lo, hi, me, x, out, out2, out_lo, fmt):  # pragma: no cover - stub
+    raise NotImplementedError("compiled-only dispatch")
+
+
 def _sum2(a, b, out, fmt):  # pragma: no cover - typing stub
     raise NotImplementedError("compiled-only dispatch")
 
@@ -131,6 +135,23 @@ def _ov_sum_rows(src, lo, hi, out, out_lo, fmt):
         return lambda src, lo, hi, out, out_lo, fmt: _reduce.sum_rows_f32(src, lo, hi, out, out_lo)
     if src.dtype == types.float64:
         return lambda src, lo, hi, out, out_lo, fmt: _reduce.sum_rows_f64(src, lo, hi, out, out_lo)
+
+
+@overload(_sum_rows_x)
+def _ov_sum_rows_x(src, lo, hi, me, x, out, out2, out_lo, fmt):
+    if src.dtype == types.uint16:
+        def impl(src, lo, hi, me, x, out, out2, out_lo, fmt):
+            if fmt == FMT_F16:
+                _reduce.sum_rows_x_f16(src, lo, hi, me, x, out, out2, out_lo)
+            else:
+                _reduce.sum_rows_x_bf16(src, lo, hi, me, x, out, out2, out_lo)
+        return impl
+    if src.dtype == types.float32:
+        return lambda src, lo, hi, me, x, out, out2, out_lo, fmt: _reduce.sum_rows_x_f32(
+            src, lo, hi, me, x, out, out2, out_lo)
+    if src.dtype == types.float64:
+        return lambda src, lo, hi, me, x, out, out2, out_lo, fmt: _reduce.sum_rows_x_f64(
+            src, lo, hi, me, x, out, out2, out_lo)
 
 
 @overload(_sum2)
@@ -194,11 +215,10 @@ def publish_wait(ctl):
     return OK
 
 
-@numba.njit(_sigs(_i64, _ctl, types.intp, types.intp, _i64, _i64, _i64, _i64, "W"),
-            cache=True, nogil=True)
-def stage(ctl, x_addr, r_addr, m, total_nbytes, code, fmt, w):
-    """Start a step: slot(p, me) = x[:m] (+ r[:m] when r_addr != 0), post meta,
-    publish, wait for all, check metas. Returns OK / TIMEOUT / MISMATCH."""
+@numba.njit(cache=True, nogil=True)
+def _stage(ctl, x_addr, r_addr, m, skip_lo, skip_hi, total_nbytes, code, fmt, w):
+    """stage(), except that x[skip_lo:skip_hi] is not copied (a share only
+    this rank reads, straight from x)."""
     parity = ctl[C_STEPS] & 1
     ctl[C_STEPS] += 1
     me = ctl[C_ME]
@@ -210,7 +230,9 @@ def stage(ctl, x_addr, r_addr, m, total_nbytes, code, fmt, w):
             r = numba.carray(_voidptr(r_addr), (m,), w.dtype)
             _sum2(x, r, mine[:m], fmt)
         else:
-            _memcpy(mine.ctypes.data, x_addr, m * w.itemsize)
+            isz = w.itemsize
+            _memcpy(mine.ctypes.data, x_addr, skip_lo * isz)
+            _memcpy(mine.ctypes.data + skip_hi * isz, x_addr + skip_hi * isz, (m - skip_hi) * isz)
     line = ctl[C_FLAGS] + me * _LINE
     meta = line + (W_META + 2 * parity) * _WORD
     store_release(meta, total_nbytes)
@@ -228,6 +250,14 @@ def stage(ctl, x_addr, r_addr, m, total_nbytes, code, fmt, w):
             ctl[C_ERR_B] = b
             return MISMATCH
     return OK
+
+
+@numba.njit(_sigs(_i64, _ctl, types.intp, types.intp, _i64, _i64, _i64, _i64, "W"),
+            cache=True, nogil=True)
+def stage(ctl, x_addr, r_addr, m, total_nbytes, code, fmt, w):
+    """Start a step: slot(p, me) = x[:m] (+ r[:m] when r_addr != 0), post meta,
+    publish, wait for all, check metas. Returns OK / TIMEOUT / MISMATCH."""
+    return _stage(ctl, x_addr, r_addr, m, 0, 0, total_nbytes, code, fmt, w)
 
 
 @numba.njit(_sigs(types.void, _ctl, types.intp, _i64, _i64, _i64, "W"), cache=True, nogil=True)
@@ -263,15 +293,42 @@ def gather_parts(ctl, out_addr, m, w):
             _memcpy(out_addr + lo * isz, slots[j, lo:hi].ctypes.data, (hi - lo) * isz)
 
 
+@numba.njit(cache=True, nogil=True)
+def _reduce_scatter_allgather(ctl, x_addr, m, fmt, w):
+    """After a stage that skipped my share: sum my share of every slot, with
+    my own row read from x, into my slot (for the others) and into x (for
+    me) in one pass; publish; copy the other ranks' shares into x."""
+    L = ctl[C_L]
+    me = ctl[C_ME]
+    isz = w.itemsize
+    lo, hi = part_bounds(m, L, me, isz)
+    slots = _slots2d(ctl, (ctl[C_STEPS] - 1) & 1, w)
+    x = numba.carray(_voidptr(x_addr), (m,), w.dtype)
+    if hi > lo:
+        _sum_rows_x(slots, lo, hi, me, x, slots[me], x, lo, fmt)
+    status = publish_wait(ctl)
+    if status != OK:
+        return status
+    for j in range(L):
+        if j != me:
+            jlo, jhi = part_bounds(m, L, j, isz)
+            if jhi > jlo:
+                _memcpy(x_addr + jlo * isz, slots[j, jlo:jhi].ctypes.data, (jhi - jlo) * isz)
+    return OK
+
+
 @numba.njit(_sigs(_i64, _ctl, types.intp, _i64, _i64, _i64, _i64, "W"), cache=True, nogil=True)
 def shm_allreduce(ctl, x_addr, n, code, fmt, small_max_elems, w):
     """Whole single-node all-reduce of x[:n] in place, chunk by chunk.
 
     Steps of at most ``small_max_elems`` elements: every rank sums all slots
-    (L*m reads each). Larger steps: reduce-scatter + allgather (each rank
-    sums its 1/L share into its own slot, publishes, all copy all shares:
-    ~3m traffic per rank). Always at least one step, so a zero-size call
-    still checks that every rank agrees.
+    (L*m reads each). Larger steps: reduce-scatter + allgather. A rank copies
+    into its slot only the shares the others reduce, sums its own share with
+    its own row read from x, writing the result to its slot and to x in one
+    pass, publishes, and copies the other shares from their owners' slots:
+    per rank (L-1)/L*m copied in, m read, 2m/L written, (L-1)/L*m copied
+    out. Always at least one step, so a zero-size call still checks that
+    every rank agrees.
     """
     chunk = ctl[C_SLOT_NBYTES] // w.itemsize
     total = n * w.itemsize
@@ -280,18 +337,20 @@ def shm_allreduce(ctl, x_addr, n, code, fmt, small_max_elems, w):
     while True:
         m = min(chunk, n - start)
         addr = x_addr + start * w.itemsize
-        status = stage(ctl, addr, 0, m, total, code, fmt, w)
+        if m <= small_max_elems or L == 1:
+            status = stage(ctl, addr, 0, m, total, code, fmt, w)
+        else:
+            # my own share is read straight from x: do not copy it
+            lo, hi = part_bounds(m, L, ctl[C_ME], w.itemsize)
+            status = _stage(ctl, addr, 0, m, lo, hi, total, code, fmt, w)
         if status != OK:
             return status
         if m <= small_max_elems or L == 1:
             sum_slots(ctl, addr, 0, m, fmt, w)
         else:
-            lo, hi = part_bounds(m, L, ctl[C_ME], w.itemsize)
-            sum_own_part(ctl, lo, hi, fmt, w)
-            status = publish_wait(ctl)
+            status = _reduce_scatter_allgather(ctl, addr, m, fmt, w)
             if status != OK:
                 return status
-            gather_parts(ctl, addr, m, w)
         start += m
         if start >= n:
             return OK
