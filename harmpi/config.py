@@ -8,7 +8,7 @@ variable                   default    meaning
 =========================  =========  ==========================================
 HARMPI_TIMEOUT_S           60         deadline of every wait on a peer, seconds
 HARMPI_SPIN_COUNT          20000      busy-poll iterations before yielding
-HARMPI_SLOT_BYTES          4194304    bytes per rank per buffer in the node arena;
+HARMPI_SLOT_BYTES          1048576    bytes per rank per buffer in the node arena;
                                       larger tensors are processed in chunks
 HARMPI_SMALL_MAX_BYTES     65536      up to this size on one node every rank sums
                                       all slots; above it, reduce-scatter+allgather
@@ -67,7 +67,7 @@ class Config:
 
     timeout_s: float = 60.0
     spin_count: int = 20000
-    slot_nbytes: int = 4 << 20
+    slot_nbytes: int = 1 << 20
     small_max_nbytes: int = 64 << 10
     har_latency_max_nbytes: int = 256 << 10
     algorithm: str = "auto"
