@@ -26,6 +26,10 @@ Reported per backend:
 
 * ms/token: median step time (a step yields one token of every sequence),
   and tok/s = batch / ms/token;
+* compute: the step outside the collectives.  It is the same work for every
+  backend, yet it grows when waiting ranks slow the computing ones (on this
+  project's 2-vCPU VM a busy-polling process halves the matmul rate of the
+  other vCPU);
 * inside collectives: time per step inside the all-reduces and the logits
   gather, and its share of the step (mean over ranks, and the rank with the
   smallest share).  With more ranks than cores this is mostly waiting for
@@ -228,6 +232,9 @@ def summarize_backend(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int, late
     then the mean over ranks (comm_share_min: the smallest per-rank share).
     comm_latency_share: the same for the time after the last rank arrived
     (see :func:`collective_latency_ns`), None when not measured.
+    compute_ms_per_token: the step outside the collectives; it differs between
+    backends when their waiting slows the compute (busy-polling a core that
+    shares a physical core or a CPU quota with the computing one).
     """
     step_ns = np.asarray(step_ns, dtype=np.float64)
     comm_ns = np.asarray(comm_ns, dtype=np.float64)
@@ -241,6 +248,7 @@ def summarize_backend(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int, late
         "comm_share": float(shares.mean()),
         "comm_share_min": float(shares.min()),
         "comm_ms_per_token": float(np.median(comm_ns.mean(axis=0)) / 1e6),
+        "compute_ms_per_token": float(np.median((step_ns - comm_ns).mean(axis=0)) / 1e6),
         "comm_latency_share": None,
         "comm_latency_ms_per_token": None,
     }
@@ -262,14 +270,14 @@ def _ms(value: float | None) -> str:
 def format_decode_table(rows: Sequence[dict]) -> list[str]:
     """The result table (rank 0 prints it)."""
     lines = [
-        f"{'#':<29}{'---- inside collectives ----':>30}{'- after last arrival -':>22}",
-        f"{'# comm':<10}{'tok/s':>9}{'ms/token':>10}{'ms/token':>10}{'share':>10}{'min rank':>10}{'ms/token':>12}{'share':>10}"
+        f"{'#':<29}{'compute':>10}{'---- inside collectives ----':>30}{'- after last arrival -':>22}",
+        f"{'# comm':<10}{'tok/s':>9}{'ms/token':>10}{'ms/token':>10}{'ms/token':>10}{'share':>10}{'min rank':>10}{'ms/token':>12}{'share':>10}"
         f"{'prefill ms':>12}{'ranks agree':>13}",
     ]
     for row in rows:
         agree = {None: "-", True: "yes", False: "NO"}[row.get("tokens_identical_across_ranks")]
         lines.append(
-            f"{row['comm']:<10}{row['tokens_per_s']:>9.1f}{row['ms_per_token']:>10.2f}"
+            f"{row['comm']:<10}{row['tokens_per_s']:>9.1f}{row['ms_per_token']:>10.2f}{_ms(row.get('compute_ms_per_token')):>10}"
             f"{_ms(row['comm_ms_per_token']):>10}{_pct(row['comm_share']):>10}{_pct(row['comm_share_min']):>10}"
             f"{_ms(row.get('comm_latency_ms_per_token')):>12}{_pct(row.get('comm_latency_share')):>10}"
             f"{row['prefill_ms']:>12.1f}{agree:>13}"
@@ -656,7 +664,8 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
         )
         for backend in backends:
             say(f"# {backend.description}")
-        say("# tok/s = batch / median step time; ms/token = median step time (one token of every sequence)")
+        say("# tok/s = batch / median step time; ms/token = median step time (one token of every sequence); "
+            "compute = the step outside the collectives (it grows when waiting ranks slow the computing ones)")
         say("# inside collectives: time per step in the 2 x layers all-reduces and the logits gather, and its share of the step "
             "(mean over ranks; min rank: the rank that waits least); it includes waiting for the last rank to arrive")
         if same_host:

@@ -150,7 +150,8 @@ def summary_lines(allreduce_docs: Sequence[tuple[str, dict]], decode_doc: dict |
                 continue
             latency = row.get("comm_latency_share")
             lines.append(
-                f"# {name} communication: {row['comm_share'] * 100:.1f}% of the step inside collectives"
+                f"# {name}: compute {row.get('compute_ms_per_token', float('nan')):.1f} ms/token; "
+                f"{row['comm_share'] * 100:.1f}% of the step inside collectives"
                 + ("" if latency is None else f", {latency * 100:.1f}% after the last rank arrived (the collectives' own latency)")
             )
         compared = list(rows.values())

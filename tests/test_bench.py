@@ -350,6 +350,7 @@ def test_summarize_backend_and_table():
     assert summary["comm_share_min"] == pytest.approx(3 / 33)
     assert summary["comm_latency_share"] == pytest.approx((1.5 / 33 + 3 / 33) / 2)
     assert summary["comm_latency_ms_per_token"] == pytest.approx(0.75)
+    assert summary["compute_ms_per_token"] == pytest.approx(9.0)
     assert summarize_backend(step_ns, comm_ns, batch=1)["comm_latency_share"] is None
     row = dict(summary, comm="harmpi", prefill_ms=5.0, tokens_identical_across_ranks=True)
     lines = format_decode_table([row])
@@ -425,15 +426,17 @@ def test_summary_lines_from_json_documents():
             [("harmpi", 10240, 4.0), ("mpi", 10240, 8.0), ("gloo", 10240, 1600.0), ("harmpi", 4194304, 1000.0)]]
     decode = {"meta": {"ranks": 4}, "rows": [
         {"comm": "harmpi", "tokens_per_s": 80.0, "ms_per_token": 12.5, "comm_share": 0.2, "comm_latency_share": 0.05,
+         "compute_ms_per_token": 9.0,
          "tokens_agree": True},
         {"comm": "gloo", "tokens_per_s": 10.0, "ms_per_token": 100.0, "comm_share": 0.8, "comm_latency_share": None,
+         "compute_ms_per_token": 20.0,
          "tokens_agree": False, "first_divergence": 7},
     ]}
     text = "\n".join(summary_lines([("1 node x 2 ranks", {"rows": rows})], decode))
     assert "2.00x" in text and "400.00x" in text  # mpi/harmpi and gloo/harmpi at 10 KB
     assert "harmpi/gloo 8.00x" in text
     assert "gloo no (first divergence at generated token 7)" in text
-    assert "harmpi communication: 20.0% of the step inside collectives, 5.0% after the last rank arrived" in text
+    assert "harmpi: compute 9.0 ms/token; 20.0% of the step inside collectives, 5.0% after the last rank arrived" in text
 
 
 # --------------------------------------------------------------------------
