@@ -35,6 +35,14 @@ AUTO_ALLREDUCE_CODE = (ALGORITHM_IDS["auto"] << 8) | (COLL_ALLREDUCE << 16) | (O
 OVERSUBSCRIBED_SPIN_COUNT = 64
 
 
+def _boot_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def _cpus_allowed():
     try:
         return set(os.sched_getaffinity(0))
@@ -51,11 +59,13 @@ class Context:
         self.topo, self.node_comm, self.rail_comm = discover(comm, self.config.ranks_per_node)
         # Ranks of the node share the host's cores: decide spin vs yield from
         # how many of them there are (HARMPI_SPIN_COUNT overrides).
-        # (each rank may be bound to one core: count the union of their CPUs)
-        host_ranks = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        cpus = set().union(*host_ranks.allgather(_cpus_allowed()))
-        self.oversubscribed = host_ranks.Get_size() > len(cpus)
-        host_ranks.Free()
+        # Count ranks per physical machine (the kernel's boot id, so that
+        # "hosts" that are containers or network namespaces of one machine
+        # count together) against the union of their allowed CPUs (each rank
+        # may be bound to one core).
+        mine = (_boot_id() or MPI.Get_processor_name(), frozenset(_cpus_allowed()))
+        same = [cpus for key, cpus in comm.allgather(mine) if key == mine[0]]
+        self.oversubscribed = len(same) > len(frozenset().union(*same))
         spin = self.config.spin_count
         if "HARMPI_SPIN_COUNT" not in os.environ and self.oversubscribed:
             spin = OVERSUBSCRIBED_SPIN_COUNT
