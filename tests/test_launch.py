@@ -686,13 +686,19 @@ while true; do sleep 0.05; done
 
 RANK_SCRIPT = """
 import os
+import torch
+import harmpi
 from mpi4py import MPI
 comm = MPI.COMM_WORLD
 names = ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "HARMPI_TRANSPORT", "HARMPI_RANKS_PER_NODE",
          "HARMPI_TEST_FROM_USER")
 env = " ".join(f"{n}={os.environ.get(n, '-')}" for n in names)
-total = comm.allreduce(comm.Get_rank() + 1)
-print(f"rank {comm.Get_rank()} of {comm.Get_size()} sum {total} {env}", flush=True)
+t = torch.full((5120,), float(comm.Get_rank() + 1), dtype=torch.bfloat16)
+harmpi.allreduce(t)
+total = int(t[0].item()) if bool((t == t[0]).all()) else -1
+info = harmpi.info()
+print(f"rank {comm.Get_rank()} of {comm.Get_size()} sum {total} nodes {info['nodes']} "
+      f"transport {info['transport']} {env}", flush=True)
 """
 
 
@@ -716,7 +722,8 @@ def test_two_rank_job_through_the_launcher():
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
     assert len(lines) == 2, (proc.stdout, proc.stderr)
     for rank, line in enumerate(lines):
-        assert line.startswith(f"rank {rank} of 2 sum 3 "), line
+        # harmpi.allreduce over 2 virtual nodes of 1 rank, through the MPI transport
+        assert line.startswith(f"rank {rank} of 2 sum 3 nodes 2 transport mpi "), line
         assert "OMP_NUM_THREADS=1" in line and "HARMPI_TRANSPORT=mpi" in line
         assert "HARMPI_RANKS_PER_NODE=1" in line and "HARMPI_TEST_FROM_USER=yes" in line
         assert "GOMP_SPINCOUNT=100000000" in line
