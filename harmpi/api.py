@@ -22,7 +22,7 @@ from . import node
 from .algorithms import ALGORITHM_IDS
 from .algorithms.base import Call
 from .config import ALGORITHMS, Config
-from .context import COLL_ALLGATHER, COLL_ALLREDUCE, OP_SUM, Context
+from .context import AUTO_ALLREDUCE_CODE, COLL_ALLGATHER, COLL_ALLREDUCE, OP_SUM, Context
 from .errors import HarmpiArgumentError, HarmpiError, HarmpiTimeoutError
 
 __all__ = ["init", "finalize", "allreduce", "allgather", "barrier", "info"]
@@ -37,7 +37,6 @@ _NUMPY_KINDS = {
 }
 _BF16 = (node.FMT_BF16, np.empty(0, np.uint16), 2)
 _OPS = {"sum": OP_SUM}
-from .context import AUTO_ALLREDUCE_CODE  # noqa: E402 - the fast path's code, kept in ctl
 
 
 class _Contexts:
@@ -211,8 +210,8 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
     stage (node sum, and each cross-node combine).
     """
     # Fast path for the decode loop's call: a CPU tensor, a communicator
-    # already set up on one node, everything else default. Same checks and kernel as below, minus
-    # ~1 us of generic dispatch.
+    # already set up on one node, everything else default. The same checks
+    # and kernel as below, minus ~1 us of generic dispatch.
     if type(x) is _CONTEXTS.tensor_type and op == "sum" and algorithm is None and dtype is None:
         ctx = _CONTEXTS.world if comm is None else \
             _CONTEXTS.by_comm.get(getattr(comm, "handle", None))
