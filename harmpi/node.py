@@ -45,10 +45,11 @@ from . import reduce as _reduce
 from .shm import FLAG_LINE_NBYTES, W_EPOCH, W_META, W_STATUS
 from .sync import load_acquire, store_release, wait_flags_ge
 
-__all__ = ["new_ctl", "stage", "publish_wait", "sum_slots", "sum_own_part",
-           "gather_parts", "shm_allreduce", "part_bounds", "OK", "TIMEOUT", "MISMATCH",
-           "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F64", "add_into", "copy_slot",
-           "publish_wait_status", "POISON_CODE"]
+__all__ = ["new_ctl", "stage", "publish_wait", "publish_wait_status", "sum_slots",
+           "sum_own_part", "gather_parts", "shm_allreduce", "add_publish_sum", "part_bounds",
+           "add_into", "copy_slot", "copy_blocks", "copy_bytes", "slot_addr", "next_slot_addr",
+           "address_of", "FAST_ALLREDUCE", "OK", "TIMEOUT", "MISMATCH", "POISON_CODE",
+           "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F64"]
 
 OK, TIMEOUT, MISMATCH = 0, 1, 2
 #: meta code of a rank whose part of the collective already failed (every rank then fails)
