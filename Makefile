@@ -60,8 +60,8 @@ mpi-test: setup
 	  timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIRUN) -np $$n $(MPI_FLAGS) \
 	    $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi || exit 1; \
 	done
-	@echo "== virtual nodes: HARMPI_RANKS_PER_NODE=2 -np 4, =1 -np 2, =2 -np 3 (2+1)"
-	@for cfg in "4 2" "2 1" "3 2" "4 1"; do set -- $$cfg; \
+	@echo "== virtual nodes: 2x2, 2x1, 2+1 (uneven), 4x1, 3x1 and 3x2 (rail folding)"
+	@for cfg in "4 2" "2 1" "3 2" "4 1" "3 1" "6 2"; do set -- $$cfg; \
 	  echo "== mpirun -np $$1 with HARMPI_RANKS_PER_NODE=$$2"; \
 	  HARMPI_RANKS_PER_NODE=$$2 timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIRUN) -np $$1 $(MPI_FLAGS) \
 	    -x HARMPI_RANKS_PER_NODE $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi || exit 1; \
