@@ -172,6 +172,25 @@ class Context:
             self._allgather = HierAllgather(self)
         return self._allgather
 
+    def stage_or_remember(self, call, addr, m):
+        """node.stage of one chunk. A timeout raises at once; a disagreement
+        inside the node is returned (else None): the algorithm then finishes
+        its cross-node exchanges poisoned, so the other nodes fail too
+        instead of waiting for this one, and raises in :meth:`settle`."""
+        rc = node.stage(self.ctl, addr, 0, m, call.nbytes, call.code, call.fmt, call.w)
+        if rc == node.TIMEOUT:
+            self.fail(rc, call)
+        return self.error_state() if rc else None
+
+    def settle(self, call, poisoned, local):
+        """Post whether this rank's cross-node step failed, flag round, and
+        raise on every rank if any rank of the node failed."""
+        rc = node.publish_wait_status(self.ctl, 1 if poisoned else 0)
+        if local is not None:
+            self.fail(node.MISMATCH, call, state=local)
+        if rc:
+            self.fail(rc, call, after_rail=True)
+
     def error_state(self):
         """The (peer, a, b) a failed compiled step left in ctl."""
         ctl = self.ctl

@@ -9,7 +9,7 @@ from .. import node
 from ..errors import HarmpiMismatchError
 from ..transports import POISON_TAG
 
-__all__ = ["Call", "chunks", "rail_allreduce", "recv_check", "mismatch_error", "FMT_NAMES"]
+__all__ = ["Call", "RailAlgorithm", "chunks", "rail_allreduce", "recv_check", "mismatch_error", "FMT_NAMES"]
 
 
 FMT_NAMES = ("bf16", "f16", "f32", "f64")
@@ -50,6 +50,23 @@ class Call:
         names = {v: k for k, v in ALGORITHM_IDS.items()}
         return (f"{FMT_NAMES[fmt] if fmt < len(FMT_NAMES) else fmt}, "
                 f"algorithm {names.get(algo, algo)}")
+
+
+class RailAlgorithm:
+    """Common set-up of the algorithms whose every rank talks on its rail."""
+
+    needs = "every node with the same number of ranks"
+
+    def __init__(self, ctx):
+        ctx.require_uniform(self.name)
+        self.ctx = ctx
+        self.transport = ctx.rail_transport()
+        self.G = ctx.topo.node_count
+        self.g = ctx.topo.node_index
+        self.L = ctx.topo.local_size
+        self.me = ctx.topo.local_rank
+        self.recv_buf = ctx.rail_recv_buffer()
+        self.recv_addr = self.recv_buf.ctypes.data
 
 
 def chunks(call, chunk_elems):

@@ -26,36 +26,20 @@ from __future__ import annotations
 
 from .. import node
 from ..transports import tag_for
-from .base import chunks, rail_allreduce
+from .base import RailAlgorithm, chunks, rail_allreduce
 
 __all__ = ["HarBandwidthAllreduce"]
 
 
-class HarBandwidthAllreduce:
+class HarBandwidthAllreduce(RailAlgorithm):
     name = "har_bandwidth"
-    needs = "every node with the same number of ranks"
-
-    def __init__(self, ctx):
-        ctx.require_uniform(self.name)
-        self.ctx = ctx
-        self.transport = ctx.rail_transport()
-        self.G = ctx.topo.node_count
-        self.g = ctx.topo.node_index
-        self.L = ctx.topo.local_size
-        self.me = ctx.topo.local_rank
-        self.recv_buf = ctx.rail_recv_buffer()
 
     def run(self, call):
         ctx = self.ctx
         ctl = ctx.ctl
         tag = tag_for(call.nbytes, call.code)
         for _start, addr, m in chunks(call, ctx.config.slot_nbytes // call.itemsize):
-            rc = node.stage(ctl, addr, 0, m, call.nbytes, call.code, call.fmt, call.w)
-            if rc == node.TIMEOUT:
-                ctx.fail(rc, call)
-            # on disagreement inside the node, go on poisoned: the rails then
-            # carry the poison tag and every node fails instead of waiting
-            local = ctx.error_state() if rc else None
+            local = ctx.stage_or_remember(call, addr, m)
             lo, hi = node.part_bounds(m, self.L, self.me, call.itemsize)
             if local is None:
                 node.sum_own_part(ctl, lo, hi, call.fmt, call.w)
@@ -63,9 +47,5 @@ class HarBandwidthAllreduce:
             poisoned = rail_allreduce(self.transport, self.g, self.G, share_addr, hi - lo, call,
                                       self.recv_buf, tag, ctx.config.timeout_s,
                                       poisoned=local is not None)
-            rc2 = node.publish_wait_status(ctl, 1 if poisoned else 0)
-            if local is not None:
-                ctx.fail(rc, call, state=local)
-            if rc2:
-                ctx.fail(rc2, call, after_rail=True)
+            ctx.settle(call, poisoned, local)
             node.gather_parts(ctl, addr, m, call.w)

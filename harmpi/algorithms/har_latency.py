@@ -39,24 +39,13 @@ from __future__ import annotations
 
 from .. import node
 from ..transports import tag_for
-from .base import chunks, rail_allreduce, recv_check
+from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
 
 __all__ = ["HarLatencyAllreduce"]
 
 
-class HarLatencyAllreduce:
+class HarLatencyAllreduce(RailAlgorithm):
     name = "har_latency"
-    needs = "every node with the same number of ranks"
-
-    def __init__(self, ctx):
-        ctx.require_uniform(self.name)
-        self.ctx = ctx
-        self.transport = ctx.rail_transport()
-        self.G = ctx.topo.node_count
-        self.g = ctx.topo.node_index
-        self.me = ctx.topo.local_rank
-        self.recv_buf = ctx.rail_recv_buffer()
-        self.recv_addr = self.recv_buf.ctypes.data
 
     def run(self, call):
         ctx = self.ctx
@@ -71,10 +60,7 @@ class HarLatencyAllreduce:
                 # peer is then seen by its count, not a truncation error
                 pending = self.transport.post_exchange(1 - self.g, ctx.view(addr, m * isz), tag,
                                                        self.recv_buf)
-            rc = node.stage(ctl, addr, 0, m, call.nbytes, call.code, call.fmt, call.w)
-            if rc == node.TIMEOUT:
-                ctx.fail(rc, call)
-            local = ctx.error_state() if rc else None
+            local = ctx.stage_or_remember(call, addr, m)
             if pending is not None:
                 got, = self.transport.complete(pending, timeout_s, call)
                 poisoned = local is not None or recv_check(got, m * isz, tag)
@@ -88,6 +74,6 @@ class HarLatencyAllreduce:
             rc2 = node.add_publish_sum(ctl, addr, r_addr, m, 1 if poisoned else 0, call.fmt,
                                        call.w)
             if local is not None:
-                ctx.fail(rc, call, state=local)
+                ctx.fail(node.MISMATCH, call, state=local)
             if rc2:
                 ctx.fail(rc2, call, after_rail=True)

@@ -51,14 +51,8 @@ class LeaderAllreduce:
         ctl = ctx.ctl
         tag = tag_for(call.nbytes, call.code)
         for _start, addr, m in chunks(call, ctx.config.slot_nbytes // call.itemsize):
-            rc = node.stage(ctl, addr, 0, m, call.nbytes, call.code, call.fmt, call.w)
-            if rc == node.TIMEOUT:
-                ctx.fail(rc, call)
-            # A node that disagrees internally still runs the leaders'
-            # exchange, with the poison tag, so that the other nodes fail too
-            # instead of waiting for it.
-            local = ctx.error_state() if rc else None
-            poisoned = rc != node.OK
+            local = ctx.stage_or_remember(call, addr, m)
+            poisoned = local is not None
             if self.is_leader:
                 if not poisoned:
                     node.sum_own_part(ctl, 0, m, call.fmt, call.w)
@@ -66,9 +60,5 @@ class LeaderAllreduce:
                     poisoned = rail_allreduce(self.transport, self.g, self.G,
                                               node.slot_addr(ctl, 0), m, call, self.recv_buf,
                                               tag, ctx.config.timeout_s, poisoned=poisoned)
-            rc2 = node.publish_wait_status(ctl, 1 if poisoned else 0)
-            if local is not None:
-                ctx.fail(rc, call, state=local)
-            if rc2:
-                ctx.fail(rc2, call, after_rail=True)
+            ctx.settle(call, poisoned, local)
             node.copy_slot(ctl, 0, addr, 0, m, call.w)
