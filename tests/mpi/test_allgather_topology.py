@@ -65,3 +65,16 @@ def test_allgather_both_spellings():
     import harmpi.allgather  # noqa: F401
     out = harmpi.allgather(torch.ones(2))
     assert out.shape == (2 * harmpi.info()["ranks"],)
+
+
+def test_sub_communicators_have_their_own_context(world):
+    """Even and odd ranks reduce separately; each split gets its own window."""
+    r = world.Get_rank()
+    sub = world.Split(r % 2, key=r)
+    x = torch.full((3000,), float(r), dtype=torch.float32)
+    harmpi.allreduce(x, comm=sub)
+    expect = sum(q for q in range(world.Get_size()) if q % 2 == r % 2)
+    assert torch.all(x == expect)
+    g = harmpi.allgather(torch.tensor([float(r)]), comm=sub)
+    assert g.tolist() == [float(q) for q in range(world.Get_size()) if q % 2 == r % 2]
+    assert harmpi.info(sub)["ranks"] == sub.Get_size()
