@@ -623,74 +623,6 @@ def _check_rows(k, ncols, lo, hi, nout, out_lo):
 
 
 @numba.njit
-def _sum_rows_pairs(src, lo, hi, out, out_lo, f16):
-    """sum_rows for 16-bit values read and written two per uint32 word."""
-    k = src.shape[0]
-    _check_rows(k, src.shape[1], lo, hi, out.shape[0], out_lo)
-    n = hi - lo
-    npairs = n // 2
-    acc_lo = _scratch_f32()  # even elements
-    acc_hi = _scratch_f32()  # odd elements
-    for p0 in range(0, npairs, _BLOCK):
-        m = min(_BLOCK, npairs - p0)
-        s = lo + 2 * p0
-        # Every input of the block into acc (rows in order, the first up to
-        # four in one pass), then the stores: out may be one of the rows.
-        r0 = _view_pairs(src, 0, s, m)
-        if k == 1:
-            for p in range(m):
-                w0 = r0[p]
-                acc_lo[p] = _dec_lo(w0, f16)
-                acc_hi[p] = _dec_hi(w0, f16)
-        elif k == 2:
-            r1 = _view_pairs(src, 1, s, m)
-            for p in range(m):
-                w0 = r0[p]
-                w1 = r1[p]
-                acc_lo[p] = _dec_lo(w0, f16) + _dec_lo(w1, f16)
-                acc_hi[p] = _dec_hi(w0, f16) + _dec_hi(w1, f16)
-        elif k == 3:
-            r1 = _view_pairs(src, 1, s, m)
-            r2 = _view_pairs(src, 2, s, m)
-            for p in range(m):
-                w0 = r0[p]
-                w1 = r1[p]
-                w2 = r2[p]
-                acc_lo[p] = _dec_lo(w0, f16) + _dec_lo(w1, f16) + _dec_lo(w2, f16)
-                acc_hi[p] = _dec_hi(w0, f16) + _dec_hi(w1, f16) + _dec_hi(w2, f16)
-        else:
-            r1 = _view_pairs(src, 1, s, m)
-            r2 = _view_pairs(src, 2, s, m)
-            r3 = _view_pairs(src, 3, s, m)
-            for p in range(m):
-                w0 = r0[p]
-                w1 = r1[p]
-                w2 = r2[p]
-                w3 = r3[p]
-                acc_lo[p] = (
-                    _dec_lo(w0, f16) + _dec_lo(w1, f16) + _dec_lo(w2, f16) + _dec_lo(w3, f16)
-                )
-                acc_hi[p] = (
-                    _dec_hi(w0, f16) + _dec_hi(w1, f16) + _dec_hi(w2, f16) + _dec_hi(w3, f16)
-                )
-        for j in range(4, k):
-            rj = _view_pairs(src, j, s, m)
-            for p in range(m):
-                w = rj[p]
-                acc_lo[p] += _dec_lo(w, f16)
-                acc_hi[p] += _dec_hi(w, f16)
-        o = _view_pairs(out, 0, out_lo + 2 * p0, m)
-        for p in range(m):
-            o[p] = _enc_pair(acc_lo[p], acc_hi[p], f16)
-    if n & 1:  # odd length: the last element on its own
-        i = hi - 1
-        x = _dec_one(src[0, i], f16)
-        for j in range(1, k):
-            x += _dec_one(src[j, i], f16)
-        out[out_lo + n - 1] = _enc_one(x, f16)
-
-
-@numba.njit
 def _sum2_pairs(a, b, out, f16):
     n = out.shape[0]
     if a.shape[0] < n or b.shape[0] < n:
@@ -715,47 +647,6 @@ def _sum2_pairs(a, b, out, f16):
 
 
 @numba.njit
-def _sum_rows_plain(src, lo, hi, out, out_lo):
-    """sum_rows for one stored value per element: float32, float64, and f16
-    with hardware conversions."""
-    k = src.shape[0]
-    _check_rows(k, src.shape[1], lo, hi, out.shape[0], out_lo)
-    n = hi - lo
-    acc = _scratch_acc(src)
-    for b0 in range(0, n, _BLOCK):
-        m = min(_BLOCK, n - b0)
-        s = lo + b0
-        # Every input of the block into acc (rows in order, the first up to
-        # four in one pass), then the stores: out may be one of the rows.
-        r0 = _view(src, 0, s, m)
-        if k == 1:
-            for i in range(m):
-                acc[i] = _widen(r0[i])
-        elif k == 2:
-            r1 = _view(src, 1, s, m)
-            for i in range(m):
-                acc[i] = _widen(r0[i]) + _widen(r1[i])
-        elif k == 3:
-            r1 = _view(src, 1, s, m)
-            r2 = _view(src, 2, s, m)
-            for i in range(m):
-                acc[i] = _widen(r0[i]) + _widen(r1[i]) + _widen(r2[i])
-        else:
-            r1 = _view(src, 1, s, m)
-            r2 = _view(src, 2, s, m)
-            r3 = _view(src, 3, s, m)
-            for i in range(m):
-                acc[i] = _widen(r0[i]) + _widen(r1[i]) + _widen(r2[i]) + _widen(r3[i])
-        for j in range(4, k):
-            rj = _view(src, j, s, m)
-            for i in range(m):
-                acc[i] += _widen(rj[i])
-        o = _view(out, 0, out_lo + b0, m)
-        for i in range(m):
-            o[i] = _narrow_like(acc[i], out)
-
-
-@numba.njit
 def _sum2_plain(a, b, out):
     n = out.shape[0]
     if a.shape[0] < n or b.shape[0] < n:
@@ -772,17 +663,24 @@ def _sum2_plain(a, b, out):
             o[i] = _narrow_like(acc[i], out)
 
 
-# sum_rows_x: row `me` comes from the private vector x instead of src[me].
-# The bodies are those of sum_rows with every row view taken through
-# _row_view / _row_view_pairs, and each block's result stored twice.
+# One body per storage layout serves both kernel families: sum_rows passes
+# me = -1 (no row is substituted, x is never read, one store per block);
+# sum_rows_x passes 0 <= me < k (row me is read from x, and each block's
+# result is stored to out and out2).
+
+
+@numba.njit
+def _check_me(me, k):
+    # me < 0 means "no substitution" inside the shared bodies, so the public
+    # sum_rows_x kernels reject it before reaching them
+    if me < 0 or me >= k:
+        raise ValueError("sum_rows_x: need 0 <= me < src.shape[0]")
 
 
 @numba.njit
 def _check_rows_x(k, ncols, lo, hi, me, nx, nout, nout2, out_lo):
     if k < 1:
         raise ValueError("sum_rows_x: src has no rows")
-    if me < 0 or me >= k:
-        raise ValueError("sum_rows_x: need 0 <= me < src.shape[0]")
     if lo < 0 or hi < lo or hi > ncols:
         raise ValueError("sum_rows_x: need 0 <= lo <= hi <= src.shape[1]")
     if hi > nx:
@@ -794,10 +692,14 @@ def _check_rows_x(k, ncols, lo, hi, me, nx, nout, nout2, out_lo):
 
 
 @numba.njit
-def _sum_rows_x_pairs(src, lo, hi, me, x, out, out2, out_lo, f16):
-    """sum_rows_x for 16-bit values read and written two per uint32 word."""
+def _rows_pairs(src, lo, hi, me, x, out, out2, out_lo, f16):
+    """The row sum for 16-bit values read and written two per uint32 word."""
     k = src.shape[0]
-    _check_rows_x(k, src.shape[1], lo, hi, me, x.shape[0], out.shape[0], out2.shape[0], out_lo)
+    if me < 0:
+        _check_rows(k, src.shape[1], lo, hi, out.shape[0], out_lo)
+    else:
+        _check_rows_x(k, src.shape[1], lo, hi, me, x.shape[0], out.shape[0], out2.shape[0],
+                      out_lo)
     n = hi - lo
     npairs = n // 2
     acc_lo = _scratch_f32()  # even elements
@@ -851,11 +753,15 @@ def _sum_rows_x_pairs(src, lo, hi, me, x, out, out2, out_lo, f16):
                 acc_lo[p] += _dec_lo(w, f16)
                 acc_hi[p] += _dec_hi(w, f16)
         o = _view_pairs(out, 0, out_lo + 2 * p0, m)
-        o2 = _view_pairs(out2, 0, out_lo + 2 * p0, m)
-        for p in range(m):
-            w = _enc_pair(acc_lo[p], acc_hi[p], f16)
-            o[p] = w
-            o2[p] = w
+        if me < 0:
+            for p in range(m):
+                o[p] = _enc_pair(acc_lo[p], acc_hi[p], f16)
+        else:
+            o2 = _view_pairs(out2, 0, out_lo + 2 * p0, m)
+            for p in range(m):
+                w = _enc_pair(acc_lo[p], acc_hi[p], f16)
+                o[p] = w
+                o2[p] = w
     if n & 1:  # odd length: the last element on its own
         i = hi - 1
         v = _dec_one(x[i] if me == 0 else src[0, i], f16)
@@ -863,15 +769,20 @@ def _sum_rows_x_pairs(src, lo, hi, me, x, out, out2, out_lo, f16):
             v += _dec_one(x[i] if j == me else src[j, i], f16)
         h = _enc_one(v, f16)
         out[out_lo + n - 1] = h
-        out2[out_lo + n - 1] = h
+        if me >= 0:
+            out2[out_lo + n - 1] = h
 
 
 @numba.njit
-def _sum_rows_x_plain(src, lo, hi, me, x, out, out2, out_lo):
-    """sum_rows_x for one stored value per element: float32, float64, and f16
-    with hardware conversions."""
+def _rows_plain(src, lo, hi, me, x, out, out2, out_lo):
+    """The row sum for one stored value per element: float32, float64, and
+    f16 with hardware conversions."""
     k = src.shape[0]
-    _check_rows_x(k, src.shape[1], lo, hi, me, x.shape[0], out.shape[0], out2.shape[0], out_lo)
+    if me < 0:
+        _check_rows(k, src.shape[1], lo, hi, out.shape[0], out_lo)
+    else:
+        _check_rows_x(k, src.shape[1], lo, hi, me, x.shape[0], out.shape[0], out2.shape[0],
+                      out_lo)
     n = hi - lo
     acc = _scratch_acc(src)
     for b0 in range(0, n, _BLOCK):
@@ -903,11 +814,37 @@ def _sum_rows_x_plain(src, lo, hi, me, x, out, out2, out_lo):
             for i in range(m):
                 acc[i] += _widen(rj[i])
         o = _view(out, 0, out_lo + b0, m)
-        o2 = _view(out2, 0, out_lo + b0, m)
-        for i in range(m):
-            v = _narrow_like(acc[i], out)
-            o[i] = v
-            o2[i] = v
+        if me < 0:
+            for i in range(m):
+                o[i] = _narrow_like(acc[i], out)
+        else:
+            o2 = _view(out2, 0, out_lo + b0, m)
+            for i in range(m):
+                v = _narrow_like(acc[i], out)
+                o[i] = v
+                o2[i] = v
+
+
+@numba.njit
+def _sum_rows_pairs(src, lo, hi, out, out_lo, f16):
+    _rows_pairs(src, lo, hi, -1, out, out, out, out_lo, f16)
+
+
+@numba.njit
+def _sum_rows_x_pairs(src, lo, hi, me, x, out, out2, out_lo, f16):
+    _check_me(me, src.shape[0])
+    _rows_pairs(src, lo, hi, me, x, out, out2, out_lo, f16)
+
+
+@numba.njit
+def _sum_rows_plain(src, lo, hi, out, out_lo):
+    _rows_plain(src, lo, hi, -1, out, out, out, out_lo)
+
+
+@numba.njit
+def _sum_rows_x_plain(src, lo, hi, me, x, out, out2, out_lo):
+    _check_me(me, src.shape[0])
+    _rows_plain(src, lo, hi, me, x, out, out2, out_lo)
 
 
 @numba.njit
