@@ -1,23 +1,6 @@
-"""``harmpi.allgather`` as a module that can be called.
+"""``harmpi.allgather``, callable as a module too (see harmpi._callable)."""
 
-Research scripts write both ``import harmpi; harmpi.allgather(t)`` and
-``import harmpi.allgather``. Importing a submodule binds it as the package
-attribute of the same name, which would shadow the function; making the
-module itself callable keeps both spellings working.
-"""
+from ._callable import make_module_callable
+from .api import allgather
 
-import sys
-import types
-
-from .api import allgather as _allgather
-
-
-class _CallableModule(types.ModuleType):
-    # a staticmethod __call__ is invoked without the module as first
-    # argument and without an extra Python frame on the hot path
-    __call__ = staticmethod(_allgather)
-
-
-allgather = _allgather
-__doc__ = _allgather.__doc__
-sys.modules[__name__].__class__ = _CallableModule
+make_module_callable(__name__, allgather)
