@@ -57,11 +57,12 @@ import json
 import os
 import sys
 import time
-import traceback
 from typing import Sequence
 
 import click
 import numpy as np
+
+from bench import harness
 
 __all__ = [
     "ModelConfig",
@@ -820,16 +821,9 @@ def main(comm_spec, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_l
         cfg.check(MPI.COMM_WORLD.Get_size())
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    try:
-        code = run(cfg, comms=comms, batch=batch, prompt_len=prompt_len, steps=steps, warmup_steps=warmup_steps,
-                   seed=seed, threads=threads, json_path=json_path, rounds=rounds)
-    except (SystemExit, KeyboardInterrupt):
-        raise
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-        raise
+    code = harness.run_or_abort(run, cfg, comms=comms, batch=batch, prompt_len=prompt_len, steps=steps,
+                                warmup_steps=warmup_steps, seed=seed, threads=threads,
+                                json_path=json_path, rounds=rounds)
     sys.exit(code)
 
 

@@ -532,3 +532,23 @@ def plot_rows(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def run_or_abort(fn, *args, **kwargs):
+    """Return fn(*args, **kwargs); on any error print it and abort the whole
+    MPI job, so one failing rank never leaves the others waiting in a
+    collective (also when started without ``python -m mpi4py``)."""
+    try:
+        return fn(*args, **kwargs)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:
+        import sys
+        import traceback
+
+        from mpi4py import MPI
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+        raise

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from importlib import metadata
 from pathlib import Path
 
@@ -350,20 +349,10 @@ def command(collective: Collective) -> click.Command:
                 import matplotlib  # noqa: F401
             except ImportError as exc:
                 raise click.UsageError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from exc
-        try:
-            code = run(collective, sizes=sizes, impl_names=impl_names, dtype_name=dtype_name, iterations=iterations,
-                       warmup=warmup, full=full, check=check, stat=stat, json_path=json_path, plot_path=plot_path,
-                       gloo_max_iters=gloo_max_iters, seed=seed)
-        except (SystemExit, KeyboardInterrupt):
-            raise
-        except BaseException:
-            # One failing rank must not leave the others waiting in a barrier.
-            traceback.print_exc()
-            sys.stderr.flush()
-            from mpi4py import MPI
-
-            MPI.COMM_WORLD.Abort(1)
-            raise
+        code = harness.run_or_abort(
+            run, collective, sizes=sizes, impl_names=impl_names, dtype_name=dtype_name,
+            iterations=iterations, warmup=warmup, full=full, check=check, stat=stat,
+            json_path=json_path, plot_path=plot_path, gloo_max_iters=gloo_max_iters, seed=seed)
         sys.exit(code)
 
     return main
