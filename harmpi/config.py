@@ -18,6 +18,9 @@ HARMPI_ALGORITHM           auto       force an all-reduce algorithm by name
 HARMPI_TRANSPORT           auto       cross-node transport: auto, mpi or verbs
 HARMPI_RANKS_PER_NODE      (unset)    split each host into virtual nodes of k
                                       consecutive ranks (testing multi-node paths)
+HARMPI_STREAM_STORES       auto       how a rank fills its shared slot: "on"
+                                      (streaming stores), "off" (plain), or
+                                      "auto" (measured per size, see copytune)
 =========================  =========  ==========================================
 """
 
@@ -33,6 +36,7 @@ __all__ = ["Config", "ALGORITHMS", "TRANSPORTS"]
 #: All-reduce algorithms by name. "auto" picks among them by size and topology.
 ALGORITHMS = ("shm", "shm_rsag", "har_latency", "har_bandwidth", "leader", "flat_ring")
 TRANSPORTS = ("auto", "mpi", "verbs")
+STREAM_STORES = ("auto", "on", "off")
 
 
 def _int(env, name, default, minimum):
@@ -73,6 +77,7 @@ class Config:
     algorithm: str = "auto"
     transport: str = "auto"
     ranks_per_node: int | None = None
+    stream_stores: str = "auto"
 
     def __post_init__(self):
         if self.algorithm != "auto" and self.algorithm not in ALGORITHMS:
@@ -81,6 +86,10 @@ class Config:
         if self.transport not in TRANSPORTS:
             raise HarmpiArgumentError(
                 f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if self.stream_stores not in STREAM_STORES:
+            raise HarmpiArgumentError(
+                f"HARMPI_STREAM_STORES={self.stream_stores!r}: choose one of "
+                f"{', '.join(STREAM_STORES)}")
         if self.slot_nbytes % 64:
             raise HarmpiArgumentError(f"slot size {self.slot_nbytes} must be a multiple of 64 bytes")
 
@@ -98,4 +107,5 @@ class Config:
             algorithm=(env.get("HARMPI_ALGORITHM") or "auto").strip().lower(),
             transport=(env.get("HARMPI_TRANSPORT") or "auto").strip().lower(),
             ranks_per_node=None if rpn in (None, "") else _int(env, "HARMPI_RANKS_PER_NODE", 0, 1),
+            stream_stores=(env.get("HARMPI_STREAM_STORES") or "auto").strip().lower(),
         )

@@ -75,7 +75,7 @@ class Context:
         self.transport_spin_count = max(1, spin // 64)
         self.arena = Arena(self.node_comm, self.config.slot_nbytes)
         self.ctl = node.new_ctl(self.arena, spin, self.config.timeout_s, AUTO_ALLREDUCE_CODE,
-                                self.config.small_max_nbytes)
+                                self.config.small_max_nbytes, self.config.stream_stores)
         self.broken = None
         #: auto on one node with peers: the API may call the shm kernel directly
         self.single_node_auto = (self.topo.node_count == 1 and self.topo.size > 1
@@ -172,12 +172,14 @@ class Context:
             self._allgather = HierAllgather(self)
         return self._allgather
 
-    def stage_or_remember(self, call, addr, m):
-        """node.stage of one chunk. A timeout raises at once; a disagreement
-        inside the node is returned (else None): the algorithm then finishes
-        its cross-node exchanges poisoned, so the other nodes fail too
-        instead of waiting for this one, and raises in :meth:`settle`."""
-        rc = node.stage(self.ctl, addr, 0, m, call.nbytes, call.code, call.fmt, call.w)
+    def stage_or_remember(self, call, addr, m, copy=True):
+        """node.stage of one chunk (``copy=False``: only the meta check, the
+        caller fills its slot later). A timeout raises at once; a
+        disagreement inside the node is returned (else None): the algorithm
+        then finishes its cross-node exchanges poisoned, so the other nodes
+        fail too instead of waiting for this one, and raises in :meth:`settle`."""
+        rc = node.stage(self.ctl, addr, 0, m if copy else -m, call.nbytes, call.code, call.fmt,
+                        call.w)
         if rc == node.TIMEOUT:
             self.fail(rc, call)
         return self.error_state() if rc else None

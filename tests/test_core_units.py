@@ -70,6 +70,10 @@ class _FakeArena:
         self.slots_addr = self.flags_addr + 4096
         self.slot_nbytes = slot_nbytes
         self.local_size, self.local_rank = 1, 0
+        self.tune_addr = self.flags_addr + 64
+
+    def tune_table(self):
+        return self.mem[64:64 + 512].view(np.int64)
 
 
 def test_node_steps_single_rank_roundtrip():

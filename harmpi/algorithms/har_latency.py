@@ -7,9 +7,9 @@ Steps (per chunk of at most one slot of m elements):
   1. G = 2: post the rail exchange first — receive from, and send x to, the
      rail peer (same local rank on the other node), straight from the
      caller's buffer — so the network works while the node does step 2;
-  2. copy x into my slot, post (size, kind), publish, wait for the node,
-     check that every local rank passes the same size and kind;
-  3. G = 2: complete the exchange and add the peer's tensor into my slot;
+  2. (G > 2: copy x into my slot;) post (size, kind), publish, wait for
+     the node, check that every local rank passes the same size and kind;
+  3. G = 2: complete the exchange; my slot = x + the peer's tensor;
      G > 2: recursive doubling over the rail, in place in my slot (log2 G
      exchanges; ranks beyond the largest power of two fold in first and
      get the result last);
@@ -30,8 +30,8 @@ different sizes still meet in the same flag rounds and fail cleanly.
 A bf16 result rounds once per rail combine and once in the node sum.
 
 Cost: per rank, log2 G messages of m bytes (1 for two nodes), overlapped
-with the copy into the slot; one add pass; two flag rounds; L*m bytes read
-in the final sum. Network bytes per rank ~m*log2 G: right for small m,
+with the first flag round; one add pass and one copy of m bytes into the
+slot (G = 2); two flag rounds; L*m bytes read in the final sum. Network bytes per rank ~m*log2 G: right for small m,
 wasteful for large m (see har_bandwidth).
 """
 
@@ -60,7 +60,9 @@ class HarLatencyAllreduce(RailAlgorithm):
                 # peer is then seen by its count, not a truncation error
                 pending = self.transport.post_exchange(1 - self.g, ctx.view(addr, m * isz), tag,
                                                        self.recv_buf)
-            local = ctx.stage_or_remember(call, addr, m)
+            # two nodes: my slot gets x + peer in one pass after the
+            # exchange (add_publish_sum), so the stage only checks metas
+            local = ctx.stage_or_remember(call, addr, m, copy=pending is None)
             if pending is not None:
                 got, = self.transport.complete(pending, timeout_s, call)
                 poisoned = local is not None or recv_check(got, m * isz, tag)

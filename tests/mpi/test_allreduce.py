@@ -1,6 +1,8 @@
 """harmpi.allreduce under mpirun: correctness against a float64 reference,
 bitwise agreement across ranks, chunk boundaries, every algorithm, repeats."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -125,3 +127,30 @@ def test_both_spellings():
     x = torch.ones(4)
     assert harmpi.allreduce(x) is x
     assert callable(harmpi.allreduce)
+
+
+@pytest.fixture(scope="module", params=["on", "off", "auto"])
+def copy_mode_comm(request, world):
+    """A duplicate of COMM_WORLD whose slots are filled with streaming
+    stores, plain stores, or whichever the tuner measures faster."""
+    comm = world.Dup()
+    cfg = dataclasses.replace(harmpi.Config.from_env(), slot_nbytes=8192, small_max_nbytes=2048,
+                              har_latency_max_nbytes=4096, stream_stores=request.param)
+    harmpi.init(comm, config=cfg)
+    return comm
+
+
+def test_slot_copy_modes(copy_mode_comm, topo):
+    """Sizes around the streaming threshold (1 KiB), unaligned tails, and
+    enough repeats for the tuner to probe and switch."""
+    for name in ("bf16", "f32"):
+        isz = ITEMSIZE[name]
+        for n in (1, 1023 // isz, 1024 // isz, 1025 // isz + 1, 8192 // isz - 3, 8192 // isz + 7,
+                  3 * 8192 // isz + 1):
+            check(copy_mode_comm, topo, name, n, "torch", "auto", repeats=2)
+    r = copy_mode_comm.Get_rank()
+    size = copy_mode_comm.Get_size()
+    for i in range(300):
+        x = torch.full((1500 + i % 7,), float(r + i % 3), dtype=torch.bfloat16)
+        harmpi.allreduce(x, comm=copy_mode_comm)
+        assert torch.all(x == size * (size - 1) / 2 + size * (i % 3)), i
