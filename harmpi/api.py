@@ -215,15 +215,33 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
     if type(x) is _CONTEXTS.tensor_type and op == "sum" and algorithm is None and dtype is None:
         ctx = _CONTEXTS.world if comm is None else \
             _CONTEXTS.by_comm.get(getattr(comm, "handle", None))
-        if ctx is not None and ctx.single_node_auto and ctx.broken is None:
-            kernel = _CONTEXTS.torch.FAST.get(x.dtype)
-            if kernel is not None and x.is_contiguous() and x.is_cpu and not x.requires_grad:
-                rc = kernel(ctx.ctl, x.data_ptr(), x.numel())
-                if rc:
-                    addr, n, fmt, w, itemsize, _ = _describe(x, None, True)
-                    ctx.fail(rc, Call(addr, n, itemsize, fmt, w, fmt | AUTO_ALLREDUCE_CODE,
-                                      "allreduce"))
-                return x
+        if ctx is not None and ctx.broken is None:
+            if ctx.single_node_auto:
+                kernel = _CONTEXTS.torch.FAST.get(x.dtype)
+                if kernel is not None and x.is_contiguous() and x.is_cpu and not x.requires_grad:
+                    rc = kernel(ctx.ctl, x.data_ptr(), x.numel())
+                    if rc:
+                        addr, n, fmt, w, itemsize, _ = _describe(x, None, True)
+                        ctx.fail(rc, Call(addr, n, itemsize, fmt, w, fmt | AUTO_ALLREDUCE_CODE,
+                                          "allreduce"))
+                    return x
+            elif ctx.two_node_fast is not None:
+                entry = _CONTEXTS.torch.TWO_NODE.get(x.dtype)
+                if (entry is not None and x.numel() * entry[2] <= ctx.har_latency_max_nbytes
+                        and x.is_contiguous() and x.is_cpu and not x.requires_grad):
+                    algo = ctx.two_node_fast
+                    t = algo.transport
+                    rc = entry[0](ctx.ctl, t.ops, t.pollfds, t.scratch, x.data_ptr(), x.numel(),
+                                  entry[1] | AUTO_ALLREDUCE_CODE)
+                    if rc:
+                        addr, n, fmt, w, itemsize, _ = _describe(x, None, True)
+                        try:
+                            algo.raise_for(rc, Call(addr, n, itemsize, fmt, w,
+                                                    fmt | AUTO_ALLREDUCE_CODE, "allreduce"))
+                        except HarmpiTimeoutError as exc:
+                            ctx.broken = ctx.broken or str(exc)
+                            raise
+                    return x
     opid = _op_id(op)
     addr, n, fmt, w, itemsize, _ = _describe(x, dtype, True)
     ctx = _context(comm)

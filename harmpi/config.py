@@ -15,7 +15,7 @@ HARMPI_SMALL_MAX_BYTES     65536      up to this size on one node every rank sum
 HARMPI_HAR_LATENCY_MAX_BYTES 262144   up to this size across nodes the full tensor
                                       crosses the rail; above it, only 1/L of it
 HARMPI_ALGORITHM           auto       force an all-reduce algorithm by name
-HARMPI_TRANSPORT           auto       cross-node transport: auto, mpi or verbs
+HARMPI_TRANSPORT           auto       cross-node transport: auto, tcp, mpi or verbs
 HARMPI_RANKS_PER_NODE      (unset)    split each host into virtual nodes of k
                                       consecutive ranks (testing multi-node paths)
 HARMPI_STREAM_STORES       auto       how a rank fills its shared slot: "on"
@@ -35,7 +35,7 @@ __all__ = ["Config", "ALGORITHMS", "TRANSPORTS"]
 
 #: All-reduce algorithms by name. "auto" picks among them by size and topology.
 ALGORITHMS = ("shm", "shm_rsag", "har_latency", "har_bandwidth", "leader", "flat_ring")
-TRANSPORTS = ("auto", "mpi", "verbs")
+TRANSPORTS = ("auto", "tcp", "mpi", "verbs")
 STREAM_STORES = ("auto", "on", "off")
 
 

@@ -88,11 +88,19 @@ class Context:
         self._recv_buf = None
         if self.topo.node_count > 1:
             self._rail_transport, self.transport_reason = transports.select(
-                self.config.transport, self.rail_comm, self.transport_spin_count)
+                self.config.transport, self.rail_comm, self.transport_spin_count,
+                self.config.timeout_s)
             self.log_once(f"cross-node transport: {self._rail_transport.name} "
                           f"({self.transport_reason})")
         else:
             self.transport_reason = "one node: no cross-node transport needed"
+        #: auto on two equal nodes over tcp: the API may run the compiled
+        #: two-node step directly for sizes up to har_latency_max (else None)
+        self.two_node_fast = None
+        if (self.topo.node_count == 2 and self.topo.uniform and self.config.algorithm == "auto"
+                and isinstance(self._rail_transport, transports.TcpTransport)):
+            self.two_node_fast = self.allreduce_algorithm("har_latency", 0)
+        self.har_latency_max_nbytes = self.config.har_latency_max_nbytes
 
     # -- pieces the algorithms ask for --------------------------------------
 
@@ -102,7 +110,8 @@ class Context:
     def world_transport(self):
         if self._world_transport is None:
             self._world_transport, _ = transports.select(self.config.transport, self.comm,
-                                                         self.transport_spin_count)
+                                                         self.transport_spin_count,
+                                                         self.config.timeout_s)
         return self._world_transport
 
     def rail_recv_buffer(self):

@@ -67,6 +67,11 @@ C_FAST_CODE, C_SMALL_MAX_NBYTES = 12, 13
 #: copy mode of the current call (copytune.MODE_*), the shared mode table's
 #: address, and whether this rank runs the tuner's choice (0: fixed mode)
 C_STREAM, C_TUNE_TABLE, C_TUNING = 14, 15, 16
+#: two-node compiled rail step (algorithms.har_latency): the rail socket,
+#: receive buffer and its size, transport spin passes; and the error state
+#: of a failed stage kept while the step goes on (poisoned) to its end
+C_RAIL_FD, C_RAIL_RECV, C_RAIL_RECV_CAP, C_RAIL_SPIN = 17, 18, 19, 20
+C_ERR2_PEER, C_ERR2_A, C_ERR2_B = 21, 22, 23
 #: rank 0's tuner state (copytune.STATE_WORDS) follows the header
 C_TUNE_STATE = 32
 C_LEN = C_TUNE_STATE + copytune.STATE_WORDS

@@ -11,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .algorithms.har_latency import TWO_NODE_TCP
 from .errors import HarmpiArgumentError
 from .node import FMT_BF16, FMT_F16, FMT_F32, FMT_F64, FAST_ALLREDUCE
 
-__all__ = ["KINDS", "FAST", "Tensor", "describe", "empty_like_gathered"]
+__all__ = ["KINDS", "FAST", "TWO_NODE", "Tensor", "describe", "empty_like_gathered"]
 
 Tensor = torch.Tensor
 
@@ -29,6 +30,8 @@ KINDS = {
 
 #: torch dtype -> the API's fast-path kernel
 FAST = {dt: FAST_ALLREDUCE[fmt] for dt, (fmt, _, _) in KINDS.items()}
+#: torch dtype -> (compiled two-node tcp step, storage format, itemsize)
+TWO_NODE = {dt: (TWO_NODE_TCP[fmt], fmt, isz) for dt, (fmt, _, isz) in KINDS.items()}
 
 
 def describe(t, writable=True):

@@ -67,10 +67,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_harmpi_on_two_hosts(tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "mpi"])
+def test_harmpi_on_two_hosts(tmp_path, transport):
     script = tmp_path / "two_hosts.py"
     script.write_text(SCRIPT)
-    env = {"PYTHONPATH": REPO, "HARMPI_TIMEOUT_S": "60"}
+    env = {"PYTHONPATH": REPO, "HARMPI_TIMEOUT_S": "60", "HARMPI_TRANSPORT": transport}
     with netns.TwoHosts(ranks_per_host=2) as hosts:
         proc = hosts.mpirun([sys.executable, str(script)], np=4, timeout_s=240, env=env)
         names = hosts.names
@@ -81,8 +82,13 @@ def test_harmpi_on_two_hosts(tmp_path):
         info = rec["info"]
         assert info["nodes"] == 2 and info["ranks_per_node"] == [2, 2], info
         assert info["hostname"] in names
-        assert info["transport"] == "mpi" and "no RDMA device" in info["transport_reason"] \
-            or "pyverbs" in info["transport_reason"], info
+        if transport == "auto":
+            # no RDMA here; the two hosts reach each other over the veth pair
+            assert info["transport"] == "tcp", info
+            assert ("no RDMA device" in info["transport_reason"]
+                    or "pyverbs" in info["transport_reason"]), info
+        else:
+            assert info["transport"] == "mpi", info
         bad = [k for k, ok in rec["results"].items() if not ok]
         assert not bad, f"rank {rec['rank']} failed: {bad}"
     assert len({rec["info"]["hostname"] for rec in recs}) == 2

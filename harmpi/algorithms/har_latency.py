@@ -37,17 +37,139 @@ wasteful for large m (see har_bandwidth).
 
 from __future__ import annotations
 
+import numba
+import numpy as np
+from numba import types
+
 from .. import node
-from ..transports import tag_for
+from ..node import (C_ERR2_A, C_ERR2_B, C_ERR2_PEER, C_ERR_A, C_ERR_B, C_ERR_PEER, C_RAIL_FD,
+                    C_RAIL_RECV, C_RAIL_RECV_CAP, C_RAIL_SPIN, C_SLOT_NBYTES, C_TIMEOUT_NS)
+from ..transports import MAX_TAG, TcpTransport, tag_for
+from ..transports import sockio
 from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
 
-__all__ = ["HarLatencyAllreduce"]
+__all__ = ["HarLatencyAllreduce", "TWO_NODE_TCP"]
+
+# -- two nodes over the tcp transport: the whole step in one compiled call ----
+#
+# Same steps, messages and flag rounds as the Python loop below (so a rank
+# on either path meets its peers), without ~15 us of Python per call: post
+# the exchange (header + x straight from the caller's buffer), stage the
+# metas only, complete the exchange (sleeping in poll(2) when there is
+# nothing to do), then add + publish + sum.
+
+#: return codes of har2_tcp besides node.OK
+H2_NODE_TIMEOUT, H2_LOCAL_MISMATCH, H2_RAIL_TIMEOUT, H2_IO_FAILED = 11, 12, 13, 14
+H2_AFTER_TIMEOUT, H2_AFTER_MISMATCH = 15, 16
+
+
+@numba.njit(cache=True, nogil=True)
+def _tag(nbytes, code):
+    """transports.tag_for, compiled (int64 wrap-around keeps the low 32 bits exact)."""
+    h = (nbytes * 0x9E3779B1 + code * 0x85EBCA77) & 0xFFFFFFFF
+    return 1 + h % MAX_TAG
+
+
+@numba.njit(cache=True, nogil=True)
+def _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, fmt, w):
+    isz = w.itemsize
+    total = n * isz
+    tag = _tag(total, code)
+    chunk = ctl[C_SLOT_NBYTES] // isz
+    fd = ctl[C_RAIL_FD]
+    recv_addr = ctl[C_RAIL_RECV]
+    start = 0
+    while True:
+        m = min(chunk, n - start)
+        addr = x_addr + start * isz
+        sockio.set_recv(ops, 0, fd, recv_addr, ctl[C_RAIL_RECV_CAP])
+        sockio.set_send(ops, 1, fd, addr, m * isz, tag)
+        if sockio.kick(ops, 2, scratch) != sockio.IO_OK:
+            return H2_IO_FAILED
+        rc = node.stage(ctl, addr, 0, -m, total, code, fmt, w)
+        if rc == node.TIMEOUT:
+            return H2_NODE_TIMEOUT
+        local_bad = rc == node.MISMATCH
+        if local_bad:
+            ctl[C_ERR2_PEER] = ctl[C_ERR_PEER]
+            ctl[C_ERR2_A] = ctl[C_ERR_A]
+            ctl[C_ERR2_B] = ctl[C_ERR_B]
+        io = sockio.progress(ops, 2, ctl[C_RAIL_SPIN], ctl[C_TIMEOUT_NS], pollfds, scratch)
+        if io == sockio.IO_TIMEOUT:
+            return H2_RAIL_TIMEOUT
+        if io != sockio.IO_OK:
+            return H2_IO_FAILED
+        rail_bad = ops[0, sockio.OP_HDR_N] != m * isz or ops[0, sockio.OP_HDR_TAG] != tag
+        status = 1 if (local_bad or rail_bad) else 0
+        rc = node.add_publish_sum(ctl, addr, recv_addr, m, status, fmt, w)
+        if local_bad:
+            return H2_LOCAL_MISMATCH
+        if rc == node.TIMEOUT:
+            return H2_AFTER_TIMEOUT
+        if rc != node.OK:
+            return H2_AFTER_MISMATCH
+        start += m
+        if start >= n:
+            return node.OK
+
+
+_H2_SIG = types.int64(types.int64[::1], types.int64[:, ::1], types.int32[:, ::1],
+                      types.int64[::1], types.intp, types.int64, types.int64)
+
+
+@numba.njit(_H2_SIG, cache=True, nogil=True)
+def _har2_tcp_bf16(ctl, ops, pollfds, scratch, x_addr, n, code):
+    return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, node.FMT_BF16,
+                     np.empty(0, np.uint16))
+
+
+@numba.njit(_H2_SIG, cache=True, nogil=True)
+def _har2_tcp_f16(ctl, ops, pollfds, scratch, x_addr, n, code):
+    return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, node.FMT_F16,
+                     np.empty(0, np.uint16))
+
+
+@numba.njit(_H2_SIG, cache=True, nogil=True)
+def _har2_tcp_f32(ctl, ops, pollfds, scratch, x_addr, n, code):
+    return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, node.FMT_F32,
+                     np.empty(0, np.float32))
+
+
+@numba.njit(_H2_SIG, cache=True, nogil=True)
+def _har2_tcp_f64(ctl, ops, pollfds, scratch, x_addr, n, code):
+    return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, node.FMT_F64,
+                     np.empty(0, np.float64))
+
+
+#: compiled two-node step by storage format: f(ctl, ops, pollfds, scratch, x_addr, n, code)
+TWO_NODE_TCP = {node.FMT_BF16: _har2_tcp_bf16, node.FMT_F16: _har2_tcp_f16,
+                node.FMT_F32: _har2_tcp_f32, node.FMT_F64: _har2_tcp_f64}
 
 
 class HarLatencyAllreduce(RailAlgorithm):
     name = "har_latency"
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        #: two nodes over tcp: the compiled step (else None: the Python loop)
+        self.compiled = None
+        if self.G == 2 and isinstance(self.transport, TcpTransport):
+            t = self.transport
+            ctl = ctx.ctl
+            ctl[C_RAIL_FD] = t.fd(1 - self.g)
+            ctl[C_RAIL_RECV] = self.recv_addr
+            ctl[C_RAIL_RECV_CAP] = self.recv_buf.nbytes
+            ctl[C_RAIL_SPIN] = t.spin_count
+            self.compiled = TWO_NODE_TCP
+
     def run(self, call):
+        if self.compiled is not None:
+            t = self.transport
+            rc = self.compiled[call.fmt](self.ctx.ctl, t.ops, t.pollfds, t.scratch, call.addr,
+                                         call.n, call.code)
+            if rc:
+                self.raise_for(rc, call)
+            return
         ctx = self.ctx
         ctl = ctx.ctl
         isz = call.itemsize
@@ -79,3 +201,20 @@ class HarLatencyAllreduce(RailAlgorithm):
                 ctx.fail(node.MISMATCH, call, state=local)
             if rc2:
                 ctx.fail(rc2, call, after_rail=True)
+
+    def raise_for(self, rc, call):
+        """The exception for a failed compiled two-node step."""
+        ctx = self.ctx
+        t = self.transport
+        peer = 1 - self.g
+        if rc == H2_NODE_TIMEOUT or rc == H2_AFTER_TIMEOUT:
+            ctx.fail(node.TIMEOUT, call)
+        if rc == H2_LOCAL_MISMATCH:
+            ctl = ctx.ctl
+            ctx.fail(node.MISMATCH, call,
+                     state=(int(ctl[C_ERR2_PEER]), int(ctl[C_ERR2_A]), int(ctl[C_ERR2_B])))
+        if rc == H2_AFTER_MISMATCH:
+            ctx.fail(node.MISMATCH, call, after_rail=True)
+        if rc == H2_RAIL_TIMEOUT:
+            t.raise_timeout(2, 1, (peer, peer), ctx.config.timeout_s, call)
+        t.raise_failed((peer, peer), call)

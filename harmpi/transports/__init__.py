@@ -1,20 +1,27 @@
 """Cross-node transports and their selection (``HARMPI_TRANSPORT``).
 
 ``auto`` takes the RDMA verbs transport when pyverbs imports and an RDMA
-device is present, and the portable MPI transport otherwise; the reason for
-the choice is logged once and reported by ``harmpi.info()``. Asking for
-``verbs`` where it cannot run is an error, never a silent fallback.
+device is present; otherwise the TCP transport when every rank of the
+communicator can connect to every other (compiled socket I/O that sleeps
+in poll(2) while it waits), and the portable MPI transport when it cannot.
+The reason for the choice is logged once and reported by
+``harmpi.info()``. Asking for ``verbs`` where it cannot run is an error,
+never a silent fallback; ``mpi`` keeps MPI's own network path (UCX,
+libfabric, ...), which beats TCP on fabrics MPI drives natively.
 """
 
 from __future__ import annotations
 
 import logging
 
+from mpi4py import MPI
+
 from ..errors import HarmpiTransportError
 from .base import MAX_TAG, POISON_TAG, Pending, Transport, tag_for
 from .mpi import MpiTransport
+from .tcp import TcpTransport
 
-__all__ = ["Transport", "Pending", "MpiTransport", "select", "verbs_status",
+__all__ = ["Transport", "Pending", "MpiTransport", "TcpTransport", "select", "verbs_status",
            "tag_for", "POISON_TAG", "MAX_TAG"]
 
 log = logging.getLogger(__name__)
@@ -37,14 +44,28 @@ def verbs_status():
                    "transport yet")
 
 
-def select(requested: str, comm, spin_count: int):
-    """Return ``(transport, reason)`` for ``requested`` in auto|mpi|verbs."""
+def select(requested: str, comm, spin_count: int, timeout_s: float = 30.0):
+    """Return ``(transport, reason)`` for ``requested`` in auto|tcp|mpi|verbs
+    (collective over ``comm``)."""
     if requested == "mpi":
         return MpiTransport(comm, spin_count), "HARMPI_TRANSPORT=mpi"
+    if requested == "tcp":
+        return TcpTransport(comm, spin_count, timeout_s), "HARMPI_TRANSPORT=tcp"
     usable, why = verbs_status()
     if requested == "verbs":
         if not usable:
             raise HarmpiTransportError(f"HARMPI_TRANSPORT=verbs cannot be used: {why}; "
-                                       "set HARMPI_TRANSPORT=mpi or auto")
-    reason = f"auto: {why}; using the mpi transport"
-    return MpiTransport(comm, spin_count), reason
+                                       "set HARMPI_TRANSPORT=tcp, mpi or auto")
+    transport, failure = None, None
+    try:
+        transport = TcpTransport(comm, spin_count, timeout_s)
+    except HarmpiTransportError as exc:
+        failure = exc
+    # every rank must pick the same transport
+    if comm.allreduce(0 if transport is None else 1, op=MPI.MIN) == 0:
+        if transport is not None:
+            transport.close()
+        return MpiTransport(comm, spin_count), (
+            f"auto: {why}; tcp set-up failed ({failure or 'on another rank'}); using mpi")
+    return transport, (f"auto: {why}; using the tcp transport (HARMPI_TRANSPORT=mpi selects "
+                       "MPI's own network path)")

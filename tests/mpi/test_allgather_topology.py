@@ -56,7 +56,11 @@ def test_topology_matches_environment(world, topo):
     assert info["nodes"] == topo.node_count and info["ranks"] == size
     assert info["ranks_per_node"] == list(topo.node_sizes)
     if topo.node_count > 1:
-        assert info["transport"] == "mpi" and "mpi" in info["transport_reason"]
+        wanted = os.environ.get("HARMPI_TRANSPORT", "auto")
+        # auto: no RDMA here, and every rank reaches every other over TCP
+        assert info["transport"] == ("tcp" if wanted == "auto" else wanted)
+        assert info["transport_reason"].startswith("auto: " if wanted == "auto" else
+                                                   f"HARMPI_TRANSPORT={wanted}")
     else:
         assert info["transport"] == "none"
 

@@ -1,0 +1,354 @@
+"""Compiled socket I/O for the TCP transport: framed messages, a progress
+engine over many sockets, and a deadline — no Python and no GIL inside.
+
+Wire format: each message is a 16-byte header (int64 payload bytes, int64
+tag) followed by the payload. Messages on one socket arrive in the order
+they were sent, so a receiver reads the header, then exactly that many
+payload bytes, and never touches the next message.
+
+An *op table* (int64 array, one row per send or receive) drives the engine:
+
+    OP_FD      socket (non-blocking)
+    OP_KIND    KIND_SEND or KIND_RECV
+    OP_ADDR    payload address
+    OP_CAP     send: payload bytes; receive: buffer capacity
+    OP_DONE    bytes moved so far, header included
+    OP_HDR_N   header word 0: payload bytes (send: set by the caller;
+               receive: as read from the wire)
+    OP_HDR_TAG header word 1: tag
+    OP_STATE   ST_PENDING, ST_DONE, or ST_FAILED (OP_ERRNO says why)
+
+A receive whose header announces more than OP_CAP bytes fills the buffer
+and discards the rest (so the stream stays aligned); the caller sees
+OP_HDR_N > OP_CAP and reports a mismatch. Ops on the same socket and in
+the same direction run in table order.
+
+``progress`` loops: each pending op is advanced with non-blocking calls
+until it would block; when a whole pass moved nothing it polls ``spin``
+more passes, then sleeps in ``poll(2)`` on the blocked sockets (so an
+oversubscribed rank gives its core away instead of spinning), until every
+op is done, one fails, or the deadline passes.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ..sync import monotonic_ns
+
+__all__ = ["OP_FD", "OP_KIND", "OP_ADDR", "OP_CAP", "OP_DONE", "OP_HDR_N", "OP_HDR_TAG",
+           "OP_STATE", "OP_ERRNO", "OP_WORDS", "KIND_SEND", "KIND_RECV", "ST_PENDING",
+           "ST_DONE", "ST_FAILED", "HEADER_NBYTES", "IO_OK", "IO_TIMEOUT", "IO_FAILED",
+           "ERR_CLOSED", "progress", "set_send", "set_recv", "new_ops", "new_pollfds",
+           "new_scratch"]
+
+OP_FD, OP_KIND, OP_ADDR, OP_CAP, OP_DONE, OP_HDR_N, OP_HDR_TAG, OP_STATE, OP_ERRNO = range(9)
+OP_WORDS = 10          # (the header words must be adjacent: OP_HDR_N, OP_HDR_TAG)
+KIND_SEND, KIND_RECV = 0, 1
+ST_PENDING, ST_DONE, ST_FAILED = 0, 1, 2
+HEADER_NBYTES = 16
+IO_OK, IO_TIMEOUT, IO_FAILED = 0, 1, 2
+#: OP_ERRNO of a receive whose peer closed the connection
+ERR_CLOSED = -1
+
+_EAGAIN, _EWOULDBLOCK, _EINTR = 11, 11, 4
+_POLLIN, _POLLOUT = 0x001, 0x004
+_MSG_NOSIGNAL = 0x4000
+#: longest single poll(2) sleep: the deadline is checked at least this often
+_POLL_SLICE_MS = 100
+_SCRATCH_NBYTES = 1 << 16
+
+_I64 = ir.IntType(64)
+_I32 = ir.IntType(32)
+
+
+def _libc_call(builder, name, ret, argtys, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, argtys), name)
+    return builder.call(fn, args)
+
+
+@intrinsic
+def _send(typingctx, fd, addr, nbytes):
+    """send(fd, addr, nbytes, MSG_NOSIGNAL) -> bytes or -errno."""
+    sig = types.int64(types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        r = _libc_call(builder, "send", _I64, [_I32, i8p, _I64, _I32],
+                       [builder.trunc(args[0], _I32), builder.inttoptr(args[1], i8p), args[2],
+                        ir.Constant(_I32, _MSG_NOSIGNAL)])
+        return _or_errno(builder, r)
+
+    return sig, codegen
+
+
+@intrinsic
+def _recv(typingctx, fd, addr, nbytes):
+    """recv(fd, addr, nbytes, 0) -> bytes (0: closed) or -errno."""
+    sig = types.int64(types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        r = _libc_call(builder, "recv", _I64, [_I32, i8p, _I64, _I32],
+                       [builder.trunc(args[0], _I32), builder.inttoptr(args[1], i8p), args[2],
+                        ir.Constant(_I32, 0)])
+        return _or_errno(builder, r)
+
+    return sig, codegen
+
+
+@intrinsic
+def _sendmsg2(typingctx, fd, iov_addr, msg_addr):
+    """sendmsg of a prepared msghdr at msg_addr -> bytes or -errno."""
+    sig = types.int64(types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        r = _libc_call(builder, "sendmsg", _I64, [_I32, i8p, _I32],
+                       [builder.trunc(args[0], _I32), builder.inttoptr(args[2], i8p),
+                        ir.Constant(_I32, _MSG_NOSIGNAL)])
+        return _or_errno(builder, r)
+
+    return sig, codegen
+
+
+@intrinsic
+def _poll(typingctx, fds_addr, nfds, timeout_ms):
+    """poll(fds, nfds, timeout_ms) -> ready count or -errno."""
+    sig = types.int64(types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        r = _libc_call(builder, "poll", _I32, [i8p, _I64, _I32],
+                       [builder.inttoptr(args[0], i8p), args[1], builder.trunc(args[2], _I32)])
+        return _or_errno(builder, builder.sext(r, _I64))
+
+    return sig, codegen
+
+
+def _or_errno(builder, r):
+    """r if r >= 0, else -errno (read right after the failing call)."""
+    neg = builder.icmp_signed("<", r, ir.Constant(_I64, 0))
+    with builder.if_else(neg) as (then, otherwise):
+        with then:
+            loc = _libc_call(builder, "__errno_location", _I32.as_pointer(), [], [])
+            err = builder.sext(builder.load(loc), _I64)
+            bb_then = builder.block
+            v_then = builder.neg(err)
+        with otherwise:
+            bb_else = builder.block
+    phi = builder.phi(_I64)
+    phi.add_incoming(v_then, bb_then)
+    phi.add_incoming(r, bb_else)
+    return phi
+
+
+def new_ops(nrows):
+    return np.zeros((nrows, OP_WORDS), np.int64)
+
+
+def new_pollfds(nrows):
+    """struct pollfd[nrows] (int fd; short events; short revents) as int32 pairs."""
+    return np.zeros((nrows, 2), np.int32)
+
+
+def new_scratch():
+    """Room for the msghdr/iovec of a send and for discarding excess bytes."""
+    return np.zeros(_SCRATCH_NBYTES // 8, np.int64)
+
+
+@numba.njit(cache=True, nogil=True)
+def set_send(ops, i, fd, addr, nbytes, tag):
+    ops[i, OP_FD] = fd
+    ops[i, OP_KIND] = KIND_SEND
+    ops[i, OP_ADDR] = addr
+    ops[i, OP_CAP] = nbytes
+    ops[i, OP_DONE] = 0
+    ops[i, OP_HDR_N] = nbytes
+    ops[i, OP_HDR_TAG] = tag
+    ops[i, OP_STATE] = ST_PENDING
+    ops[i, OP_ERRNO] = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def set_recv(ops, i, fd, addr, cap):
+    ops[i, OP_FD] = fd
+    ops[i, OP_KIND] = KIND_RECV
+    ops[i, OP_ADDR] = addr
+    ops[i, OP_CAP] = cap
+    ops[i, OP_DONE] = 0
+    ops[i, OP_HDR_N] = 0
+    ops[i, OP_HDR_TAG] = 0
+    ops[i, OP_STATE] = ST_PENDING
+    ops[i, OP_ERRNO] = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _advance_send(ops, i, scratch):
+    """Move as much of send op i as the socket takes now.
+    Returns 1 if bytes moved, 0 if it would block, -1 on failure."""
+    fd = ops[i, OP_FD]
+    hdr = ops.ctypes.data + (i * OP_WORDS + OP_HDR_N) * 8
+    total = HEADER_NBYTES + ops[i, OP_CAP]
+    moved = 0
+    while ops[i, OP_DONE] < total:
+        done = ops[i, OP_DONE]
+        if done < HEADER_NBYTES:
+            # header and payload in one system call (and one TCP segment)
+            # struct msghdr {name, namelen, iov, iovlen, control, controllen, flags}
+            m = scratch.ctypes.data
+            iov = m + 64
+            scratch[0] = 0
+            scratch[1] = 0
+            scratch[2] = iov
+            scratch[3] = 2
+            scratch[4] = 0
+            scratch[5] = 0
+            scratch[6] = 0
+            scratch[8] = hdr + done
+            scratch[9] = HEADER_NBYTES - done
+            scratch[10] = ops[i, OP_ADDR]
+            scratch[11] = ops[i, OP_CAP]
+            r = _sendmsg2(fd, iov, m)
+        else:
+            off = done - HEADER_NBYTES
+            r = _send(fd, ops[i, OP_ADDR] + off, ops[i, OP_CAP] - off)
+        if r > 0:
+            ops[i, OP_DONE] = done + r
+            moved = 1
+        elif r == -_EINTR:
+            continue
+        elif r == -_EAGAIN or r == 0:
+            return moved
+        else:
+            ops[i, OP_STATE] = ST_FAILED
+            ops[i, OP_ERRNO] = -r
+            return -1
+    ops[i, OP_STATE] = ST_DONE
+    return 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _advance_recv(ops, i, scratch):
+    """Move as much of receive op i as has arrived.
+    Returns 1 if bytes moved, 0 if it would block, -1 on failure."""
+    fd = ops[i, OP_FD]
+    hdr = ops.ctypes.data + (i * OP_WORDS + OP_HDR_N) * 8
+    moved = 0
+    while True:
+        done = ops[i, OP_DONE]
+        if done < HEADER_NBYTES:
+            r = _recv(fd, hdr + done, HEADER_NBYTES - done)
+        else:
+            total = HEADER_NBYTES + ops[i, OP_HDR_N]
+            if done >= total:
+                break
+            off = done - HEADER_NBYTES
+            cap = ops[i, OP_CAP]
+            if off < cap:
+                r = _recv(fd, ops[i, OP_ADDR] + off, min(cap, ops[i, OP_HDR_N]) - off)
+            else:  # excess beyond the buffer: read and drop
+                r = _recv(fd, scratch.ctypes.data + 128,
+                          min(total - done, scratch.size * 8 - 128))
+        if r > 0:
+            ops[i, OP_DONE] = done + r
+            moved = 1
+            if done + r == HEADER_NBYTES and ops[i, OP_HDR_N] < 0:
+                ops[i, OP_STATE] = ST_FAILED   # not our protocol
+                ops[i, OP_ERRNO] = ERR_CLOSED
+                return -1
+        elif r == 0:
+            ops[i, OP_STATE] = ST_FAILED
+            ops[i, OP_ERRNO] = ERR_CLOSED
+            return -1
+        elif r == -_EINTR:
+            continue
+        elif r == -_EAGAIN:
+            return moved
+        else:
+            ops[i, OP_STATE] = ST_FAILED
+            ops[i, OP_ERRNO] = -r
+            return -1
+    ops[i, OP_STATE] = ST_DONE
+    return 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _waits_behind(ops, i):
+    """True if an earlier op on the same socket and direction is not done."""
+    for j in range(i):
+        if (ops[j, OP_STATE] == ST_PENDING and ops[j, OP_FD] == ops[i, OP_FD]
+                and ops[j, OP_KIND] == ops[i, OP_KIND]):
+            return True
+    return False
+
+
+@numba.njit(cache=True, nogil=True)
+def kick(ops, k, scratch):
+    """One non-blocking pass over ops [0, k) (start sends early). Returns
+    IO_FAILED if an op failed, else IO_OK."""
+    for i in range(k):
+        if ops[i, OP_STATE] != ST_PENDING or _waits_behind(ops, i):
+            continue
+        if ops[i, OP_KIND] == KIND_SEND:
+            r = _advance_send(ops, i, scratch)
+        else:
+            r = _advance_recv(ops, i, scratch)
+        if r < 0:
+            return IO_FAILED
+    return IO_OK
+
+
+@numba.njit(cache=True, nogil=True)
+def progress(ops, k, spin, timeout_ns, pollfds, scratch):
+    """Complete ops [0, k). Returns IO_OK, IO_FAILED (a row is ST_FAILED),
+    or IO_TIMEOUT (rows still ST_PENDING) after ``timeout_ns`` of waiting."""
+    idle = 0
+    started = 0
+    while True:
+        pending = 0
+        moved = False
+        npoll = 0
+        for i in range(k):
+            if ops[i, OP_STATE] != ST_PENDING:
+                continue
+            pending += 1
+            if _waits_behind(ops, i):
+                continue
+            if ops[i, OP_KIND] == KIND_SEND:
+                r = _advance_send(ops, i, scratch)
+                events = _POLLOUT
+            else:
+                r = _advance_recv(ops, i, scratch)
+                events = _POLLIN
+            if r < 0:
+                return IO_FAILED
+            if r > 0:
+                moved = True
+            if ops[i, OP_STATE] == ST_PENDING:
+                pollfds[npoll, 0] = ops[i, OP_FD]
+                pollfds[npoll, 1] = events
+                npoll += 1
+            else:
+                pending -= 1
+        if pending == 0:
+            return IO_OK
+        if moved:
+            idle = 0
+            continue
+        idle += 1
+        if idle <= spin:
+            continue
+        now = monotonic_ns()
+        if started == 0:
+            started = now
+        left_ms = (timeout_ns - (now - started)) // 1_000_000
+        if now - started > timeout_ns:
+            return IO_TIMEOUT
+        if npoll > 0:
+            _poll(pollfds.ctypes.data, npoll, max(1, min(left_ms, _POLL_SLICE_MS)))
