@@ -61,10 +61,13 @@ mpi-test: setup
 	    $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi || exit 1; \
 	done
 	@echo "== virtual nodes: 2x2, 2x1, 2+1 (uneven), 4x1, 3x1 and 3x2 (rail folding)"
-	@for cfg in "4 2" "2 1" "3 2" "4 1" "3 1" "6 2"; do set -- $$cfg; \
-	  echo "== mpirun -np $$1 with HARMPI_RANKS_PER_NODE=$$2"; \
-	  HARMPI_RANKS_PER_NODE=$$2 timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIRUN) -np $$1 $(MPI_FLAGS) \
-	    -x HARMPI_RANKS_PER_NODE $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi || exit 1; \
+	@echo "   over the tcp transport (auto), then 2x2, 2+1 and 3x2 again over the mpi transport"
+	@for cfg in "4 2 auto" "2 1 auto" "3 2 auto" "4 1 auto" "3 1 auto" "6 2 auto" \
+	            "4 2 mpi" "3 2 mpi" "6 2 mpi"; do set -- $$cfg; \
+	  echo "== mpirun -np $$1 with HARMPI_RANKS_PER_NODE=$$2 HARMPI_TRANSPORT=$$3"; \
+	  HARMPI_RANKS_PER_NODE=$$2 HARMPI_TRANSPORT=$$3 timeout -k 10 $(MPI_TEST_TIMEOUT) \
+	    $(MPIRUN) -np $$1 $(MPI_FLAGS) -x HARMPI_RANKS_PER_NODE -x HARMPI_TRANSPORT \
+	    $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi || exit 1; \
 	done
 
 demo: setup

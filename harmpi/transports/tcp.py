@@ -155,7 +155,13 @@ class TcpTransport(Transport):
                         f"tcp transport: rank {self._world[self.rank]} waited "
                         f"{timeout_s:g} s for connections from higher ranks") from None
                 sock.settimeout(max(0.01, deadline - time.monotonic()))
-                magic, peer = _HELLO.unpack(self._recv_exact(sock, _HELLO.size))
+                try:
+                    magic, peer = _HELLO.unpack(self._recv_exact(sock, _HELLO.size))
+                except (OSError, HarmpiTransportError) as exc:  # silent, short or reset
+                    sock.close()
+                    raise HarmpiTransportError(
+                        f"tcp transport: rank {self._world[self.rank]}: no hello from a "
+                        f"connection on the listening port ({exc})") from None
                 if magic != _MAGIC or not self.rank < peer < self.size or self.socks[peer]:
                     sock.close()
                     raise HarmpiTransportError("tcp transport: unexpected connection on the "
