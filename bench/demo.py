@@ -3,8 +3,11 @@
     python -m bench.demo [--out out/demo] [--impls harmpi,mpi,gloo]
 
 1. all-reduce table, 2 ranks on one node, harmpi vs mpi vs gloo (bf16, 2 KiB .. 4 MiB and 10240 B);
-2. the same with 4 ranks as 2 virtual nodes x 2 (HARMPI_RANKS_PER_NODE=2, --oversubscribe);
-3. the decode benchmark on 4 ranks as 2 virtual nodes x 2, harmpi vs gloo vs mpi.
+2. the same with 4 ranks as 2 virtual nodes x 2 (HARMPI_RANKS_PER_NODE=2, --oversubscribe),
+   once with MPI on shared memory (its best case on one host) and once with
+   MPI over TCP (``btl tcp,self``: what it does between nodes without RDMA);
+3. the decode benchmark on 4 ranks as 2 virtual nodes x 2, harmpi vs gloo vs mpi, with MPI
+   on shared memory and with MPI over TCP.
 
 Each job is an ``mpirun`` started from here (the one next to the running
 Python, else the one on PATH) with the environment a root container needs;
@@ -80,6 +83,7 @@ def demo_jobs(out_dir: Path, impls: str, decode_comms: str) -> list[dict]:
     return [
         {
             "name": "allreduce, 1 node x 2 ranks",
+            "label": "1 node x 2",
             "ranks": 2,
             "module": "bench.osu_allreduce",
             "args": sizes + ["--json", str(out_dir / "allreduce_1x2.json")],
@@ -87,7 +91,8 @@ def demo_jobs(out_dir: Path, impls: str, decode_comms: str) -> list[dict]:
             "json": out_dir / "allreduce_1x2.json",
         },
         {
-            "name": "allreduce, 2 virtual nodes x 2 ranks",
+            "name": "allreduce, 2 virtual nodes x 2 ranks, MPI on shared memory",
+            "label": "2 vnodes x 2, MPI on shm",
             "ranks": 4,
             "module": "bench.osu_allreduce",
             "args": sizes + ["--json", str(out_dir / "allreduce_2x2.json")],
@@ -95,12 +100,33 @@ def demo_jobs(out_dir: Path, impls: str, decode_comms: str) -> list[dict]:
             "json": out_dir / "allreduce_2x2.json",
         },
         {
-            "name": "decode, 2 virtual nodes x 2 ranks",
+            # what MPI does between real nodes without RDMA: TCP (here for
+            # every pair, as one host cannot split its BTLs per virtual node)
+            "name": "allreduce, 2 virtual nodes x 2 ranks, MPI over TCP (btl tcp,self)",
+            "label": "2 vnodes x 2, MPI on TCP",
+            "ranks": 4,
+            "module": "bench.osu_allreduce",
+            "args": sizes + ["--json", str(out_dir / "allreduce_2x2_tcp.json")],
+            "env": {"HARMPI_RANKS_PER_NODE": "2", "OMPI_MCA_btl": "tcp,self"},
+            "json": out_dir / "allreduce_2x2_tcp.json",
+        },
+        {
+            "name": "decode, 2 virtual nodes x 2 ranks, MPI on shared memory",
+            "label": "MPI on shm",
             "ranks": 4,
             "module": "bench.decode",
             "args": ["--comm", decode_comms, "--json", str(out_dir / "decode_2x2.json")],
             "env": {"HARMPI_RANKS_PER_NODE": "2"},
             "json": out_dir / "decode_2x2.json",
+        },
+        {
+            "name": "decode, 2 virtual nodes x 2 ranks, MPI over TCP (btl tcp,self)",
+            "label": "MPI on TCP",
+            "ranks": 4,
+            "module": "bench.decode",
+            "args": ["--comm", decode_comms, "--json", str(out_dir / "decode_2x2_tcp.json")],
+            "env": {"HARMPI_RANKS_PER_NODE": "2", "OMPI_MCA_btl": "tcp,self"},
+            "json": out_dir / "decode_2x2_tcp.json",
         },
     ]
 
@@ -113,8 +139,13 @@ def _fmt_x(value) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
-def summary_lines(allreduce_docs: Sequence[tuple[str, dict]], decode_doc: dict | None) -> list[str]:
-    """The closing summary from the jobs' JSON documents (pure)."""
+def summary_lines(allreduce_docs: Sequence[tuple[str, dict]], decode_docs) -> list[str]:
+    """The closing summary from the jobs' JSON documents (pure). ``decode_docs``:
+    None, one decode document, or a list of (label, document)."""
+    if decode_docs is None:
+        decode_docs = []
+    elif isinstance(decode_docs, dict):
+        decode_docs = [("", decode_docs)]
     lines = ["# Summary: all-reduce, bf16, median latency (us); ratio = other / harmpi (above 1: harmpi faster)"]
     impl_order = ["harmpi", "mpi", "gloo"]
     header = f"{'# setup':<28}{'size (B)':>10}" + "".join(f"{name:>10}" for name in impl_order) + f"{'mpi/harmpi':>12}{'gloo/harmpi':>13}"
@@ -129,10 +160,11 @@ def summary_lines(allreduce_docs: Sequence[tuple[str, dict]], decode_doc: dict |
                 f"{label:<28}{size:>10}" + "".join(f"{_fmt_us(values[name]):>10}" for name in impl_order)
                 + f"{_fmt_x(ratio['mpi']):>12}{_fmt_x(ratio['gloo']):>13}"
             )
-    if decode_doc is not None:
+    for label, decode_doc in decode_docs:
         rows = {row["comm"]: row for row in decode_doc.get("rows", [])}
         ranks = decode_doc.get("meta", {}).get("ranks")
-        lines.append(f"# Summary: decode, {ranks} ranks as 2 virtual nodes x 2; tok/s = batch / median step time")
+        lines.append(f"# Summary: decode, {ranks} ranks as 2 virtual nodes x 2"
+                     + (f", {label}" if label else "") + "; tok/s = batch / median step time")
         parts = []
         harmpi = rows.get("harmpi")
         for name in ("harmpi", "gloo", "mpi"):
@@ -210,17 +242,17 @@ def main(out_dir, impls, decode_comms, timeout_s):
             failures.append(job["name"])
 
     docs = []
-    decode_doc = None
+    decode_docs = []
     for job in jobs:
         if not job["json"].exists():
             continue
         doc = json.loads(job["json"].read_text())
         if job["module"] == "bench.decode":
-            decode_doc = doc
+            decode_docs.append((job["label"], doc))
         else:
-            docs.append((job["name"].split(", ", 1)[1], doc))
+            docs.append((job["label"], doc))
     print()
-    for line in summary_lines(docs, decode_doc):
+    for line in summary_lines(docs, decode_docs):
         print(line)
     print(f"# demo took {time.monotonic() - t_start:.0f} s" + (f"; FAILED: {', '.join(failures)}" if failures else ""), flush=True)
     sys.exit(1 if failures else 0)

@@ -437,6 +437,10 @@ def test_summary_lines_from_json_documents():
     assert "harmpi/gloo 8.00x" in text
     assert "gloo no (first divergence at generated token 7)" in text
     assert "harmpi: compute 9.0 ms/token; 20.0% of the step inside collectives, 5.0% after the last rank arrived" in text
+    # several decode runs, each under its label
+    text = "\n".join(summary_lines([], [("MPI on shm", decode), ("MPI on TCP", decode)]))
+    assert text.count("harmpi/gloo 8.00x") == 2
+    assert "2 virtual nodes x 2, MPI on TCP;" in text and "2 virtual nodes x 2, MPI on shm;" in text
 
 
 # --------------------------------------------------------------------------
