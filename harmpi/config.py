@@ -18,9 +18,11 @@ HARMPI_ALGORITHM           auto       force an all-reduce algorithm by name
 HARMPI_TRANSPORT           auto       cross-node transport: auto, tcp, mpi or verbs
 HARMPI_RANKS_PER_NODE      (unset)    split each host into virtual nodes of k
                                       consecutive ranks (testing multi-node paths)
-HARMPI_STREAM_STORES       auto       how a rank fills its shared slot: "on"
-                                      (streaming stores), "off" (plain), or
-                                      "auto" (measured per size, see copytune)
+HARMPI_STREAM_STORES       auto       how data moves through the shared slots:
+                                      "on" (streaming stores), "off" (plain),
+                                      "flush" (plain, readers flush what they
+                                      read), "auto" (measured per size, see
+                                      copytune)
 =========================  =========  ==========================================
 """
 
@@ -36,7 +38,7 @@ __all__ = ["Config", "ALGORITHMS", "TRANSPORTS"]
 #: All-reduce algorithms by name. "auto" picks among them by size and topology.
 ALGORITHMS = ("shm", "shm_rsag", "har_latency", "har_bandwidth", "leader", "flat_ring")
 TRANSPORTS = ("auto", "tcp", "mpi", "verbs")
-STREAM_STORES = ("auto", "on", "off")
+STREAM_STORES = ("auto", "on", "off", "flush")
 
 
 def _int(env, name, default, minimum):

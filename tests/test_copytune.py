@@ -27,14 +27,14 @@ def test_stream_copy_copies_exactly_the_range(nbytes, dst_off, src_off):
 
 @pytest.mark.parametrize("setting, mode, tuning",
                          [("on", copytune.MODE_STREAM, 0), ("off", copytune.MODE_PLAIN, 0),
-                          ("auto", copytune.MODE_STREAM, 0)])
+                          ("flush", copytune.MODE_FLUSH, 0), ("auto", copytune.MODE_STREAM, 0)])
 def test_ctl_copy_mode_from_config(setting, mode, tuning):
     # one rank alone never tunes (nobody reads its slot)
     ctl = node.new_ctl(_FakeArena(), 10, 1.0, stream_stores=setting)
     assert ctl[node.C_STREAM] == mode and ctl[node.C_TUNING] == tuning
 
 
-@pytest.mark.parametrize("mode", [copytune.MODE_STREAM, copytune.MODE_PLAIN])
+@pytest.mark.parametrize("mode", [copytune.MODE_STREAM, copytune.MODE_PLAIN, copytune.MODE_FLUSH])
 def test_single_rank_allreduce_in_either_mode(mode):
     arena = _FakeArena()
     ctl = node.new_ctl(arena, 10, 1.0)
@@ -48,6 +48,7 @@ def test_single_rank_allreduce_in_either_mode(mode):
 def test_stream_stores_setting_is_validated():
     assert Config.from_env({"HARMPI_STREAM_STORES": " Off "}).stream_stores == "off"
     assert Config.from_env({}).stream_stores == "auto"
+    assert Config.from_env({"HARMPI_STREAM_STORES": "flush"}).stream_stores == "flush"
     with pytest.raises(HarmpiArgumentError, match="HARMPI_STREAM_STORES"):
         Config.from_env({"HARMPI_STREAM_STORES": "sometimes"})
 
@@ -75,33 +76,41 @@ def _run(state, table, nbytes, calls, ticks_of_mode):
     return used
 
 
-def test_tuner_switches_to_the_faster_mode_and_probes_back_rarely():
+def test_tuner_probes_each_other_mode_in_turn_and_switches_to_the_fastest():
     state, table = _tuner(copytune.MODE_STREAM)
     phase = copytune.SKIP + copytune.PROBE
-    fast_plain = {copytune.MODE_PLAIN: 100, copytune.MODE_STREAM: 200}
-    used = _run(state, table, 10240, 2 * phase, fast_plain)
-    # first the probe of the other mode, then the current one for reference
-    assert used == [copytune.MODE_PLAIN] * phase + [copytune.MODE_STREAM] * phase
-    # decided: plain from now on, for this size only
-    used = _run(state, table, 10240, copytune.CYCLE_MIN - 2 * phase, fast_plain)
-    assert set(used) == {copytune.MODE_PLAIN}
+    cycle = copytune.CYCLE_MIN
+    ticks = {copytune.MODE_PLAIN: 100, copytune.MODE_STREAM: 200, copytune.MODE_FLUSH: 300}
+    # cycle 1: probe flush (slower than streaming): keep streaming
+    used = _run(state, table, 10240, cycle, ticks)
+    assert used[:phase] == [copytune.MODE_FLUSH] * phase
+    assert set(used[phase:]) == {copytune.MODE_STREAM}
+    # cycle 2: probe plain (faster): switch to plain, for this size only
+    used = _run(state, table, 10240, cycle, ticks)
+    assert used[:phase] == [copytune.MODE_PLAIN] * phase
+    assert used[phase:2 * phase] == [copytune.MODE_STREAM] * phase
+    assert set(used[2 * phase:]) == {copytune.MODE_PLAIN}
     assert copytune.choose(state, table.ctypes.data, False, True, 1 << 20) == copytune.MODE_STREAM
-    # next cycle probes streaming again, finds it slower, keeps plain, and
-    # waits twice as long before the next probe
-    used = _run(state, table, 10240, 2 * copytune.CYCLE_MIN, fast_plain)
-    assert used[:phase] == [copytune.MODE_STREAM] * phase
-    assert set(used[phase:]) == {copytune.MODE_PLAIN}
+    # from plain, both others lose in turn, and probes get rarer
+    used = _run(state, table, 10240, 16 * cycle, ticks)
+    starts = [i for i in range(len(used)) if used[i] != copytune.MODE_PLAIN
+              and (i == 0 or used[i - 1] == copytune.MODE_PLAIN)]
+    assert [used[i] for i in starts[:2]] == [copytune.MODE_STREAM, copytune.MODE_FLUSH]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 4 * gaps[0], gaps
+    assert all(used[i:i + phase] == [used[i]] * phase for i in starts)
 
 
 def test_tuner_keeps_its_mode_within_noise():
     state, table = _tuner(copytune.MODE_PLAIN)
     phase = copytune.SKIP + copytune.PROBE
-    close = {copytune.MODE_PLAIN: 100, copytune.MODE_STREAM: 95}   # 5%: not enough
-    # a keep doubles the cycle: probes start at calls 0 and 2 * CYCLE_MIN
-    used = _run(state, table, 4096, 4 * copytune.CYCLE_MIN, close)
-    assert used.count(copytune.MODE_STREAM) == 2 * phase
-    assert used[2 * copytune.CYCLE_MIN] == copytune.MODE_STREAM
+    close = {copytune.MODE_PLAIN: 100, copytune.MODE_STREAM: 95, copytune.MODE_FLUSH: 96}
+    # 5% is not enough: every probe loses, plain stays
+    used = _run(state, table, 4096, 8 * copytune.CYCLE_MIN, close)
+    probes = len(used) - used.count(copytune.MODE_PLAIN)
+    assert probes > 0 and probes % phase == 0
     assert copytune.choose(state, table.ctypes.data, True, True, 4096) == copytune.MODE_PLAIN
+    assert used[-copytune.CYCLE_MIN:].count(copytune.MODE_PLAIN) >= copytune.CYCLE_MIN - phase
 
 
 def test_followers_read_the_leaders_table():

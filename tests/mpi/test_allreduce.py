@@ -129,10 +129,11 @@ def test_both_spellings():
     assert callable(harmpi.allreduce)
 
 
-@pytest.fixture(scope="module", params=["on", "off", "auto"])
+@pytest.fixture(scope="module", params=["on", "off", "flush", "auto"])
 def copy_mode_comm(request, world):
     """A duplicate of COMM_WORLD whose slots are filled with streaming
-    stores, plain stores, or whichever the tuner measures faster."""
+    stores, plain stores, plain stores flushed by the readers, or whichever
+    the tuner measures fastest."""
     comm = world.Dup()
     cfg = dataclasses.replace(harmpi.Config.from_env(), slot_nbytes=8192, small_max_nbytes=2048,
                               har_latency_max_nbytes=4096, stream_stores=request.param)
