@@ -79,7 +79,10 @@ def mpirun_env(extra: dict | None = None, base: dict | None = None) -> dict:
 
 def demo_jobs(out_dir: Path, impls: str, decode_comms: str) -> list[dict]:
     """The demo's jobs: name, ranks, module, args, extra env, json path."""
-    sizes = ["-m", "2K:4M", "--stat", "median", "-c", "--dtype", "bf16", "--impl", impls]
+    # 1000 timed calls at every size (OSU's default drops to 100 above 8 KiB,
+    # which leaves the 10 KB decode-size row at the mercy of a few slow calls)
+    sizes = ["-m", "2K:4M", "-i", "1000", "-x", "100", "--stat", "median", "-c", "--dtype", "bf16",
+             "--impl", impls]
     return [
         {
             "name": "allreduce, 1 node x 2 ranks",
