@@ -44,7 +44,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from . import copytune
+from . import copytune, mpiprogress
 from . import reduce as _reduce
 from .shm import FLAG_LINE_NBYTES, W_EPOCH, W_META, W_STATUS
 from .sync import load_acquire, store_release, wait_flags_ge
@@ -72,6 +72,8 @@ C_STREAM, C_TUNE_TABLE, C_TUNING = 14, 15, 16
 #: of a failed stage kept while the step goes on (poisoned) to its end
 C_RAIL_FD, C_RAIL_RECV, C_RAIL_RECV_CAP, C_RAIL_SPIN = 17, 18, 19, 20
 C_ERR2_PEER, C_ERR2_A, C_ERR2_B = 21, 22, 23
+#: an mpiprogress hook (4 words), poked by waits that stopped spinning
+C_HOOK = 24
 #: rank 0's tuner state (copytune.STATE_WORDS) follows the header
 C_TUNE_STATE = 32
 C_LEN = C_TUNE_STATE + copytune.STATE_WORDS
@@ -102,6 +104,7 @@ def new_ctl(arena, spin_count: int, timeout_s: float, fast_code: int = 0,
                                                                           copytune.MODE_STREAM)
     ctl[C_STREAM] = mode
     ctl[C_TUNING] = 1 if stream_stores == "auto" and arena.local_size > 1 else 0
+    mpiprogress.fill_hook(ctl[C_HOOK:C_HOOK + mpiprogress.HOOK_WORDS])
     if arena.local_rank == 0:
         copytune.init_state(ctl[C_TUNE_STATE:], arena.tune_table(), mode)
     return ctl
@@ -337,6 +340,12 @@ def part_bounds(m, L, j, itemsize):
     return lo, min(lo + part, m)
 
 
+@numba.njit(cache=True, nogil=True)
+def hook_addr(ctl):
+    """Address of ctl's mpiprogress hook."""
+    return ctl.ctypes.data + C_HOOK * 8
+
+
 @numba.njit(_i64(_ctl), cache=True, nogil=True)
 def publish_wait(ctl):
     """Publish the next epoch and wait until every local rank has published it."""
@@ -345,7 +354,7 @@ def publish_wait(ctl):
     flags = ctl[C_FLAGS]
     store_release(flags + ctl[C_ME] * _LINE + W_EPOCH * _WORD, epoch)
     j = wait_flags_ge(flags + W_EPOCH * _WORD, _LINE, ctl[C_L], epoch, ctl[C_SPIN],
-                      ctl[C_TIMEOUT_NS])
+                      ctl[C_TIMEOUT_NS], hook_addr(ctl))
     if j >= 0:
         ctl[C_ERR_PEER] = j
         ctl[C_ERR_A] = epoch

@@ -14,7 +14,9 @@ Backoff: a wait polls with ``pause`` for ``spin_count`` iterations (cheap and
 fastest when every rank owns a core), then calls ``sched_yield`` so that an
 oversubscribed peer (4 ranks on 2 cores) gets the core it needs to arrive,
 and after ``SLEEP_AFTER_NS`` of yielding it sleeps 50 us per poll so a long
-wait does not burn a core. Every wait has a deadline; on expiry it returns
+wait does not burn a core. While it yields it also lets MPI progress (see
+mpiprogress: a peer may be stuck in an MPI call that needs this rank's
+progress). Every wait has a deadline; on expiry it returns
 the index of the flag that never reached the target instead of raising, and
 the caller (which knows ranks and sequence numbers) raises a clear error.
 
@@ -31,6 +33,8 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from .mpiprogress import poke
 
 __all__ = ["load_acquire", "store_release", "cpu_relax", "sched_yield", "monotonic_ns",
            "sleep_us", "wait_flags_ge", "SLEEP_AFTER_NS"]
@@ -140,13 +144,15 @@ def monotonic_ns(typingctx):
     return sig, codegen
 
 
-@numba.njit(types.int64(types.intp, types.intp, types.int64, types.int64, types.int64, types.int64),
-            cache=True, nogil=True)
-def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns):
+@numba.njit(types.int64(types.intp, types.intp, types.int64, types.int64, types.int64, types.int64,
+                        types.int64), cache=True, nogil=True)
+def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook_addr):
     """Wait until the int64 at ``base_addr + j*stride`` is >= ``target`` for
     every j in [0, count). Returns -1 once all are, or the first j still
     below ``target`` when ``timeout_ns`` elapsed since the wait started
     yielding (spinning is bounded, so the deadline is exact to ~spin time).
+    While yielding it lets MPI progress every 32 polls (``hook_addr``: an
+    mpiprogress hook, 0 for none).
     """
     polls = 0
     started = 0
@@ -161,6 +167,7 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns):
                 started = monotonic_ns()
             sched_yield()
             if (polls & 31) == 0:
+                poke(hook_addr)
                 waited = monotonic_ns() - started
                 if waited > timeout_ns:
                     return j

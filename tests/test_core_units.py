@@ -49,7 +49,7 @@ def test_algorithm_names_are_known():
 def test_wait_returns_when_all_flags_reached():
     flags = np.zeros(8 * 4, np.int64)
     flags[::8] = 7
-    assert wait_flags_ge(flags.ctypes.data, 64, 4, 7, 10, 10 ** 9) == -1
+    assert wait_flags_ge(flags.ctypes.data, 64, 4, 7, 10, 10 ** 9, 0) == -1
 
 
 def test_wait_times_out_naming_the_late_flag():
@@ -57,7 +57,7 @@ def test_wait_times_out_naming_the_late_flag():
     flags[::8] = 5
     flags[8] = 4                     # flag 1 is one step behind
     t0 = time.perf_counter()
-    assert wait_flags_ge(flags.ctypes.data, 64, 3, 5, 10, 50_000_000) == 1
+    assert wait_flags_ge(flags.ctypes.data, 64, 3, 5, 10, 50_000_000, 0) == 1
     assert 0.04 < time.perf_counter() - t0 < 2.0
 
 
@@ -130,3 +130,20 @@ def test_singleton_process_arena_and_topology():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_mpi_progress_hook_calls_mpi_iprobe():
+    from mpi4py import MPI
+
+    from harmpi import mpiprogress
+    hook = mpiprogress.new_hook()
+    assert hook[0] != 0, "MPI_Iprobe not found in the loaded MPI library"
+    assert hook[1] == MPI._handleof(MPI.COMM_SELF)
+    assert (hook[2], hook[3]) == (MPI.ANY_SOURCE, MPI.ANY_TAG)
+    # a message to self is what Iprobe would see: the call must not consume it
+    req = MPI.COMM_SELF.isend(b"x", dest=0, tag=5)
+    for _ in range(3):
+        mpiprogress.poke(hook.ctypes.data)
+    mpiprogress.poke(0)                       # no hook: nothing happens
+    assert MPI.COMM_SELF.recv(source=0, tag=5) == b"x"
+    req.wait()

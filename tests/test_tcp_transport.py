@@ -81,7 +81,7 @@ class Side:
 
     def progress(self, k, timeout_s=10.0, spin=1):
         return sockio.progress(self.ops, k, spin, int(timeout_s * 1e9), self.pollfds,
-                               self.scratch)
+                               self.scratch, 0)
 
     def kick(self, k):
         return sockio.kick(self.ops, k, self.scratch)
@@ -508,6 +508,7 @@ def fake_transport(rank, world, peer_socks, spin_count=1):
     t.ops = sockio.new_ops(max(4, 2 * size))
     t.pollfds = sockio.new_pollfds(t.ops.shape[0])
     t.scratch = sockio.new_scratch()
+    t.hook = np.zeros(4, np.int64)      # no MPI progress hook
     return t
 
 

@@ -94,7 +94,8 @@ def _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, fmt, w):
             ctl[C_ERR2_PEER] = ctl[C_ERR_PEER]
             ctl[C_ERR2_A] = ctl[C_ERR_A]
             ctl[C_ERR2_B] = ctl[C_ERR_B]
-        io = sockio.progress(ops, 2, ctl[C_RAIL_SPIN], ctl[C_TIMEOUT_NS], pollfds, scratch)
+        io = sockio.progress(ops, 2, ctl[C_RAIL_SPIN], ctl[C_TIMEOUT_NS], pollfds, scratch,
+                             node.hook_addr(ctl))
         if io == sockio.IO_TIMEOUT:
             return H2_RAIL_TIMEOUT
         if io != sockio.IO_OK:

@@ -26,8 +26,9 @@ the same direction run in table order.
 ``progress`` loops: each pending op is advanced with non-blocking calls
 until it would block; when a whole pass moved nothing it polls ``spin``
 more passes, then sleeps in ``poll(2)`` on the blocked sockets (so an
-oversubscribed rank gives its core away instead of spinning), until every
-op is done, one fails, or the deadline passes.
+oversubscribed rank gives its core away instead of spinning), in slices
+of at most 2 ms with an MPI progress poke before each (mpiprogress),
+until every op is done, one fails, or the deadline passes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..mpiprogress import poke
 from ..sync import monotonic_ns
 
 __all__ = ["OP_FD", "OP_KIND", "OP_ADDR", "OP_CAP", "OP_DONE", "OP_HDR_N", "OP_HDR_TAG",
@@ -59,8 +61,9 @@ ERR_CLOSED = -1
 _EAGAIN, _EWOULDBLOCK, _EINTR = 11, 11, 4
 _POLLIN, _POLLOUT = 0x001, 0x004
 _MSG_NOSIGNAL = 0x4000
-#: longest single poll(2) sleep: the deadline is checked at least this often
-_POLL_SLICE_MS = 100
+#: longest single poll(2) sleep: the deadline is checked, and MPI is let
+#: progress (see mpiprogress), at least this often
+_POLL_SLICE_MS = 2
 _SCRATCH_NBYTES = 1 << 16
 
 _I64 = ir.IntType(64)
@@ -305,9 +308,11 @@ def kick(ops, k, scratch):
 
 
 @numba.njit(cache=True, nogil=True)
-def progress(ops, k, spin, timeout_ns, pollfds, scratch):
+def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):
     """Complete ops [0, k). Returns IO_OK, IO_FAILED (a row is ST_FAILED),
-    or IO_TIMEOUT (rows still ST_PENDING) after ``timeout_ns`` of waiting."""
+    or IO_TIMEOUT (rows still ST_PENDING) after ``timeout_ns`` of waiting.
+    Before each sleep in poll(2) it lets MPI progress (``hook_addr``: an
+    mpiprogress hook, 0 for none)."""
     idle = 0
     started = 0
     while True:
@@ -350,5 +355,6 @@ def progress(ops, k, spin, timeout_ns, pollfds, scratch):
         left_ms = (timeout_ns - (now - started)) // 1_000_000
         if now - started > timeout_ns:
             return IO_TIMEOUT
+        poke(hook_addr)
         if npoll > 0:
             _poll(pollfds.ctypes.data, npoll, max(1, min(left_ms, _POLL_SLICE_MS)))

@@ -32,6 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import HarmpiMismatchError, HarmpiTimeoutError, HarmpiTransportError
+from .. import mpiprogress
 from . import sockio
 from .base import Pending, Transport
 
@@ -106,6 +107,7 @@ class TcpTransport(Transport):
         self.ops = sockio.new_ops(max(4, 2 * self.size))
         self.pollfds = sockio.new_pollfds(self.ops.shape[0])
         self.scratch = sockio.new_scratch()
+        self.hook = mpiprogress.new_hook()
         try:
             self._connect_all(connect_timeout_s)
         except BaseException:
@@ -253,7 +255,7 @@ class TcpTransport(Transport):
     def complete(self, pending, timeout_s, what):
         ops = self.ops
         rc = sockio.progress(ops, pending.k, self.spin_count, int(timeout_s * 1e9),
-                             self.pollfds, self.scratch)
+                             self.pollfds, self.scratch, self.hook.ctypes.data)
         if rc == sockio.IO_TIMEOUT:
             self.raise_timeout(pending.k, pending.recv_rows, pending.peers, timeout_s, what)
         elif rc != sockio.IO_OK:
