@@ -75,63 +75,43 @@ def _libc_call(builder, name, ret, argtys, args):
     return builder.call(fn, args)
 
 
-@intrinsic
-def _send(typingctx, fd, addr, nbytes):
-    """send(fd, addr, nbytes, MSG_NOSIGNAL) -> bytes or -errno."""
-    sig = types.int64(types.int64, types.int64, types.int64)
-
-    def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        r = _libc_call(builder, "send", _I64, [_I32, i8p, _I64, _I32],
-                       [builder.trunc(args[0], _I32), builder.inttoptr(args[1], i8p), args[2],
-                        ir.Constant(_I32, _MSG_NOSIGNAL)])
-        return _or_errno(builder, r)
-
-    return sig, codegen
+_I8P = ir.IntType(8).as_pointer()
 
 
-@intrinsic
-def _recv(typingctx, fd, addr, nbytes):
-    """recv(fd, addr, nbytes, 0) -> bytes (0: closed) or -errno."""
-    sig = types.int64(types.int64, types.int64, types.int64)
+def _syscall(name, ret, argtys, c_args, doc):
+    """An intrinsic f(a, b, c) -> int64 (all int64) calling libc ``name``
+    with ``c_args(builder, (a, b, c))``; returns its result, or -errno."""
+    @intrinsic
+    def call(typingctx, a, b, c):
+        sig = types.int64(types.int64, types.int64, types.int64)
 
-    def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        r = _libc_call(builder, "recv", _I64, [_I32, i8p, _I64, _I32],
-                       [builder.trunc(args[0], _I32), builder.inttoptr(args[1], i8p), args[2],
-                        ir.Constant(_I32, 0)])
-        return _or_errno(builder, r)
+        def codegen(context, builder, signature, args):
+            r = _libc_call(builder, name, ret, argtys, c_args(builder, args))
+            return _or_errno(builder, r if ret is _I64 else builder.sext(r, _I64))
 
-    return sig, codegen
+        return sig, codegen
 
-
-@intrinsic
-def _sendmsg2(typingctx, fd, iov_addr, msg_addr):
-    """sendmsg of a prepared msghdr at msg_addr -> bytes or -errno."""
-    sig = types.int64(types.int64, types.int64, types.int64)
-
-    def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        r = _libc_call(builder, "sendmsg", _I64, [_I32, i8p, _I32],
-                       [builder.trunc(args[0], _I32), builder.inttoptr(args[2], i8p),
-                        ir.Constant(_I32, _MSG_NOSIGNAL)])
-        return _or_errno(builder, r)
-
-    return sig, codegen
+    call.__doc__ = doc
+    return call
 
 
-@intrinsic
-def _poll(typingctx, fds_addr, nfds, timeout_ms):
-    """poll(fds, nfds, timeout_ms) -> ready count or -errno."""
-    sig = types.int64(types.int64, types.int64, types.int64)
-
-    def codegen(context, builder, signature, args):
-        i8p = ir.IntType(8).as_pointer()
-        r = _libc_call(builder, "poll", _I32, [i8p, _I64, _I32],
-                       [builder.inttoptr(args[0], i8p), args[1], builder.trunc(args[2], _I32)])
-        return _or_errno(builder, builder.sext(r, _I64))
-
-    return sig, codegen
+_send = _syscall(
+    "send", _I64, [_I32, _I8P, _I64, _I32],
+    lambda b, a: [b.trunc(a[0], _I32), b.inttoptr(a[1], _I8P), a[2],
+                  ir.Constant(_I32, _MSG_NOSIGNAL)],
+    "send(fd, addr, nbytes, MSG_NOSIGNAL) -> bytes or -errno.")
+_recv = _syscall(
+    "recv", _I64, [_I32, _I8P, _I64, _I32],
+    lambda b, a: [b.trunc(a[0], _I32), b.inttoptr(a[1], _I8P), a[2], ir.Constant(_I32, 0)],
+    "recv(fd, addr, nbytes, 0) -> bytes (0: closed) or -errno.")
+_sendmsg = _syscall(
+    "sendmsg", _I64, [_I32, _I8P, _I32],
+    lambda b, a: [b.trunc(a[0], _I32), b.inttoptr(a[1], _I8P), ir.Constant(_I32, _MSG_NOSIGNAL)],
+    "sendmsg(fd, msghdr_addr, MSG_NOSIGNAL) (third argument unused) -> bytes or -errno.")
+_poll = _syscall(
+    "poll", _I32, [_I8P, _I64, _I32],
+    lambda b, a: [b.inttoptr(a[0], _I8P), a[1], b.trunc(a[2], _I32)],
+    "poll(fds_addr, nfds, timeout_ms) -> ready count or -errno.")
 
 
 def _or_errno(builder, r):
@@ -217,7 +197,7 @@ def _advance_send(ops, i, scratch):
             scratch[9] = HEADER_NBYTES - done
             scratch[10] = ops[i, OP_ADDR]
             scratch[11] = ops[i, OP_CAP]
-            r = _sendmsg2(fd, iov, m)
+            r = _sendmsg(fd, m, 0)
         else:
             off = done - HEADER_NBYTES
             r = _send(fd, ops[i, OP_ADDR] + off, ops[i, OP_CAP] - off)
