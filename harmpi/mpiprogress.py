@@ -8,7 +8,7 @@ waits (a node flag, a tcp socket) never makes that call, its peer never
 leaves MPI_Allgather, and both sides time out (seen on two real hosts: the
 test script's allgathers between collectives, about one run in four).
 
-So every harmpi wait that has stopped spinning also pokes MPI, about every
+So every harmpi wait that has lasted 100 us also pokes MPI, about every
 50 us while it yields and before each sleep in poll(2), by calling
 ``MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_SELF, &flag, &status)``
 through its C address: it matches nothing of the application's and, in

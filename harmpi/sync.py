@@ -37,10 +37,13 @@ from numba.extending import intrinsic
 from .mpiprogress import poke
 
 __all__ = ["load_acquire", "store_release", "cpu_relax", "sched_yield", "monotonic_ns",
-           "sleep_us", "wait_flags_ge", "SLEEP_AFTER_NS"]
+           "sleep_us", "wait_flags_ge", "SLEEP_AFTER_NS", "POKE_AFTER_NS"]
 
 #: after this long yielding, a waiter sleeps between polls
 SLEEP_AFTER_NS = 20_000_000
+#: after this long waiting, a waiter also lets MPI progress (mpiprogress);
+#: a collective that completes sooner never pays for it
+POKE_AFTER_NS = 100_000
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -151,8 +154,8 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
     every j in [0, count). Returns -1 once all are, or the first j still
     below ``target`` when ``timeout_ns`` elapsed since the wait started
     yielding (spinning is bounded, so the deadline is exact to ~spin time).
-    While yielding it lets MPI progress every 32 polls (``hook_addr``: an
-    mpiprogress hook, 0 for none).
+    After POKE_AFTER_NS it lets MPI progress every 32 polls (``hook_addr``:
+    an mpiprogress hook, 0 for none).
     """
     polls = 0
     started = 0
@@ -167,8 +170,9 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
                 started = monotonic_ns()
             sched_yield()
             if (polls & 31) == 0:
-                poke(hook_addr)
                 waited = monotonic_ns() - started
+                if waited > POKE_AFTER_NS:
+                    poke(hook_addr)
                 if waited > timeout_ns:
                     return j
                 if waited > SLEEP_AFTER_NS:

@@ -27,7 +27,8 @@ the same direction run in table order.
 until it would block; when a whole pass moved nothing it polls ``spin``
 more passes, then sleeps in ``poll(2)`` on the blocked sockets (so an
 oversubscribed rank gives its core away instead of spinning), in slices
-of at most 2 ms with an MPI progress poke before each (mpiprogress),
+of at most 2 ms, with an MPI progress poke before each once the wait has
+lasted 100 us (mpiprogress),
 until every op is done, one fails, or the deadline passes.
 """
 
@@ -41,7 +42,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..mpiprogress import poke
-from ..sync import monotonic_ns
+from ..sync import POKE_AFTER_NS, monotonic_ns
 
 __all__ = ["OP_FD", "OP_KIND", "OP_ADDR", "OP_CAP", "OP_DONE", "OP_HDR_N", "OP_HDR_TAG",
            "OP_STATE", "OP_ERRNO", "OP_WORDS", "KIND_SEND", "KIND_RECV", "ST_PENDING",
@@ -291,10 +292,11 @@ def kick(ops, k, scratch):
 def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):
     """Complete ops [0, k). Returns IO_OK, IO_FAILED (a row is ST_FAILED),
     or IO_TIMEOUT (rows still ST_PENDING) after ``timeout_ns`` of waiting.
-    Before each sleep in poll(2) it lets MPI progress (``hook_addr``: an
-    mpiprogress hook, 0 for none)."""
+    Once it has waited POKE_AFTER_NS, it lets MPI progress before each sleep
+    in poll(2) (``hook_addr``: an mpiprogress hook, 0 for none)."""
     idle = 0
     started = 0
+    last_poke = 0
     while True:
         pending = 0
         moved = False
@@ -332,9 +334,12 @@ def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):
         now = monotonic_ns()
         if started == 0:
             started = now
+            last_poke = now
         left_ms = (timeout_ns - (now - started)) // 1_000_000
         if now - started > timeout_ns:
             return IO_TIMEOUT
-        poke(hook_addr)
+        if now - last_poke > POKE_AFTER_NS:
+            poke(hook_addr)
+            last_poke = now
         if npoll > 0:
             _poll(pollfds.ctypes.data, npoll, max(1, min(left_ms, _POLL_SLICE_MS)))
