@@ -61,7 +61,7 @@ __all__ = [
 
 MAP_BY = ("numa", "socket", "core", "hwthread", "node", "slot")
 BIND_TO = ("core", "hwthread", "numa", "socket", "none")
-TRANSPORTS = ("auto", "mpi", "verbs")
+TRANSPORTS = ("auto", "tcp", "mpi", "verbs")
 SPIN_ENV = {"GOMP_SPINCOUNT": "100000000", "KMP_BLOCKTIME": "infinite"}
 # Variables forwarded to every rank with the flavour's syntax when the launcher
 # sets them; HARMPI_* is forwarded from the caller's environment as well.

@@ -727,3 +727,10 @@ def test_two_rank_job_through_the_launcher():
         assert "OMP_NUM_THREADS=1" in line and "HARMPI_TRANSPORT=mpi" in line
         assert "HARMPI_RANKS_PER_NODE=1" in line and "HARMPI_TEST_FROM_USER=yes" in line
         assert "GOMP_SPINCOUNT=100000000" in line
+
+
+def test_launcher_transports_match_the_library():
+    # launch/ keeps its own list so that planning never imports numba
+    from harmpi.config import TRANSPORTS as LIBRARY_TRANSPORTS
+    from launch.plan import TRANSPORTS as LAUNCH_TRANSPORTS
+    assert LAUNCH_TRANSPORTS == LIBRARY_TRANSPORTS
