@@ -378,7 +378,7 @@ def test_openmpi_ranks_per_node():
         (dict(np=1, command=()), "missing command"),
         (dict(map_by="board"), "--map-by 'board'"),
         (dict(bind_to="l3"), "--bind-to 'l3'"),
-        (dict(transport="tcp"), "--transport 'tcp'"),
+        (dict(transport="rdma"), "--transport 'rdma'"),
         (dict(threads_per_rank=0), "--threads-per-rank must be at least 1"),
         (dict(np=0), "-np must be at least 1"),
     ],
