@@ -147,3 +147,13 @@ def test_mpi_progress_hook_calls_mpi_iprobe():
     mpiprogress.poke(0)                       # no hook: nothing happens
     assert MPI.COMM_SELF.recv(source=0, tag=5) == b"x"
     req.wait()
+
+
+def test_compiled_tag_matches_the_transports_tag():
+    # the compiled two-node step and the Python loop must put the same tag
+    # on the wire, or ranks on the two paths would see a mismatch
+    from harmpi.algorithms.har_latency import _tag
+    from harmpi.transports import tag_for
+    for nbytes in (0, 1, 10240, 2 ** 31 + 7, 2 ** 40 + 3):
+        for code in (0, 1, 0x10100, 0x110203, 2 ** 30 + 5):
+            assert _tag(nbytes, code) == tag_for(nbytes, code), (nbytes, code)
