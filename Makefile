@@ -16,7 +16,6 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_osc ?= ^ucx
 export OMPI_MCA_pml ?= ob1
-export OMPI_MCA_btl ?= self,sm,tcp
 export OMPI_MCA_mpi_yield_when_idle ?= 1
 export PYTHONDONTWRITEBYTECODE :=
 export PATH := $(VENV)/bin:$(PATH)

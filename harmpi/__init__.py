@@ -10,6 +10,24 @@ exchange per collective between nodes. See README.md.
 
 __version__ = "0.1.0"
 
+import os as _os
+import sys as _sys
+
+# A process started without mpirun is an MPI "singleton". Open MPI 5.0.x
+# then leaves its shared-memory BTL segment (16 MB, /dev/shm/sm_segment.*)
+# behind at exit. A singleton has no local peer to use that BTL with, so,
+# unless the user chose BTLs or MPI is already up, MPI is initialised here
+# with it off. The variable is removed again right after: processes this
+# one starts (say, mpirun jobs) must not inherit it.
+_LAUNCHED = any(k in _os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
+                                           "PMI_SIZE", "MPI_LOCALNRANKS"))
+if not _LAUNCHED and "OMPI_MCA_btl" not in _os.environ and "mpi4py.MPI" not in _sys.modules:
+    _os.environ["OMPI_MCA_btl"] = "^sm"
+    try:
+        from mpi4py import MPI as _MPI  # noqa: F401  (initialises MPI, reading the setting)
+    finally:
+        del _os.environ["OMPI_MCA_btl"]
+
 from .api import barrier, finalize, info, init  # noqa: E402
 from . import allgather, allreduce  # noqa: E402  (callable modules, see allreduce.py)
 from .config import ALGORITHMS, Config  # noqa: E402

@@ -64,3 +64,29 @@ def test_no_segments_or_processes_left(tmp_path, mode):
     assert os.listdir(session) == [], "session directories left behind"
     left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True)
     assert left.stdout.strip() == "", "rank processes left behind"
+
+
+@pytest.mark.timeout(120)
+def test_singleton_leaves_no_segment():
+    """A script run without mpirun (an MPI singleton) must not leave Open
+    MPI's shared-memory segment in /dev/shm (harmpi keeps that BTL off)."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    before = set(os.listdir("/dev/shm"))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "OMPI_MCA_btl"))}
+    env.update(PYTHONPATH=REPO, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_osc="^ucx", OMPI_MCA_pml="ob1")
+    proc = subprocess.run(
+        [sys.executable, "-c", "import torch, harmpi; x = torch.ones(8); harmpi.allreduce(x); "
+                               "print(harmpi.info()['ranks'], float(x.sum()))"],
+        env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1", "8.0"]
+    left = [name for name in set(os.listdir("/dev/shm")) - before if name.startswith("sm_segment")]
+    assert left == [], f"singleton left {left} in /dev/shm"
+
+
+def test_singleton_setting_does_not_reach_child_processes():
+    import harmpi  # noqa: F401  (this pytest process is a singleton)
+    assert os.environ.get("OMPI_MCA_btl") != "^sm"
