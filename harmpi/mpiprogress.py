@@ -16,12 +16,13 @@ every MPI we know, runs the progress engine.
 
 A *hook* is four int64 words: the address of MPI_Iprobe (0: no hook), the
 communicator handle, MPI_ANY_SOURCE, MPI_ANY_TAG. Compiled waits take the
-hook's address and call :func:`poke`.
+hook's address and call ``sync.poke`` (which calls :func:`iprobe`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import numpy as np
@@ -30,13 +31,14 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["HOOK_WORDS", "fill_hook", "new_hook", "poke", "iprobe_address"]
+__all__ = ["HOOK_WORDS", "fill_hook", "new_hook", "iprobe", "iprobe_address"]
 
 HOOK_WORDS = 4
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 
 
+@functools.lru_cache(maxsize=1)
 def iprobe_address():
     """C address of MPI_Iprobe in the MPI library mpi4py loaded, or 0."""
     from mpi4py import MPI  # noqa: F401,PLC0415 - loads libmpi
@@ -74,7 +76,7 @@ def new_hook():
 
 
 @intrinsic
-def _iprobe(typingctx, fn, comm, source, tag):
+def iprobe(typingctx, fn, comm, source, tag):
     """Call ``int fn(int source, int tag, MPI_Comm comm, int *flag, MPI_Status *st)``.
     The handle is passed as a 64-bit value: a pointer in Open MPI, an int in
     MPICH (on x86-64 and arm64 an int argument is the low half of the register)."""
@@ -92,27 +94,3 @@ def _iprobe(typingctx, fn, comm, source, tag):
         return builder.sext(call, _I64)
 
     return sig, codegen
-
-
-@intrinsic
-def _load_word(typingctx, addr):
-    sig = types.int64(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.load(builder.inttoptr(args[0], _I64.as_pointer()))
-
-    return sig, codegen
-
-
-def _poke_impl(hook_addr):  # pragma: no cover - compiled below
-    if hook_addr != 0:
-        fn = _load_word(hook_addr)
-        if fn != 0:
-            _iprobe(fn, _load_word(hook_addr + 8), _load_word(hook_addr + 16),
-                    _load_word(hook_addr + 24))
-
-
-import numba  # noqa: E402 - after the intrinsics it compiles
-
-poke = numba.njit(types.void(types.int64), cache=True, nogil=True)(_poke_impl)
-poke.__doc__ = "Run MPI's progress engine once through the hook at ``hook_addr`` (0: nothing)."

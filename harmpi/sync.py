@@ -34,10 +34,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .mpiprogress import poke
+from .mpiprogress import iprobe
 
 __all__ = ["load_acquire", "store_release", "cpu_relax", "sched_yield", "monotonic_ns",
-           "sleep_us", "wait_flags_ge", "SLEEP_AFTER_NS", "POKE_AFTER_NS"]
+           "sleep_us", "wait_flags_ge", "poke", "SLEEP_AFTER_NS", "POKE_AFTER_NS"]
 
 #: after this long yielding, a waiter sleeps between polls
 SLEEP_AFTER_NS = 20_000_000
@@ -145,6 +145,17 @@ def monotonic_ns(typingctx):
         return builder.add(builder.mul(sec, ir.Constant(_I64, 1_000_000_000)), nsec)
 
     return sig, codegen
+
+
+@numba.njit(types.void(types.int64), cache=True, nogil=True)
+def poke(hook_addr):
+    """Run MPI's progress engine once through the mpiprogress hook at
+    ``hook_addr`` (0, or a hook without MPI_Iprobe's address: nothing)."""
+    if hook_addr != 0:
+        fn = load_acquire(hook_addr)
+        if fn != 0:
+            iprobe(fn, load_acquire(hook_addr + 8), load_acquire(hook_addr + 16),
+                   load_acquire(hook_addr + 24))
 
 
 @numba.njit(types.int64(types.intp, types.intp, types.int64, types.int64, types.int64, types.int64,

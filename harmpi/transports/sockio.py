@@ -41,8 +41,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..mpiprogress import poke
-from ..sync import POKE_AFTER_NS, monotonic_ns
+from ..sync import POKE_AFTER_NS, monotonic_ns, poke
 
 __all__ = ["OP_FD", "OP_KIND", "OP_ADDR", "OP_CAP", "OP_DONE", "OP_HDR_N", "OP_HDR_TAG",
            "OP_STATE", "OP_ERRNO", "OP_WORDS", "KIND_SEND", "KIND_RECV", "ST_PENDING",
@@ -173,6 +172,14 @@ def set_recv(ops, i, fd, addr, cap):
 
 
 @numba.njit(cache=True, nogil=True)
+def _fail(ops, i, err):
+    """Mark op i failed with ``err`` (an errno, or ERR_CLOSED); returns -1."""
+    ops[i, OP_STATE] = ST_FAILED
+    ops[i, OP_ERRNO] = err
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
 def _advance_send(ops, i, scratch):
     """Move as much of send op i as the socket takes now.
     Returns 1 if bytes moved, 0 if it would block, -1 on failure."""
@@ -210,9 +217,7 @@ def _advance_send(ops, i, scratch):
         elif r == -_EAGAIN or r == 0:
             return moved
         else:
-            ops[i, OP_STATE] = ST_FAILED
-            ops[i, OP_ERRNO] = -r
-            return -1
+            return _fail(ops, i, -r)
     ops[i, OP_STATE] = ST_DONE
     return 1
 
@@ -243,23 +248,25 @@ def _advance_recv(ops, i, scratch):
             ops[i, OP_DONE] = done + r
             moved = 1
             if done + r == HEADER_NBYTES and ops[i, OP_HDR_N] < 0:
-                ops[i, OP_STATE] = ST_FAILED   # not our protocol
-                ops[i, OP_ERRNO] = ERR_CLOSED
-                return -1
+                return _fail(ops, i, ERR_CLOSED)   # not our protocol
         elif r == 0:
-            ops[i, OP_STATE] = ST_FAILED
-            ops[i, OP_ERRNO] = ERR_CLOSED
-            return -1
+            return _fail(ops, i, ERR_CLOSED)
         elif r == -_EINTR:
             continue
         elif r == -_EAGAIN:
             return moved
         else:
-            ops[i, OP_STATE] = ST_FAILED
-            ops[i, OP_ERRNO] = -r
-            return -1
+            return _fail(ops, i, -r)
     ops[i, OP_STATE] = ST_DONE
     return 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _advance(ops, i, scratch):
+    """_advance_send or _advance_recv, by the op's kind."""
+    if ops[i, OP_KIND] == KIND_SEND:
+        return _advance_send(ops, i, scratch)
+    return _advance_recv(ops, i, scratch)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -279,11 +286,7 @@ def kick(ops, k, scratch):
     for i in range(k):
         if ops[i, OP_STATE] != ST_PENDING or _waits_behind(ops, i):
             continue
-        if ops[i, OP_KIND] == KIND_SEND:
-            r = _advance_send(ops, i, scratch)
-        else:
-            r = _advance_recv(ops, i, scratch)
-        if r < 0:
+        if _advance(ops, i, scratch) < 0:
             return IO_FAILED
     return IO_OK
 
@@ -307,19 +310,14 @@ def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):
             pending += 1
             if _waits_behind(ops, i):
                 continue
-            if ops[i, OP_KIND] == KIND_SEND:
-                r = _advance_send(ops, i, scratch)
-                events = _POLLOUT
-            else:
-                r = _advance_recv(ops, i, scratch)
-                events = _POLLIN
+            r = _advance(ops, i, scratch)
             if r < 0:
                 return IO_FAILED
             if r > 0:
                 moved = True
             if ops[i, OP_STATE] == ST_PENDING:
                 pollfds[npoll, 0] = ops[i, OP_FD]
-                pollfds[npoll, 1] = events
+                pollfds[npoll, 1] = _POLLOUT if ops[i, OP_KIND] == KIND_SEND else _POLLIN
                 npoll += 1
             else:
                 pending -= 1
