@@ -187,8 +187,10 @@ class Context:
         disagreement inside the node is returned (else None): the algorithm
         then finishes its cross-node exchanges poisoned, so the other nodes
         fail too instead of waiting for this one, and raises in :meth:`settle`."""
-        rc = node.stage(self.ctl, addr, 0, m if copy else -m, call.nbytes, call.code, call.fmt,
-                        call.w)
+        if copy:
+            rc = node.stage(self.ctl, addr, m, call.nbytes, call.code, call.fmt, call.w)
+        else:
+            rc = node.stage_meta(self.ctl, m, call.nbytes, call.code, call.fmt, call.w)
         if rc == node.TIMEOUT:
             self.fail(rc, call)
         return self.error_state() if rc else None

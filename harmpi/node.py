@@ -49,7 +49,7 @@ from . import reduce as _reduce
 from .shm import FLAG_LINE_NBYTES, W_EPOCH, W_META, W_STATUS
 from .sync import load_acquire, store_release, wait_flags_ge
 
-__all__ = ["new_ctl", "stage", "publish_wait", "publish_wait_status", "sum_slots",
+__all__ = ["new_ctl", "stage", "stage_meta", "publish_wait", "publish_wait_status", "sum_slots",
            "sum_own_part", "gather_parts", "shm_allreduce", "add_publish_sum", "part_bounds",
            "add_into", "copy_slot", "copy_blocks", "copy_bytes", "slot_addr", "next_slot_addr",
            "address_of", "FAST_ALLREDUCE", "OK", "TIMEOUT", "MISMATCH", "POISON_CODE",
@@ -241,10 +241,16 @@ def _done_reading(ctl, addr, nbytes):
 
 
 @numba.njit(cache=True, nogil=True)
+def _streams(ctl, nbytes):
+    """Whether nbytes for other local ranks go out with streaming stores."""
+    return ctl[C_STREAM] == copytune.MODE_STREAM and nbytes >= STREAM_MIN_NBYTES
+
+
+@numba.njit(cache=True, nogil=True)
 def _publish_copy(ctl, dst_addr, src_addr, nbytes):
     """Copy data that other local ranks will read next: streaming or plain
     stores, as ctl[C_STREAM] says (see _stream_copy and copytune)."""
-    if ctl[C_STREAM] == copytune.MODE_STREAM and nbytes >= STREAM_MIN_NBYTES:
+    if _streams(ctl, nbytes):
         _stream_copy(dst_addr, src_addr, nbytes)
     elif nbytes > 0:
         _memcpy(dst_addr, src_addr, nbytes)
@@ -364,7 +370,7 @@ def publish_wait(ctl):
 
 
 @numba.njit(cache=True, nogil=True)
-def _stage(ctl, x_addr, r_addr, m, skip_lo, skip_hi, total_nbytes, code, fmt, w):
+def _stage(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, fmt, w):
     """stage(), except that x[skip_lo:skip_hi] is not copied (a share only
     this rank reads, straight from x)."""
     parity = ctl[C_STEPS] & 1
@@ -373,15 +379,10 @@ def _stage(ctl, x_addr, r_addr, m, skip_lo, skip_hi, total_nbytes, code, fmt, w)
     slots = _slots2d(ctl, parity, w)
     mine = slots[me]
     if m > 0:
-        x = numba.carray(_voidptr(x_addr), (m,), w.dtype)
-        if r_addr != 0:
-            r = numba.carray(_voidptr(r_addr), (m,), w.dtype)
-            _sum2(x, r, mine[:m], fmt)
-        else:
-            isz = w.itemsize
-            _publish_copy(ctl, mine.ctypes.data, x_addr, skip_lo * isz)
-            _publish_copy(ctl, mine.ctypes.data + skip_hi * isz, x_addr + skip_hi * isz,
-                          (m - skip_hi) * isz)
+        isz = w.itemsize
+        _publish_copy(ctl, mine.ctypes.data, x_addr, skip_lo * isz)
+        _publish_copy(ctl, mine.ctypes.data + skip_hi * isz, x_addr + skip_hi * isz,
+                      (m - skip_hi) * isz)
     line = ctl[C_FLAGS] + me * _LINE
     meta = line + (W_META + 2 * parity) * _WORD
     store_release(meta, total_nbytes)
@@ -401,16 +402,19 @@ def _stage(ctl, x_addr, r_addr, m, skip_lo, skip_hi, total_nbytes, code, fmt, w)
     return OK
 
 
-@numba.njit(_sigs(_i64, _ctl, types.intp, types.intp, _i64, _i64, _i64, _i64, "W"),
+@numba.njit(_sigs(_i64, _ctl, types.intp, _i64, _i64, _i64, _i64, "W"),
             cache=True, nogil=True)
-def stage(ctl, x_addr, r_addr, m, total_nbytes, code, fmt, w):
-    """Start a step: slot(p, me) = x[:m] (+ r[:m] when r_addr != 0), post meta,
-    publish, wait for all, check metas. Returns OK / TIMEOUT / MISMATCH.
-    A negative m (-m) does all of it but the copy: the caller fills slot(p,
-    me) itself before the step's next flag round."""
-    if m < 0:
-        return _stage(ctl, x_addr, 0, -m, 0, -m, total_nbytes, code, fmt, w)
-    return _stage(ctl, x_addr, r_addr, m, 0, 0, total_nbytes, code, fmt, w)
+def stage(ctl, x_addr, m, total_nbytes, code, fmt, w):
+    """Start a step: slot(p, me) = x[:m], post meta, publish, wait for all,
+    check metas. Returns OK / TIMEOUT / MISMATCH."""
+    return _stage(ctl, x_addr, m, 0, 0, total_nbytes, code, fmt, w)
+
+
+@numba.njit(_sigs(_i64, _ctl, _i64, _i64, _i64, _i64, "W"), cache=True, nogil=True)
+def stage_meta(ctl, m, total_nbytes, code, fmt, w):
+    """stage() of an m-element step without the copy: the caller fills
+    slot(p, me) itself before the step's next flag round."""
+    return _stage(ctl, 0, m, 0, m, total_nbytes, code, fmt, w)
 
 
 @numba.njit(_sigs(types.void, _ctl, types.intp, _i64, _i64, _i64, "W"), cache=True, nogil=True)
@@ -508,11 +512,11 @@ def shm_allreduce(ctl, x_addr, n, code, fmt, small_max_elems, w):
         m = min(chunk, n - start)
         addr = x_addr + start * w.itemsize
         if m <= small_max_elems or L == 1:
-            status = stage(ctl, addr, 0, m, total, code, fmt, w)
+            status = stage(ctl, addr, m, total, code, fmt, w)
         else:
             # my own share is read straight from x: do not copy it
             lo, hi = part_bounds(m, L, ctl[C_ME], w.itemsize)
-            status = _stage(ctl, addr, 0, m, lo, hi, total, code, fmt, w)
+            status = _stage(ctl, addr, m, lo, hi, total, code, fmt, w)
         if status != OK:
             return status
         if m <= small_max_elems or L == 1:
@@ -623,14 +627,18 @@ def _my_slot(ctl):
             cache=True, nogil=True)
 def add_publish_sum(ctl, x_addr, r_addr, m, status, fmt, w):
     """Tail of the hierarchical latency step in one call: with r_addr, my
-    slot = x + r (the stage left the slot unfilled; r is overwritten with
-    the sum, which is then copied to the slot for the other ranks, see
-    _publish_copy), unless status is non-zero; post ``status``, publish,
-    wait, and if no rank failed, x[:m] = sum of the slots. Returns
-    publish_wait_status's code."""
+    slot = x + r (the stage left the slot unfilled), unless status is
+    non-zero; post ``status``, publish, wait, and if no rank failed, x[:m] =
+    sum of the slots. Returns publish_wait_status's code."""
     if status == 0 and r_addr != 0 and m > 0:
-        add_into(r_addr, x_addr, m, fmt, w)
-        _publish_copy(ctl, _my_slot(ctl), r_addr, m * w.itemsize)
+        if _streams(ctl, m * w.itemsize):
+            # sum into the private receive buffer, then stream it to the slot
+            add_into(r_addr, x_addr, m, fmt, w)
+            _stream_copy(_my_slot(ctl), r_addr, m * w.itemsize)
+        else:
+            x = numba.carray(_voidptr(x_addr), (m,), w.dtype)
+            r = numba.carray(_voidptr(r_addr), (m,), w.dtype)
+            _sum2(x, r, numba.carray(_voidptr(_my_slot(ctl)), (m,), w.dtype), fmt)
     rc = publish_wait_status(ctl, status)
     if rc != OK:
         return rc

@@ -692,14 +692,20 @@ def _check_rows_x(k, ncols, lo, hi, me, nx, nout, nout2, out_lo):
 
 
 @numba.njit
+def _check_args(src, lo, hi, me, x, out, out2, out_lo):
+    """The bounds checks of a row sum: sum_rows (me < 0) or sum_rows_x."""
+    if me < 0:
+        _check_rows(src.shape[0], src.shape[1], lo, hi, out.shape[0], out_lo)
+    else:
+        _check_rows_x(src.shape[0], src.shape[1], lo, hi, me, x.shape[0], out.shape[0],
+                      out2.shape[0], out_lo)
+
+
+@numba.njit
 def _rows_pairs(src, lo, hi, me, x, out, out2, out_lo, f16):
     """The row sum for 16-bit values read and written two per uint32 word."""
     k = src.shape[0]
-    if me < 0:
-        _check_rows(k, src.shape[1], lo, hi, out.shape[0], out_lo)
-    else:
-        _check_rows_x(k, src.shape[1], lo, hi, me, x.shape[0], out.shape[0], out2.shape[0],
-                      out_lo)
+    _check_args(src, lo, hi, me, x, out, out2, out_lo)
     n = hi - lo
     npairs = n // 2
     acc_lo = _scratch_f32()  # even elements
@@ -778,11 +784,7 @@ def _rows_plain(src, lo, hi, me, x, out, out2, out_lo):
     """The row sum for one stored value per element: float32, float64, and
     f16 with hardware conversions."""
     k = src.shape[0]
-    if me < 0:
-        _check_rows(k, src.shape[1], lo, hi, out.shape[0], out_lo)
-    else:
-        _check_rows_x(k, src.shape[1], lo, hi, me, x.shape[0], out.shape[0], out2.shape[0],
-                      out_lo)
+    _check_args(src, lo, hi, me, x, out, out2, out_lo)
     n = hi - lo
     acc = _scratch_acc(src)
     for b0 in range(0, n, _BLOCK):

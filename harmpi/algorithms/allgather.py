@@ -91,7 +91,7 @@ class HierAllgather:
                 for got in self.transport.complete(pending, ctx.config.timeout_s, call):
                     poisoned = poisoned or recv_check(got, nb, tag)
             code = node.POISON_CODE if poisoned else call.code
-            rc = node.stage(ctl, 0, 0, 0, call.nbytes, code, call.fmt, call.w)
+            rc = node.stage(ctl, 0, 0, call.nbytes, code, call.fmt, call.w)
             if rc:
                 ctx.fail(rc, call, rail_poison=poisoned)
             node.copy_blocks(ctl, out_addr, call.n, start, m, self.table, call.w)

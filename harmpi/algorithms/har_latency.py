@@ -88,7 +88,7 @@ def _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, fmt, w):
         sockio.set_send(ops, 1, fd, addr, m * isz, tag)
         if sockio.kick(ops, 2, scratch) != sockio.IO_OK:
             return H2_IO_FAILED
-        rc = node.stage(ctl, addr, 0, -m, total, code, fmt, w)
+        rc = node.stage_meta(ctl, m, total, code, fmt, w)
         if rc == node.TIMEOUT:
             return H2_NODE_TIMEOUT
         local_bad = rc == node.MISMATCH
