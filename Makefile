@@ -59,6 +59,13 @@ mpi-test: setup
 	  timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIRUN) -np $$n $(MPI_FLAGS) \
 	    $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi || exit 1; \
 	done
+	@# the slot-store modes the tuner may pick, forced (auto picks by timing)
+	@for cfg in "2 on" "3 flush"; do set -- $$cfg; \
+	  echo "== mpirun -np $$1 with HARMPI_STREAM_STORES=$$2"; \
+	  HARMPI_STREAM_STORES=$$2 timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIRUN) -np $$1 $(MPI_FLAGS) \
+	    -x HARMPI_STREAM_STORES $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi \
+	    || exit 1; \
+	done
 	@echo "== virtual nodes: 2x2, 2x1, 2+1 (uneven), 4x1, 3x1 and 3x2 (rail folding)"
 	@echo "   over the tcp transport (auto), then 2x2, 2+1 and 3x2 again over the mpi transport"
 	@for cfg in "4 2 auto" "2 1 auto" "3 2 auto" "4 1 auto" "3 1 auto" "6 2 auto" \

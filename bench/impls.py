@@ -151,8 +151,15 @@ class HarmpiImpl(Impl):
                 raise ImplUnavailable(str(exc)) from exc
             tensor.copy_(_torch_from_storage(values, dtype))  # undo the probe call
 
-            def run(tensor=tensor, allreduce=harmpi.allreduce, comm=comm, kwargs=kwargs):
-                allreduce(tensor, comm=comm, **kwargs)
+            from mpi4py import MPI
+
+            if comm is MPI.COMM_WORLD and not kwargs:
+                # the call a research script makes: harmpi.allreduce(t)
+                def run(tensor=tensor, allreduce=harmpi.allreduce):
+                    allreduce(tensor)
+            else:
+                def run(tensor=tensor, allreduce=harmpi.allreduce, comm=comm, kwargs=kwargs):
+                    allreduce(tensor, comm=comm, **kwargs)
 
             return Prepared(run, lambda: _storage_from_torch(tensor, dtype))
         if op == "allgather":

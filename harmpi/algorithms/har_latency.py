@@ -145,8 +145,9 @@ def _har2_tcp_f64(ctl, ops, pollfds, scratch, x_addr, n, code):
 
 
 #: compiled two-node step by storage format: f(ctl, ops, pollfds, scratch, x_addr, n, code)
-TWO_NODE_TCP = {node.FMT_BF16: _har2_tcp_bf16, node.FMT_F16: _har2_tcp_f16,
-                node.FMT_F32: _har2_tcp_f32, node.FMT_F64: _har2_tcp_f64}
+TWO_NODE_TCP = {fmt: node.entry_point(k, _H2_SIG) for fmt, k in (
+    (node.FMT_BF16, _har2_tcp_bf16), (node.FMT_F16, _har2_tcp_f16),
+    (node.FMT_F32, _har2_tcp_f32), (node.FMT_F64, _har2_tcp_f64))}
 
 
 class HarLatencyAllreduce(RailAlgorithm):
