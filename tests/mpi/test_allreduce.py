@@ -135,23 +135,61 @@ def copy_mode_comm(request, world):
     stores, plain stores, plain stores flushed by the readers, or whichever
     the tuner measures fastest."""
     comm = world.Dup()
-    cfg = dataclasses.replace(harmpi.Config.from_env(), slot_nbytes=8192, small_max_nbytes=2048,
+    cfg = dataclasses.replace(harmpi.Config.from_env(), slot_nbytes=16384, small_max_nbytes=8192,
                               har_latency_max_nbytes=4096, stream_stores=request.param)
     harmpi.init(comm, config=cfg)
     return comm
 
 
 def test_slot_copy_modes(copy_mode_comm, topo):
-    """Sizes around the streaming threshold (1 KiB), unaligned tails, and
-    enough repeats for the tuner to probe and switch."""
+    """Sizes around the streaming threshold (node.STREAM_MIN_NBYTES, 4 KiB)
+    and the small-step limit (8 KiB, so small steps stream and walk the slot
+    ring), unaligned tails, and enough repeats for the tuner to probe and
+    switch."""
+    from harmpi import node
+    assert node.STREAM_MIN_NBYTES == 4096
     for name in ("bf16", "f32"):
         isz = ITEMSIZE[name]
-        for n in (1, 1023 // isz, 1024 // isz, 1025 // isz + 1, 8192 // isz - 3, 8192 // isz + 7,
-                  3 * 8192 // isz + 1):
+        for n in (1, 4095 // isz, 4096 // isz, 4097 // isz + 1, 8192 // isz - 3, 8192 // isz + 7,
+                  3 * 16384 // isz + 1):
             check(copy_mode_comm, topo, name, n, "torch", "auto", repeats=2)
     r = copy_mode_comm.Get_rank()
     size = copy_mode_comm.Get_size()
     for i in range(300):
-        x = torch.full((1500 + i % 7,), float(r + i % 3), dtype=torch.bfloat16)
+        x = torch.full((2500 + i % 7,), float(r + i % 3), dtype=torch.bfloat16)
         harmpi.allreduce(x, comm=copy_mode_comm)
         assert torch.all(x == size * (size - 1) / 2 + size * (i % 3)), i
+
+
+def _ring(comm):
+    from harmpi import api, node
+    return int(api._context(comm).ctl[node.C_RING])
+
+
+def test_small_steps_walk_the_slot_and_ranks_agree_on_where(small_comm, topo):
+    """Small steps are placed one after another in the slot (node._ring_pos):
+    the position wraps, every rank holds the same one, sums stay exact, and a
+    mismatch (different sizes, so different advances) brings all back to 0."""
+    r, n_ranks = small_comm.Get_rank(), small_comm.Get_size()
+    if topo.node_count != 1 or n_ranks == 1:  # the same on every rank
+        pytest.skip("the ring is the single-node path's (one rank has no steps)")
+    seen, wrapped = [], 0
+    for i in range(120):
+        n = (1, 7, 100, 255, 256, 257)[i % 6]  # f32: up to the 1 KiB small limit, unaligned
+        x = torch.full((n,), float(r + i % 4), dtype=torch.float32)
+        harmpi.allreduce(x, comm=small_comm)
+        assert torch.all(x == n_ranks * (n_ranks - 1) / 2 + n_ranks * (i % 4)), i
+        pos = _ring(small_comm)
+        assert pos % 64 == 0 and 0 < pos <= SMALL["slot_nbytes"] + 63
+        wrapped += bool(seen) and pos < seen[-1]
+        seen.append(pos)
+    assert wrapped >= 5, seen
+    assert small_comm.allgather(seen) == [seen] * n_ranks
+    x = torch.ones(100 if r == 0 else 200)
+    with pytest.raises(harmpi.HarmpiMismatchError):
+        harmpi.allreduce(x, comm=small_comm)
+    assert _ring(small_comm) == 0
+    y = torch.ones(250)
+    harmpi.allreduce(y, comm=small_comm)
+    assert torch.all(y == n_ranks)
+    assert small_comm.allgather(_ring(small_comm)) == [1024] * n_ranks  # 1000 B, rounded up
