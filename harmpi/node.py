@@ -104,8 +104,10 @@ def new_ctl(arena, spin_count: int, timeout_s: float, fast_code: int = 0,
     ctl[C_SPIN] = spin_count
     ctl[C_TIMEOUT_NS] = int(timeout_s * 1e9)
     ctl[C_TUNE_TABLE] = arena.tune_addr
-    mode = {"off": copytune.MODE_PLAIN, "flush": copytune.MODE_FLUSH}.get(stream_stores,
-                                                                          copytune.MODE_STREAM)
+    # auto starts plain: paths that do not run the tuner (the hierarchical
+    # ones) keep plain stores, and the tuner probes the others from there
+    mode = {"on": copytune.MODE_STREAM, "flush": copytune.MODE_FLUSH}.get(stream_stores,
+                                                                          copytune.MODE_PLAIN)
     ctl[C_STREAM] = mode
     ctl[C_TUNING] = 1 if stream_stores == "auto" and arena.local_size > 1 else 0
     mpiprogress.fill_hook(ctl[C_HOOK:C_HOOK + mpiprogress.HOOK_WORDS])

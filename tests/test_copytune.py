@@ -27,7 +27,7 @@ def test_stream_copy_copies_exactly_the_range(nbytes, dst_off, src_off):
 
 @pytest.mark.parametrize("setting, mode, tuning",
                          [("on", copytune.MODE_STREAM, 0), ("off", copytune.MODE_PLAIN, 0),
-                          ("flush", copytune.MODE_FLUSH, 0), ("auto", copytune.MODE_STREAM, 0)])
+                          ("flush", copytune.MODE_FLUSH, 0), ("auto", copytune.MODE_PLAIN, 0)])
 def test_ctl_copy_mode_from_config(setting, mode, tuning):
     # one rank alone never tunes (nobody reads its slot)
     ctl = node.new_ctl(_FakeArena(), 10, 1.0, stream_stores=setting)
