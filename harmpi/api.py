@@ -70,6 +70,7 @@ class _Contexts:
         self.by_comm[comm.handle] = ctx
         if comm == MPI.COMM_WORLD:
             self.world = ctx
+            self.attach_native()
         if not self.atexit_registered:
             # Runs before mpi4py's own finalisation (atexit is last-in, first-out).
             atexit.register(self.free_at_exit)
@@ -86,7 +87,24 @@ class _Contexts:
             return
         self.free_all()
 
+    def attach_native(self):
+        """Let harmpi.native serve harmpi.allreduce(t) for the world context,
+        once torch is in use and the context is one auto node (it declines
+        everything else, so the Python path stays the reference)."""
+        global _NATIVE
+        ctx = self.world
+        if self.torch is None or ctx is None or ctx.broken is not None or not ctx.single_node_auto:
+            return
+        from . import native  # noqa: PLC0415 - imports torch's C++ side
+
+        if native.attach(ctx.ctl):
+            ctx.native_attached = True
+            ctx.ctl[node.C_NATIVE] = 1
+            _NATIVE = native.load().allreduce
+
     def free_all(self):
+        global _NATIVE
+        _NATIVE = None
         if MPI.Is_finalized():
             self.by_comm.clear()
             self.world = None
@@ -101,6 +119,8 @@ class _Contexts:
 
 
 _CONTEXTS = _Contexts()
+#: the native entry point's allreduce(t) while it serves the world context
+_NATIVE = None
 
 
 def init(comm=None, config=None):
@@ -177,6 +197,7 @@ def _describe(x, dtype, writable):
         from . import torch as ht  # noqa: PLC0415 - torch only once a tensor is seen
         _CONTEXTS.torch = ht
         _CONTEXTS.tensor_type = ht.Tensor
+        _CONTEXTS.attach_native()
     if isinstance(x, ht.Tensor):
         if dtype is not None:
             raise HarmpiArgumentError("dtype= is only for numpy uint16 arrays; a tensor has its own")
@@ -210,6 +231,18 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
     bf16/f16 sums accumulate in float32 and round to nearest even once per
     stage (node sum, and each cross-node combine).
     """
+    # Native entry point (harmpi.native): the same checks and kernel as the
+    # fast path below, done in C++; it returns -1 for anything it declines.
+    native = _NATIVE
+    if native is not None and (comm is None or comm is _COMM_WORLD) and op == "sum" \
+            and algorithm is None and dtype is None:
+        rc = native(x)
+        if rc == 0:
+            return x
+        if rc > 0:
+            addr, n, fmt, w, itemsize, _ = _describe(x, None, True)
+            _CONTEXTS.world.fail(rc, Call(addr, n, itemsize, fmt, w, fmt | AUTO_ALLREDUCE_CODE,
+                                          "allreduce"))
     # Fast path for the decode loop's call: a CPU tensor, a communicator
     # already set up on one node, everything else default. The same checks
     # and kernel as below, minus ~1 us of generic dispatch.
@@ -331,4 +364,18 @@ def info(comm=None):
         "spin_count": ctx.spin_count,
         "oversubscribed": ctx.oversubscribed,
         "timeout_s": cfg.timeout_s,
+        "native": _native_status(ctx),
     }
+
+
+def _native_status(ctx):
+    if ctx.native_attached:
+        return "serving harmpi.allreduce(t) for this context"
+    native = sys.modules.get("harmpi.native")
+    if native is None:
+        return "not loaded (it loads with torch, for the world context on one node)"
+    status = native.status()
+    if status == "loaded":
+        return ("loaded; not serving this context (it serves the world communicator on one "
+                "node with algorithm auto)")
+    return status

@@ -76,7 +76,9 @@ class Context:
         self.arena = Arena(self.node_comm, self.config.slot_nbytes)
         self.ctl = node.new_ctl(self.arena, spin, self.config.timeout_s, AUTO_ALLREDUCE_CODE,
                                 self.config.small_max_nbytes, self.config.stream_stores)
-        self.broken = None
+        self._broken = None
+        #: whether harmpi.native serves this context (the API attaches it)
+        self.native_attached = False
         #: auto on one node with peers: the API may call the shm kernel directly
         self.single_node_auto = (self.topo.node_count == 1 and self.topo.size > 1
                                  and self.config.algorithm == "auto")
@@ -101,6 +103,18 @@ class Context:
                 and isinstance(self._rail_transport, transports.TcpTransport)):
             self.two_node_fast = self.allreduce_algorithm("har_latency", 0)
         self.har_latency_max_nbytes = self.config.har_latency_max_nbytes
+
+    @property
+    def broken(self):
+        """None, or why this context can no longer be used."""
+        return self._broken
+
+    @broken.setter
+    def broken(self, why):
+        self._broken = why
+        if why is not None:
+            # close the native entry point's gate: the Python path raises
+            self.ctl[node.C_NATIVE] = 0
 
     # -- pieces the algorithms ask for --------------------------------------
 
@@ -242,6 +256,12 @@ class Context:
 
     def free(self):
         """Release the window, transports and communicators (collective)."""
+        self.ctl[node.C_NATIVE] = 0
+        if self.native_attached:
+            from . import native  # noqa: PLC0415 - loaded already when attached
+
+            native.detach()
+            self.native_attached = False
         for t in (self._rail_transport, self._world_transport):
             if t is not None:
                 t.close()

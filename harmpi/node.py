@@ -78,6 +78,8 @@ C_HOOK = 24
 #: see _ring_pos). Every local rank holds the same value: each advances it
 #: by the same step sizes and resets it on a mismatch, which every rank sees
 C_RING = 28
+#: 1 while harmpi's native entry point may run this context (harmpi.native)
+C_NATIVE = 29
 #: rank 0's tuner state (copytune.STATE_WORDS) follows the header
 C_TUNE_STATE = 32
 C_LEN = C_TUNE_STATE + copytune.STATE_WORDS
