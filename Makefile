@@ -32,7 +32,7 @@ all: test
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml harmpi/_native.cpp
+$(STAMP): requirements.txt pyproject.toml harmpi/_native.cpp harmpi/native.py
 	@if ! command -v ip >/dev/null 2>&1 || ! command -v unshare >/dev/null 2>&1 || ! command -v pkill >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES); \

@@ -78,11 +78,16 @@ def _kernel_f64(ctl_addr, x_addr, n):
 KERNELS = (_kernel_bf16, _kernel_f16, _kernel_f32, _kernel_f64)
 
 
+#: compiler flags beyond include and library paths (torch 2.13's headers use C++20)
+CXXFLAGS = ("-O2", "-fPIC", "-shared", "-std=c++20")
+
+
 def _tag() -> str:
     import torch
 
     h = hashlib.sha256()
     h.update(SOURCE.read_bytes())
+    h.update(" ".join(CXXFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(str(sysconfig.get_config_var("EXT_SUFFIX")).encode())
     return h.hexdigest()[:16]
@@ -106,7 +111,7 @@ def build(verbose: bool = False) -> Path:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     tmp = out.with_suffix(".tmp")
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [cxx, "-O2", "-fPIC", "-shared", "-std=c++17", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    cmd = [cxx, *CXXFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
            *[f"-I{p}" for p in include_paths()], f"-I{sysconfig.get_paths()['include']}",
            str(SOURCE), "-o", str(tmp), f"-L{torch_lib}", "-ltorch_python", "-ltorch",
            "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
