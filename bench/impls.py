@@ -135,7 +135,8 @@ class HarmpiImpl(Impl):
             how = f"algorithm {forced} (HARMPI_ALGORITHM)"
         else:
             how = "algorithm auto"
-        return f"{self.name}: harmpi.{op} on a torch {dtype.torch_name} tensor, {how}"
+        into = " into a preallocated tensor (out=)" if op == "allgather" else ""
+        return f"{self.name}: harmpi.{op} on a torch {dtype.torch_name} tensor{into}, {how}"
 
     def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
         harmpi = self._harmpi
@@ -163,12 +164,13 @@ class HarmpiImpl(Impl):
 
             return Prepared(run, lambda: _storage_from_torch(tensor, dtype))
         if op == "allgather":
-            out = [None]
+            # into a preallocated tensor (out=), as the mpi and gloo impls do
+            out = tensor.new_empty(tensor.numel() * comm.Get_size())
 
-            def run(tensor=tensor, allgather=harmpi.allgather, comm=comm):
-                out[0] = allgather(tensor, comm=comm)
+            def run(tensor=tensor, out=out, allgather=harmpi.allgather, comm=comm):
+                allgather(tensor, comm=comm, out=out)
 
-            return Prepared(run, lambda: _storage_from_torch(out[0], dtype))
+            return Prepared(run, lambda: _storage_from_torch(out, dtype))
         raise ValueError(op)
 
     def info(self) -> dict:

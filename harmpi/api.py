@@ -121,6 +121,8 @@ class _Contexts:
 _CONTEXTS = _Contexts()
 #: the native entry point's allreduce(t) while it serves the world context
 _NATIVE = None
+#: allgather: crc of a shape (part of the kind every rank checks), by shape
+_SHAPE_DIGESTS = {}
 
 
 def init(comm=None, config=None):
@@ -296,18 +298,28 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
     return x
 
 
-def allgather(x, comm=None, dtype=None):
-    """Concatenate every rank's ``x`` along the first dimension; return a new array/tensor.
+def allgather(x, comm=None, dtype=None, out=None):
+    """Concatenate every rank's ``x`` along the first dimension; return the result.
 
     Before: rank r holds x_r, shape (d0, d1, ...) on every rank.
     After:  every rank gets cat([x_0, ..., x_{n-1}]), shape (n*d0, d1, ...),
             in communicator rank order (a 0-d x counts as shape (1,)).
-    ``x`` is only read. Same dtypes as :func:`allreduce`.
+    ``x`` is only read. Same dtypes as :func:`allreduce`. ``out``: where to
+    put the result instead of a new array/tensor (as torch's
+    all_gather_into_tensor): same kind and dtype as ``x``, contiguous,
+    writable, n times x's element count, any shape; it is returned.
     """
     addr, n, fmt, w, itemsize, is_torch = _describe(x, dtype, False)
     ctx = _context(comm)
     size = ctx.topo.size
-    if is_torch:
+    if out is not None:
+        out_addr, out_n, out_fmt, _, _, out_torch = _describe(out, dtype, True)
+        if out_torch != is_torch or out_fmt != fmt or out_n != n * size:
+            raise HarmpiArgumentError(
+                f"out must be a {'tensor' if is_torch else 'numpy array'} of x's dtype with "
+                f"{n * size} elements ({size} ranks x {n}); got {type(out).__name__} of "
+                f"{out_n} elements" + ("" if out_fmt == fmt else " and another dtype"))
+    elif is_torch:
         out = _CONTEXTS.torch.empty_like_gathered(x, size)
         out_addr = out.data_ptr()
     else:
@@ -317,7 +329,11 @@ def allgather(x, comm=None, dtype=None):
     if size == 1:
         node.copy_bytes(out_addr, addr, n * itemsize)
         return out
-    shape_digest = zlib.crc32(repr(tuple(x.shape)).encode()) & 0xFFFFFF
+    shape_digest = _SHAPE_DIGESTS.get(x.shape)
+    if shape_digest is None:
+        if len(_SHAPE_DIGESTS) > 1024:
+            _SHAPE_DIGESTS.clear()
+        shape_digest = _SHAPE_DIGESTS[x.shape] = zlib.crc32(repr(tuple(x.shape)).encode()) & 0xFFFFFF
     code = fmt | (COLL_ALLGATHER << 16) | (shape_digest << 24)
     try:
         ctx.allgather_algorithm().run(Call(addr, n, itemsize, fmt, w, code, "allgather"),

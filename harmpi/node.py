@@ -409,7 +409,9 @@ def _stage_at(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, fmt, w, pos)
         if a != total_nbytes or b != code or b == POISON_CODE:
             ctl[C_ERR_PEER] = j
             ctl[C_ERR_A] = a
-            ctl[C_ERR_B] = b if b == POISON_CODE else b & 0xFFFFFFFF
+            # report the peer's code without the ring bits this rank posted
+            # (allgather codes use bits above 32 for a shape digest: pos 0)
+            ctl[C_ERR_B] = b if b == POISON_CODE else b ^ ((pos >> 6) << 32)
             # every local rank sees the mismatch in this step: all restart
             # the ring together (a mismatched step may have moved it apart)
             ctl[C_RING] = 0
@@ -654,6 +656,28 @@ def copy_blocks(ctl, out_addr, n, start, m, table, w):
         for g in range(G):
             o = (table[l, g] * n + start) * isz
             _memcpy(out_addr + o, slots[l, g * m:].ctypes.data, m * isz)
+
+
+@numba.njit(_sigs(_i64, _ctl, types.intp, types.intp, _i64, _i64, _i64, _i64,
+                  types.int64[:, ::1], "W"), cache=True, nogil=True)
+def allgather_node(ctl, x_addr, out_addr, n, total_nbytes, code, chunk, table, w):
+    """One node's whole allgather in one call, chunk by chunk (at least one
+    step, so a zero-size call still checks agreement): my chunk into my next
+    slot, post meta, publish, wait, then every rank's chunk from its slot to
+    its block of out (table[l, 0]: communicator rank of local rank l)."""
+    isz = w.itemsize
+    fmt = code & 0xFF
+    start = 0
+    while True:
+        m = min(chunk, n - start)
+        copy_bytes(next_slot_addr(ctl, ctl[C_ME]), x_addr + start * isz, m * isz)
+        rc = _stage(ctl, 0, 0, 0, 0, total_nbytes, code, fmt, w)
+        if rc != OK:
+            return rc
+        copy_blocks(ctl, out_addr, n, start, m, table, w)
+        start += m
+        if start >= n:
+            return OK
 
 
 @numba.njit(cache=True, nogil=True)

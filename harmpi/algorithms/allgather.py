@@ -72,6 +72,13 @@ class HierAllgather:
             return
         ctl = ctx.ctl
         G, g = self.G, self.g
+        if G == 1:
+            # one node: the whole loop below (without the rail) in one compiled call
+            rc = node.allgather_node(ctl, call.addr, out_addr, call.n, call.nbytes, call.code,
+                                     max(1, ctx.config.slot_nbytes // isz), self.table, call.w)
+            if rc:
+                ctx.fail(rc, call)
+            return
         tag = tag_for(call.nbytes, call.code)
         for start, src, m in chunks(call, max(1, ctx.config.slot_nbytes // G // isz)):
             nb = m * isz

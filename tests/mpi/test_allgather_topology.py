@@ -82,3 +82,24 @@ def test_sub_communicators_have_their_own_context(world):
     g = harmpi.allgather(torch.tensor([float(r)]), comm=sub)
     assert g.tolist() == [float(q) for q in range(world.Get_size()) if q % 2 == r % 2]
     assert harmpi.info(sub)["ranks"] == sub.Get_size()
+
+
+def test_allgather_into_out(small_comm):
+    """out= receives the result (any shape with the right element count) and
+    is returned; a wrong out is refused before any data moves."""
+    r, n_ranks = small_comm.Get_rank(), small_comm.Get_size()
+    for n in (0, 3, 700):
+        x = torch.full((n, 2), float(r), dtype=torch.bfloat16)
+        out = torch.empty(n_ranks * n * 2, dtype=torch.bfloat16)
+        assert harmpi.allgather(x, comm=small_comm, out=out) is out
+        expect = torch.arange(n_ranks, dtype=torch.bfloat16).repeat_interleave(2 * n)
+        assert torch.equal(out, expect)
+        xn = np.full(n, r, np.float32)
+        outn = np.empty((n_ranks, n), np.float32)
+        assert harmpi.allgather(xn, comm=small_comm, out=outn) is outn
+        assert np.array_equal(outn, np.repeat(np.arange(n_ranks, dtype=np.float32), n).reshape(n_ranks, n))
+    x = torch.ones(4)
+    for bad in (torch.empty(4 * n_ranks + 1), torch.empty(4 * n_ranks, dtype=torch.float64),
+                np.empty(4 * n_ranks, np.float32), torch.empty(8 * n_ranks)[::2]):
+        with pytest.raises(harmpi.HarmpiArgumentError):
+            harmpi.allgather(x, comm=small_comm, out=bad)
