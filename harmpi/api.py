@@ -105,6 +105,9 @@ class _Contexts:
     def free_all(self):
         global _NATIVE
         _NATIVE = None
+        native = sys.modules.get("harmpi.native")
+        if native is not None:  # also for a broken world context, which is not freed
+            native.detach()
         if MPI.Is_finalized():
             self.by_comm.clear()
             self.world = None
