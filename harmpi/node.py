@@ -658,8 +658,11 @@ def copy_blocks(ctl, out_addr, n, start, m, table, w):
             _memcpy(out_addr + o, slots[l, g * m:].ctypes.data, m * isz)
 
 
-@numba.njit(_sigs(_i64, _ctl, types.intp, types.intp, _i64, _i64, _i64, _i64,
-                  types.int64[:, ::1], "W"), cache=True, nogil=True)
+_AG_SIGS = _sigs(_i64, _ctl, types.intp, types.intp, _i64, _i64, _i64, _i64,
+                 types.int64[:, ::1], "W")
+
+
+@numba.njit(_AG_SIGS, cache=True, nogil=True)
 def allgather_node(ctl, x_addr, out_addr, n, total_nbytes, code, chunk, table, w):
     """One node's whole allgather in one call, chunk by chunk (at least one
     step, so a zero-size call still checks agreement): my chunk into my next
@@ -678,6 +681,12 @@ def allgather_node(ctl, x_addr, out_addr, n, total_nbytes, code, chunk, table, w
         start += m
         if start >= n:
             return OK
+
+
+def _allgather_entries():
+    return {np.dtype(np.uint16): entry_point(allgather_node, _AG_SIGS[0]),
+            np.dtype(np.float32): entry_point(allgather_node, _AG_SIGS[1]),
+            np.dtype(np.float64): entry_point(allgather_node, _AG_SIGS[2])}
 
 
 @numba.njit(cache=True, nogil=True)
@@ -759,3 +768,7 @@ def entry_point(dispatcher, sig):
 FAST_ALLREDUCE = {fmt: entry_point(k, _FAST_SIG) for fmt, k in (
     (FMT_BF16, fast_allreduce_bf16), (FMT_F16, fast_allreduce_f16),
     (FMT_F32, fast_allreduce_f32), (FMT_F64, fast_allreduce_f64))}
+
+
+#: allgather_node's compiled entry point by witness dtype (the API's fast path)
+ALLGATHER_NODE = _allgather_entries()

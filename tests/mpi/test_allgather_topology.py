@@ -103,3 +103,19 @@ def test_allgather_into_out(small_comm):
                 np.empty(4 * n_ranks, np.float32), torch.empty(8 * n_ranks)[::2]):
         with pytest.raises(harmpi.HarmpiArgumentError):
             harmpi.allgather(x, comm=small_comm, out=bad)
+
+
+def test_allgather_into_out_on_world_checks_shapes(world):
+    """The world communicator's one-node fast path (tensors into out=) still
+    compares shapes across ranks and returns the right blocks."""
+    r, n_ranks = world.Get_rank(), world.Get_size()
+    x = torch.full((2, 3), float(r), dtype=torch.float32)
+    out = torch.empty(6 * n_ranks, dtype=torch.float32)
+    assert harmpi.allgather(x, out=out) is out
+    assert torch.equal(out, torch.arange(n_ranks, dtype=torch.float32).repeat_interleave(6))
+    if n_ranks > 1:
+        y = torch.zeros((2, 3) if r == 0 else (3, 2))  # same size, other shape
+        with pytest.raises(harmpi.HarmpiMismatchError):
+            harmpi.allgather(y, out=out)
+    z = harmpi.allgather(torch.full((1,), float(r), dtype=torch.bfloat16))
+    assert torch.equal(z, torch.arange(n_ranks, dtype=torch.bfloat16))
