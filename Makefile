@@ -32,7 +32,7 @@ all: test
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml harmpi/_native.cpp harmpi/native.py
+$(STAMP): requirements.txt pyproject.toml harmpi/_native.cpp harmpi/native.py launch/build_native.py
 	@if ! command -v ip >/dev/null 2>&1 || ! command -v unshare >/dev/null 2>&1 || ! command -v pkill >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES); \
@@ -46,7 +46,7 @@ $(STAMP): requirements.txt pyproject.toml harmpi/_native.cpp harmpi/native.py
 	$(PY) -c "import harmpi, harmpi.reduce"
 	@# the native entry point of harmpi.allreduce(t) (harmpi/native.py); without a
 	@# C++ compiler harmpi keeps its Python path and says so in harmpi.info()
-	$(PY) -m harmpi.native --allow-fail
+	$(PY) -m launch.build_native --allow-fail
 	touch $(STAMP)
 
 test: setup unit-test mpi-test

@@ -21,13 +21,13 @@
 
 namespace {
 
-using kernel_t = int64_t (*)(int64_t ctl_addr, int64_t x_addr, int64_t n);
+using kernel_t = int64_t (*)(int64_t ctl_addr, int64_t x_addr, int64_t n, int64_t fmt);
 
 // the attached context: its control array, the index of its gate word, and
-// one kernel per storage format (bf16, f16, f32, f64)
+// the kernel (it takes the storage format: 0 bf16, 1 f16, 2 f32, 3 f64)
 const int64_t* g_ctl = nullptr;
 int64_t g_gate = 0;
-kernel_t g_kernels[4] = {nullptr, nullptr, nullptr, nullptr};
+kernel_t g_kernel = nullptr;
 
 int format_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -40,38 +40,36 @@ int format_of(const at::Tensor& t) {
 }
 
 PyObject* allreduce(PyObject*, PyObject* obj) {
-  if (g_ctl == nullptr || g_ctl[g_gate] == 0 || !THPVariable_Check(obj)) {
+  if (g_ctl == nullptr || g_kernel == nullptr || g_ctl[g_gate] == 0 || !THPVariable_Check(obj)) {
     return PyLong_FromLong(-1);
   }
   const at::Tensor& t = THPVariable_Unpack(obj);
   const int fmt = format_of(t);
   if (fmt < 0 || t.layout() != at::kStrided || !t.is_cpu() || !t.is_contiguous() ||
-      t.requires_grad() || g_kernels[fmt] == nullptr) {
+      t.requires_grad()) {
     return PyLong_FromLong(-1);
   }
   const int64_t x_addr = reinterpret_cast<int64_t>(t.data_ptr());
   const int64_t n = t.numel();
-  const kernel_t kernel = g_kernels[fmt];
+  const kernel_t kernel = g_kernel;
   const int64_t ctl_addr = reinterpret_cast<int64_t>(g_ctl);
   int64_t rc;
   // the kernel may wait for other ranks: other Python threads keep running
   Py_BEGIN_ALLOW_THREADS
-  rc = kernel(ctl_addr, x_addr, n);
+  rc = kernel(ctl_addr, x_addr, n, fmt);
   Py_END_ALLOW_THREADS
   return PyLong_FromLongLong(rc);
 }
 
-// attach(ctl_addr, gate_index, k_bf16, k_f16, k_f32, k_f64); attach(0, ...) detaches
+// attach(ctl_addr, gate_index, kernel_addr); attach(0, 0, 0) detaches
 PyObject* attach(PyObject*, PyObject* args) {
-  long long ctl = 0, gate = 0, k[4] = {0, 0, 0, 0};
-  if (!PyArg_ParseTuple(args, "LLLLLL", &ctl, &gate, &k[0], &k[1], &k[2], &k[3])) {
+  long long ctl = 0, gate = 0, kernel = 0;
+  if (!PyArg_ParseTuple(args, "LLL", &ctl, &gate, &kernel)) {
     return nullptr;
   }
   g_ctl = reinterpret_cast<const int64_t*>(ctl);
   g_gate = gate;
-  for (int i = 0; i < 4; ++i) {
-    g_kernels[i] = reinterpret_cast<kernel_t>(k[i]);
-  }
+  g_kernel = reinterpret_cast<kernel_t>(kernel);
   Py_RETURN_NONE;
 }
 
@@ -79,7 +77,7 @@ PyMethodDef methods[] = {
     {"allreduce", allreduce, METH_O,
      "allreduce(t) -> -1 (not handled here) or the kernel's status (0: done)"},
     {"attach", attach, METH_VARARGS,
-     "attach(ctl_addr, gate_index, k_bf16, k_f16, k_f32, k_f64): the context to serve (0: none)"},
+     "attach(ctl_addr, gate_index, kernel_addr): the context to serve (0: none)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_harmpi_native", nullptr, -1, methods,

@@ -21,6 +21,7 @@ from mpi4py import MPI
 from . import node
 from .algorithms import ALGORITHM_IDS
 from .algorithms.base import Call
+from .algorithms.har_latency import TWO_NODE_TCP
 from .config import ALGORITHMS, Config
 from .context import AUTO_ALLREDUCE_CODE, COLL_ALLGATHER, COLL_ALLREDUCE, OP_SUM, Context
 from .errors import HarmpiArgumentError, HarmpiError, HarmpiTimeoutError
@@ -256,32 +257,32 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
         ctx = _CONTEXTS.world if comm is None or comm is _COMM_WORLD else \
             _CONTEXTS.by_comm.get(getattr(comm, "handle", None))
         if ctx is not None and ctx.broken is None:
-            if ctx.single_node_auto:
-                kernel = _CONTEXTS.torch.FAST.get(x.dtype)
-                if kernel is not None and x.is_contiguous() and x.is_cpu and not x.requires_grad:
-                    rc = kernel(ctx.ctl, x.data_ptr(), x.numel())
+            kind = _CONTEXTS.torch.KINDS.get(x.dtype)
+            fast = ctx.single_node_auto or (
+                ctx.two_node_fast is not None and kind is not None
+                and x.numel() * kind[2] <= ctx.har_latency_max_nbytes)
+            # (anything else, or a bad tensor: the generic path below decides and raises)
+            if fast and kind is not None and x.is_contiguous() and x.is_cpu \
+                    and not x.requires_grad:
+                fmt = kind[0]
+                if ctx.single_node_auto:
+                    rc = node.FAST_ALLREDUCE(ctx.ctl, x.data_ptr(), x.numel(), fmt)
                     if rc:
-                        addr, n, fmt, w, itemsize, _ = _describe(x, None, True)
-                        ctx.fail(rc, Call(addr, n, itemsize, fmt, w, fmt | AUTO_ALLREDUCE_CODE,
-                                          "allreduce"))
+                        ctx.fail(rc, Call(x.data_ptr(), x.numel(), kind[2], fmt, kind[1],
+                                          fmt | AUTO_ALLREDUCE_CODE, "allreduce"))
                     return x
-            elif ctx.two_node_fast is not None:
-                entry = _CONTEXTS.torch.TWO_NODE.get(x.dtype)
-                if (entry is not None and x.numel() * entry[2] <= ctx.har_latency_max_nbytes
-                        and x.is_contiguous() and x.is_cpu and not x.requires_grad):
-                    algo = ctx.two_node_fast
-                    t = algo.transport
-                    rc = entry[0](ctx.ctl, t.ops, t.pollfds, t.scratch, x.data_ptr(), x.numel(),
-                                  entry[1] | AUTO_ALLREDUCE_CODE)
-                    if rc:
-                        addr, n, fmt, w, itemsize, _ = _describe(x, None, True)
-                        try:
-                            algo.raise_for(rc, Call(addr, n, itemsize, fmt, w,
-                                                    fmt | AUTO_ALLREDUCE_CODE, "allreduce"))
-                        except HarmpiTimeoutError as exc:
-                            ctx.broken = ctx.broken or str(exc)
-                            raise
-                    return x
+                algo = ctx.two_node_fast
+                t = algo.transport
+                rc = TWO_NODE_TCP(ctx.ctl, t.ops, t.pollfds, t.scratch, x.data_ptr(), x.numel(),
+                                  fmt | AUTO_ALLREDUCE_CODE, fmt)
+                if rc:
+                    try:
+                        algo.raise_for(rc, Call(x.data_ptr(), x.numel(), kind[2], fmt, kind[1],
+                                                fmt | AUTO_ALLREDUCE_CODE, "allreduce"))
+                    except HarmpiTimeoutError as exc:
+                        ctx.broken = ctx.broken or str(exc)
+                        raise
+                return x
     opid = _op_id(op)
     addr, n, fmt, w, itemsize, _ = _describe(x, dtype, True)
     ctx = _context(comm)

@@ -255,13 +255,9 @@ class Context:
     # -- teardown -----------------------------------------------------------
 
     def free(self):
-        """Release the window, transports and communicators (collective)."""
-        self.ctl[node.C_NATIVE] = 0
-        if self.native_attached:
-            from . import native  # noqa: PLC0415 - loaded already when attached
-
-            native.detach()
-            self.native_attached = False
+        """Release the window, transports and communicators (collective).
+        (The API detaches harmpi.native first: _Contexts.free_all.)"""
+        self.native_attached = False
         for t in (self._rail_transport, self._world_transport):
             if t is not None:
                 t.close()

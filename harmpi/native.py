@@ -11,7 +11,7 @@ tensor it declines, takes the Python path, which has the same checks and
 raises the errors. A context's gate word (``node.C_NATIVE``) is 1 while the
 module may use it; Context clears it when the context breaks or is freed.
 
-Building: ``python -m harmpi.native`` (``make`` runs it) compiles the module
+Building: ``python -m launch.build_native`` (``make`` runs it) compiles the module
 with the system C++ compiler against the installed torch's headers into
 ``harmpi/_native_build/<tag>/``; the tag hashes the source, the torch
 version and the Python ABI, so a changed torch or source is never loaded
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -39,43 +39,22 @@ from numba import types
 
 from . import node
 
+log = logging.getLogger("harmpi")
+
 __all__ = ["SOURCE", "build", "load", "attach", "detach", "status", "KERNEL_SIG"]
 
 SOURCE = Path(__file__).with_name("_native.cpp")
 BUILD_ROOT = Path(__file__).with_name("_native_build")
 MODULE_NAME = "_harmpi_native"
 
-#: kernel(ctl_addr, x_addr, n) -> status, as the C++ module calls it
-KERNEL_SIG = types.int64(types.int64, types.int64, types.int64)
-
-
-@numba.njit(cache=True, nogil=True)
-def _ctl_view(ctl_addr):
-    return numba.carray(node._voidptr(ctl_addr), (node.C_LEN,), np.int64)
+#: kernel(ctl_addr, x_addr, n, fmt) -> status, as the C++ module calls it
+KERNEL_SIG = types.int64(types.int64, types.int64, types.int64, types.int64)
 
 
 @numba.cfunc(KERNEL_SIG, cache=True, nogil=True)
-def _kernel_bf16(ctl_addr, x_addr, n):
-    return node.fast_allreduce_bf16(_ctl_view(ctl_addr), x_addr, n)
-
-
-@numba.cfunc(KERNEL_SIG, cache=True, nogil=True)
-def _kernel_f16(ctl_addr, x_addr, n):
-    return node.fast_allreduce_f16(_ctl_view(ctl_addr), x_addr, n)
-
-
-@numba.cfunc(KERNEL_SIG, cache=True, nogil=True)
-def _kernel_f32(ctl_addr, x_addr, n):
-    return node.fast_allreduce_f32(_ctl_view(ctl_addr), x_addr, n)
-
-
-@numba.cfunc(KERNEL_SIG, cache=True, nogil=True)
-def _kernel_f64(ctl_addr, x_addr, n):
-    return node.fast_allreduce_f64(_ctl_view(ctl_addr), x_addr, n)
-
-
-#: kernel addresses in the C++ module's order (bf16, f16, f32, f64)
-KERNELS = (_kernel_bf16, _kernel_f16, _kernel_f32, _kernel_f64)
+def _kernel(ctl_addr, x_addr, n, fmt):
+    ctl = numba.carray(node._voidptr(ctl_addr), (node.C_LEN,), np.int64)
+    return node.fast_allreduce(ctl, x_addr, n, fmt)
 
 
 #: compiler flags beyond include and library paths (torch 2.13's headers use C++20)
@@ -97,7 +76,7 @@ def _library_path() -> Path:
     return BUILD_ROOT / _tag() / (MODULE_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
 
 
-def build(verbose: bool = False) -> Path:
+def build() -> Path:
     """Compile the module for the installed torch (idempotent); its path.
     Raises RuntimeError with the compiler's output when it cannot."""
     import torch
@@ -115,8 +94,7 @@ def build(verbose: bool = False) -> Path:
            *[f"-I{p}" for p in include_paths()], f"-I{sysconfig.get_paths()['include']}",
            str(SOURCE), "-o", str(tmp), f"-L{torch_lib}", "-ltorch_python", "-ltorch",
            "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
-    if verbose:
-        print(" ".join(cmd), flush=True)
+    log.debug("building the native entry point: %s", " ".join(cmd))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except FileNotFoundError as exc:
@@ -145,7 +123,7 @@ def load():
         _status = f"unavailable ({exc})"
         return None
     if not path.exists():
-        _status = "not built (python -m harmpi.native builds it; make does)"
+        _status = "not built (python -m launch.build_native builds it; make does)"
         return None
     try:
         spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
@@ -165,29 +143,15 @@ def attach(ctl) -> bool:
     mod = load()
     if mod is None:
         return False
-    mod.attach(int(ctl.ctypes.data), node.C_NATIVE, *[int(k.address) for k in KERNELS])
+    mod.attach(int(ctl.ctypes.data), node.C_NATIVE, int(_kernel.address))
     return True
 
 
 def detach() -> None:
     """Serve no context (before its control array goes away)."""
     if _loaded is not None:
-        _loaded.attach(0, 0, 0, 0, 0, 0)
+        _loaded.attach(0, 0, 0)
 
 
 def status() -> str:
     return _status
-
-
-def main(argv=None) -> int:
-    try:
-        path = build(verbose="-v" in (argv or sys.argv[1:]))
-    except Exception as exc:
-        print(f"harmpi.native: not built, the Python path will be used: {exc}", file=sys.stderr)
-        return 0 if "--allow-fail" in (argv or sys.argv[1:]) else 1
-    print(f"harmpi.native: {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -52,7 +52,7 @@ from .sync import load_acquire, store_release, wait_flags_ge
 __all__ = ["new_ctl", "stage", "stage_meta", "publish_wait", "publish_wait_status", "sum_slots",
            "sum_own_part", "gather_parts", "shm_allreduce", "add_publish_sum", "part_bounds",
            "add_into", "copy_slot", "copy_blocks", "copy_bytes", "slot_addr", "next_slot_addr",
-           "address_of", "entry_point", "FAST_ALLREDUCE", "OK", "TIMEOUT", "MISMATCH", "POISON_CODE",
+           "address_of", "entry_point", "fast_allreduce", "FAST_ALLREDUCE", "OK", "TIMEOUT", "MISMATCH", "POISON_CODE",
            "FMT_BF16", "FMT_F16", "FMT_F32", "FMT_F64"]
 
 OK, TIMEOUT, MISMATCH = 0, 1, 2
@@ -724,35 +724,22 @@ def add_publish_sum(ctl, x_addr, r_addr, m, status, fmt, w):
     return OK
 
 
-# The API's fast path: one kernel per dtype with everything but the tensor's
-# address and length already in ctl (C_FAST_CODE: the meta code of an auto
-# all-reduce without its dtype bits; C_SMALL_MAX_NBYTES: the size switch), so
-# the dispatcher types three arguments instead of seven (~0.15 us per call).
-_FAST_SIG = _i64(_ctl, types.intp, _i64)
+# The API's fast path: one kernel for every storage format, with everything
+# but the tensor's address, length and format already in ctl (C_FAST_CODE:
+# the meta code of an auto all-reduce without its dtype bits;
+# C_SMALL_MAX_NBYTES: the size switch), so the call passes four integers.
+_FAST_SIG = _i64(_ctl, types.intp, _i64, _i64)
 
 
 @numba.njit(_FAST_SIG, cache=True, nogil=True)
-def fast_allreduce_bf16(ctl, x_addr, n):
-    return shm_allreduce(ctl, x_addr, n, ctl[C_FAST_CODE] | FMT_BF16, FMT_BF16,
-                         ctl[C_SMALL_MAX_NBYTES] // 2, np.empty(0, np.uint16))
-
-
-@numba.njit(_FAST_SIG, cache=True, nogil=True)
-def fast_allreduce_f16(ctl, x_addr, n):
-    return shm_allreduce(ctl, x_addr, n, ctl[C_FAST_CODE] | FMT_F16, FMT_F16,
-                         ctl[C_SMALL_MAX_NBYTES] // 2, np.empty(0, np.uint16))
-
-
-@numba.njit(_FAST_SIG, cache=True, nogil=True)
-def fast_allreduce_f32(ctl, x_addr, n):
-    return shm_allreduce(ctl, x_addr, n, ctl[C_FAST_CODE] | FMT_F32, FMT_F32,
-                         ctl[C_SMALL_MAX_NBYTES] // 4, np.empty(0, np.float32))
-
-
-@numba.njit(_FAST_SIG, cache=True, nogil=True)
-def fast_allreduce_f64(ctl, x_addr, n):
-    return shm_allreduce(ctl, x_addr, n, ctl[C_FAST_CODE] | FMT_F64, FMT_F64,
-                         ctl[C_SMALL_MAX_NBYTES] // 8, np.empty(0, np.float64))
+def fast_allreduce(ctl, x_addr, n, fmt):
+    code = ctl[C_FAST_CODE] | fmt
+    small = ctl[C_SMALL_MAX_NBYTES]
+    if fmt == FMT_BF16 or fmt == FMT_F16:
+        return shm_allreduce(ctl, x_addr, n, code, fmt, small // 2, np.empty(0, np.uint16))
+    if fmt == FMT_F32:
+        return shm_allreduce(ctl, x_addr, n, code, fmt, small // 4, np.empty(0, np.float32))
+    return shm_allreduce(ctl, x_addr, n, code, fmt, small // 8, np.empty(0, np.float64))
 
 
 def entry_point(dispatcher, sig):
@@ -764,10 +751,8 @@ def entry_point(dispatcher, sig):
     return dispatcher if get is None else get(sig)
 
 
-#: fast-path kernel by storage format (compiled entry points: see entry_point)
-FAST_ALLREDUCE = {fmt: entry_point(k, _FAST_SIG) for fmt, k in (
-    (FMT_BF16, fast_allreduce_bf16), (FMT_F16, fast_allreduce_f16),
-    (FMT_F32, fast_allreduce_f32), (FMT_F64, fast_allreduce_f64))}
+#: the fast-path kernel f(ctl, x_addr, n, fmt), as a compiled entry point
+FAST_ALLREDUCE = entry_point(fast_allreduce, _FAST_SIG)
 
 
 #: allgather_node's compiled entry point by witness dtype (the API's fast path)

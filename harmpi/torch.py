@@ -11,11 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .algorithms.har_latency import TWO_NODE_TCP
 from .errors import HarmpiArgumentError
-from .node import ALLGATHER_NODE, FMT_BF16, FMT_F16, FMT_F32, FMT_F64, FAST_ALLREDUCE
+from .node import ALLGATHER_NODE, FMT_BF16, FMT_F16, FMT_F32, FMT_F64
 
-__all__ = ["KINDS", "FAST", "FAST_GATHER", "TWO_NODE", "Tensor", "describe", "empty_like_gathered"]
+__all__ = ["KINDS", "FAST_GATHER", "Tensor", "describe", "empty_like_gathered"]
 
 Tensor = torch.Tensor
 
@@ -28,12 +27,8 @@ KINDS = {
 }
 
 
-#: torch dtype -> the API's fast-path kernel
-FAST = {dt: FAST_ALLREDUCE[fmt] for dt, (fmt, _, _) in KINDS.items()}
 #: torch dtype -> (compiled one-node allgather, storage format, itemsize, witness)
 FAST_GATHER = {dt: (ALLGATHER_NODE[w.dtype], fmt, isz, w) for dt, (fmt, w, isz) in KINDS.items()}
-#: torch dtype -> (compiled two-node tcp step, storage format, itemsize)
-TWO_NODE = {dt: (TWO_NODE_TCP[fmt], fmt, isz) for dt, (fmt, _, isz) in KINDS.items()}
 
 
 def describe(t, writable=True):

@@ -117,37 +117,21 @@ def _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, fmt, w):
 
 
 _H2_SIG = types.int64(types.int64[::1], types.int64[:, ::1], types.int32[:, ::1],
-                      types.int64[::1], types.intp, types.int64, types.int64)
+                      types.int64[::1], types.intp, types.int64, types.int64, types.int64)
 
 
 @numba.njit(_H2_SIG, cache=True, nogil=True)
-def _har2_tcp_bf16(ctl, ops, pollfds, scratch, x_addr, n, code):
-    return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, node.FMT_BF16,
-                     np.empty(0, np.uint16))
+def _har2_tcp_step(ctl, ops, pollfds, scratch, x_addr, n, code, fmt):
+    """_har2_tcp for the storage format ``fmt`` (one compiled entry point)."""
+    if fmt == node.FMT_BF16 or fmt == node.FMT_F16:
+        return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, fmt, np.empty(0, np.uint16))
+    if fmt == node.FMT_F32:
+        return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, fmt, np.empty(0, np.float32))
+    return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, fmt, np.empty(0, np.float64))
 
 
-@numba.njit(_H2_SIG, cache=True, nogil=True)
-def _har2_tcp_f16(ctl, ops, pollfds, scratch, x_addr, n, code):
-    return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, node.FMT_F16,
-                     np.empty(0, np.uint16))
-
-
-@numba.njit(_H2_SIG, cache=True, nogil=True)
-def _har2_tcp_f32(ctl, ops, pollfds, scratch, x_addr, n, code):
-    return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, node.FMT_F32,
-                     np.empty(0, np.float32))
-
-
-@numba.njit(_H2_SIG, cache=True, nogil=True)
-def _har2_tcp_f64(ctl, ops, pollfds, scratch, x_addr, n, code):
-    return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, node.FMT_F64,
-                     np.empty(0, np.float64))
-
-
-#: compiled two-node step by storage format: f(ctl, ops, pollfds, scratch, x_addr, n, code)
-TWO_NODE_TCP = {fmt: node.entry_point(k, _H2_SIG) for fmt, k in (
-    (node.FMT_BF16, _har2_tcp_bf16), (node.FMT_F16, _har2_tcp_f16),
-    (node.FMT_F32, _har2_tcp_f32), (node.FMT_F64, _har2_tcp_f64))}
+#: the compiled two-node step f(ctl, ops, pollfds, scratch, x_addr, n, code, fmt)
+TWO_NODE_TCP = node.entry_point(_har2_tcp_step, _H2_SIG)
 
 
 class HarLatencyAllreduce(RailAlgorithm):
@@ -169,8 +153,8 @@ class HarLatencyAllreduce(RailAlgorithm):
     def run(self, call):
         if self.compiled is not None:
             t = self.transport
-            rc = self.compiled[call.fmt](self.ctx.ctl, t.ops, t.pollfds, t.scratch, call.addr,
-                                         call.n, call.code)
+            rc = self.compiled(self.ctx.ctl, t.ops, t.pollfds, t.scratch, call.addr, call.n,
+                               call.code, call.fmt)
             if rc:
                 self.raise_for(rc, call)
             return
