@@ -26,7 +26,7 @@ NPS ?= 1 2 3 4
 # more ranks than cores is the point of some tests: oversubscribe, do not bind
 MPI_FLAGS ?= --map-by :OVERSUBSCRIBE --bind-to none
 
-.PHONY: all setup test unit-test mpi-test demo clean
+.PHONY: all setup lint test unit-test mpi-test demo clean
 
 all: test
 
@@ -49,7 +49,10 @@ $(STAMP): requirements.txt pyproject.toml harmpi/_native.cpp harmpi/native.py la
 	$(PY) -m launch.build_native --allow-fail
 	touch $(STAMP)
 
-test: setup unit-test mpi-test
+test: setup lint unit-test mpi-test
+
+lint: setup
+	$(PY) -m ruff check .
 
 unit-test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --color=no --ignore=tests/mpi tests
