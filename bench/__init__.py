@@ -8,7 +8,8 @@ Modules:
     factor), the barrier-fenced timing loop, statistics, table and JSON rows.
 ``impls``
     One adapter per implementation under test: ``harmpi[:algorithm]``,
-    ``mpi`` (mpi4py) and ``gloo`` (torch.distributed).
+    ``mpi`` (mpi4py) and ``gloo`` (torch.distributed), shared by the OSU
+    harness and the decode benchmark.
 ``osu``
     The OSU-style command line shared by ``osu_allreduce`` and
     ``osu_allgather``.

@@ -57,12 +57,14 @@ import json
 import os
 import sys
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import click
 import numpy as np
 
 from bench import harness
+from bench.harness import DTYPES
+from bench.impls import HarmpiImpl, close_impls, make_impls
 
 __all__ = [
     "ModelConfig",
@@ -120,7 +122,10 @@ class ModelConfig:
         else:
             local, group = self.heads // tp, self.heads // max(1, self.kv_heads)
             if local % group and group % local:
-                problems.append(f"each rank's {local} q heads must cover whole KV groups of {group} (or lie inside one)")
+                problems.append(
+                    f"each rank's {local} q heads must cover whole KV groups of {group} "
+                    "(or lie inside one)"
+                )
         if self.ffn % (FFN_UNIT * tp):
             problems.append(f"ffn {self.ffn} is not a multiple of {FFN_UNIT} x {tp} ranks")
         if self.vocab % (VOCAB_UNIT * tp):
@@ -131,9 +136,12 @@ class ModelConfig:
     def params(self) -> int:
         """Parameters of the whole model (embedding + layers + LM head)."""
         hd = self.head_dim
-        attn = self.hidden * (self.heads * hd) * 2 + self.hidden * (self.kv_heads * hd) * 2 + (self.heads + 2 * self.kv_heads) * hd
+        q_o = self.hidden * (self.heads * hd) * 2
+        k_v = self.hidden * (self.kv_heads * hd) * 2
+        qkv_bias = (self.heads + 2 * self.kv_heads) * hd
         mlp = 3 * self.hidden * self.ffn
-        return self.vocab * self.hidden * 2 + self.layers * (attn + mlp + 2 * self.hidden) + self.hidden
+        layer = q_o + k_v + qkv_bias + mlp + 2 * self.hidden  # + two RMSNorm weights
+        return self.vocab * self.hidden * 2 + self.layers * layer + self.hidden
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +189,8 @@ def unit_seed(seed: int, *parts) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
-def threads_per_rank(host_cpus: int, local_ranks: int, allowed_cpus: int, override: int | None = None) -> int:
+def threads_per_rank(host_cpus: int, local_ranks: int, allowed_cpus: int,
+                     override: int | None = None) -> int:
     """Compute threads for one rank: the host's CPUs shared among the ranks on it.
 
     At least 1, and no more than the CPUs the rank is bound to.
@@ -192,13 +201,15 @@ def threads_per_rank(host_cpus: int, local_ranks: int, allowed_cpus: int, overri
 
 
 def round_steps(steps: int, rounds: int) -> list[int]:
-    """Split ``steps`` timed steps over at most ``rounds`` rounds, as evenly as possible (no empty round)."""
+    """Split ``steps`` timed steps over at most ``rounds`` rounds, as evenly as
+    possible (no empty round)."""
     rounds = max(1, min(rounds, steps))
     return [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
 
 
 def first_divergence(a: np.ndarray, b: np.ndarray) -> int | None:
-    """First generated position (column) where two [batch, steps] token arrays differ, or None."""
+    """First generated position (column) where two [batch, steps] token arrays
+    differ, or None."""
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
         return 0
@@ -224,7 +235,8 @@ def collective_latency_ns(enter_ns: np.ndarray, exit_ns: np.ndarray) -> np.ndarr
     return own.sum(axis=2)
 
 
-def summarize_backend(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int, latency_ns: np.ndarray | None = None) -> dict:
+def summarize_backend(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int,
+                      latency_ns: np.ndarray | None = None) -> dict:
     """Per-rank step and communication times [ranks, steps] -> the reported numbers.
 
     ms_per_token: median over steps of the rank-averaged step time (each step
@@ -271,16 +283,21 @@ def _ms(value: float | None) -> str:
 def format_decode_table(rows: Sequence[dict]) -> list[str]:
     """The result table (rank 0 prints it)."""
     lines = [
-        f"{'#':<29}{'compute':>10}{'---- inside collectives ----':>30}{'- after last arrival -':>22}",
-        f"{'# comm':<10}{'tok/s':>9}{'ms/token':>10}{'ms/token':>10}{'ms/token':>10}{'share':>10}{'min rank':>10}{'ms/token':>12}{'share':>10}"
+        f"{'#':<29}{'compute':>10}{'---- inside collectives ----':>30}"
+        f"{'- after last arrival -':>22}",
+        f"{'# comm':<10}{'tok/s':>9}{'ms/token':>10}{'ms/token':>10}{'ms/token':>10}"
+        f"{'share':>10}{'min rank':>10}{'ms/token':>12}{'share':>10}"
         f"{'prefill ms':>12}{'ranks agree':>13}",
     ]
     for row in rows:
         agree = {None: "-", True: "yes", False: "NO"}[row.get("tokens_identical_across_ranks")]
         lines.append(
-            f"{row['comm']:<10}{row['tokens_per_s']:>9.1f}{row['ms_per_token']:>10.2f}{_ms(row.get('compute_ms_per_token')):>10}"
-            f"{_ms(row['comm_ms_per_token']):>10}{_pct(row['comm_share']):>10}{_pct(row['comm_share_min']):>10}"
-            f"{_ms(row.get('comm_latency_ms_per_token')):>12}{_pct(row.get('comm_latency_share')):>10}"
+            f"{row['comm']:<10}{row['tokens_per_s']:>9.1f}{row['ms_per_token']:>10.2f}"
+            f"{_ms(row.get('compute_ms_per_token')):>10}"
+            f"{_ms(row['comm_ms_per_token']):>10}{_pct(row['comm_share']):>10}"
+            f"{_pct(row['comm_share_min']):>10}"
+            f"{_ms(row.get('comm_latency_ms_per_token')):>12}"
+            f"{_pct(row.get('comm_latency_share')):>10}"
             f"{row['prefill_ms']:>12.1f}{agree:>13}"
         )
     return lines
@@ -308,48 +325,70 @@ class TPDecoder:
     identical on every rank.
     """
 
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, seed: int, batch: int, max_len: int):
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout, seed: int, batch: int,
+                 max_len: int):
         import torch
 
         self.torch = torch
         self.cfg, self.layout, self.seed = cfg, layout, seed
         self.batch, self.max_len = batch, max_len
-        hd, hidden = cfg.head_dim, cfg.hidden
-        in_std, ffn_std = hidden**-0.5, cfg.ffn**-0.5
-        o_std = (cfg.heads * hd) ** -0.5
         self.n_q, self.n_kv = len(layout.q_heads), len(layout.kv_heads)
-        self.layers = []
-        for i in range(cfg.layers):
-            layer = _Layer()
-            q = [_randn(torch, unit_seed(seed, i, "q", h), (hd, hidden), in_std) for h in layout.q_heads]
-            k = [_randn(torch, unit_seed(seed, i, "k", h), (hd, hidden), in_std) for h in layout.kv_heads]
-            v = [_randn(torch, unit_seed(seed, i, "v", h), (hd, hidden), in_std) for h in layout.kv_heads]
-            layer.w_qkv = torch.cat(q + k + v).contiguous()
-            bq = [_randn(torch, unit_seed(seed, i, "bq", h), (hd,), 0.1) for h in layout.q_heads]
-            bk = [_randn(torch, unit_seed(seed, i, "bk", h), (hd,), 0.1) for h in layout.kv_heads]
-            bv = [_randn(torch, unit_seed(seed, i, "bv", h), (hd,), 0.1) for h in layout.kv_heads]
-            layer.b_qkv = torch.cat(bq + bk + bv).contiguous()
-            layer.w_o = torch.cat([_randn(torch, unit_seed(seed, i, "o", h), (hidden, hd), o_std) for h in layout.q_heads], dim=1).contiguous()
-            gate = [_randn(torch, unit_seed(seed, i, "gate", u), (FFN_UNIT, hidden), in_std) for u in layout.ffn_units]
-            up = [_randn(torch, unit_seed(seed, i, "up", u), (FFN_UNIT, hidden), in_std) for u in layout.ffn_units]
-            layer.w_gate_up = torch.cat(gate + up).contiguous()
-            layer.w_down = torch.cat([_randn(torch, unit_seed(seed, i, "down", u), (hidden, FFN_UNIT), ffn_std) for u in layout.ffn_units], dim=1).contiguous()
-            layer.ln1 = (1.0 + _randn(torch, unit_seed(seed, i, "ln1"), (hidden,), 0.05).float()).to(torch.bfloat16)
-            layer.ln2 = (1.0 + _randn(torch, unit_seed(seed, i, "ln2"), (hidden,), 0.05).float()).to(torch.bfloat16)
-            layer.k_cache = torch.zeros(batch, self.n_kv, max_len, hd, dtype=torch.bfloat16)
-            layer.v_cache = torch.zeros(batch, self.n_kv, max_len, hd, dtype=torch.bfloat16)
-            self.layers.append(layer)
-        self.ln_f = (1.0 + _randn(torch, unit_seed(seed, "ln_f"), (hidden,), 0.05).float()).to(torch.bfloat16)
-        self.w_lm = torch.cat([_randn(torch, unit_seed(seed, "lm_head", u), (VOCAB_UNIT, hidden), in_std) for u in layout.vocab_units]).contiguous()
+        self.layers = [self._make_layer(i) for i in range(cfg.layers)]
+        self.ln_f = self._norm_weight("ln_f")
+        self.w_lm = self._blocks(("lm_head",), layout.vocab_units, (VOCAB_UNIT, cfg.hidden),
+                                 cfg.hidden**-0.5)
         self._embedding: dict[int, object] = {}
+        hd = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)
         self.cos = angles.cos().to(torch.bfloat16)
         self.sin = angles.sin().to(torch.bfloat16)
 
+    def _blocks(self, name: tuple, units, shape, std: float, dim: int = 0):
+        """One random block per unit, seeded by (seed, *name, unit), concatenated along ``dim``."""
+        torch = self.torch
+        blocks = [_randn(torch, unit_seed(self.seed, *name, unit), shape, std) for unit in units]
+        return torch.cat(blocks, dim=dim).contiguous()
+
+    def _norm_weight(self, *name):
+        torch = self.torch
+        noise = _randn(torch, unit_seed(self.seed, *name), (self.cfg.hidden,), 0.05)
+        return (1.0 + noise.float()).to(torch.bfloat16)
+
+    def _make_layer(self, i: int) -> _Layer:
+        torch, cfg, layout = self.torch, self.cfg, self.layout
+        hd, hidden = cfg.head_dim, cfg.hidden
+        in_std, ffn_std = hidden**-0.5, cfg.ffn**-0.5
+        o_std = (cfg.heads * hd) ** -0.5
+        layer = _Layer()
+        q = self._blocks((i, "q"), layout.q_heads, (hd, hidden), in_std)
+        k = self._blocks((i, "k"), layout.kv_heads, (hd, hidden), in_std)
+        v = self._blocks((i, "v"), layout.kv_heads, (hd, hidden), in_std)
+        layer.w_qkv = torch.cat([q, k, v]).contiguous()
+        bq = self._blocks((i, "bq"), layout.q_heads, (hd,), 0.1)
+        bk = self._blocks((i, "bk"), layout.kv_heads, (hd,), 0.1)
+        bv = self._blocks((i, "bv"), layout.kv_heads, (hd,), 0.1)
+        layer.b_qkv = torch.cat([bq, bk, bv]).contiguous()
+        layer.w_o = self._blocks((i, "o"), layout.q_heads, (hidden, hd), o_std, dim=1)
+        gate = self._blocks((i, "gate"), layout.ffn_units, (FFN_UNIT, hidden), in_std)
+        up = self._blocks((i, "up"), layout.ffn_units, (FFN_UNIT, hidden), in_std)
+        layer.w_gate_up = torch.cat([gate, up]).contiguous()
+        layer.w_down = self._blocks((i, "down"), layout.ffn_units, (hidden, FFN_UNIT), ffn_std,
+                                    dim=1)
+        layer.ln1 = self._norm_weight(i, "ln1")
+        layer.ln2 = self._norm_weight(i, "ln2")
+        cache_shape = (self.batch, self.n_kv, self.max_len, hd)
+        layer.k_cache = torch.zeros(cache_shape, dtype=torch.bfloat16)
+        layer.v_cache = torch.zeros(cache_shape, dtype=torch.bfloat16)
+        return layer
+
     def shard_bytes(self) -> int:
-        tensors = [self.w_lm] + [t for layer in self.layers for t in (layer.w_qkv, layer.b_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]
+        tensors = [self.w_lm] + [
+            t
+            for layer in self.layers
+            for t in (layer.w_qkv, layer.b_qkv, layer.w_o, layer.w_gate_up, layer.w_down)
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def embed(self, tokens):
@@ -381,7 +420,7 @@ class TPDecoder:
     def forward(self, tokens, start: int, comm):
         torch = self.torch
         F = torch.nn.functional
-        cfg, hd = self.cfg, self.cfg.head_dim
+        hd = self.cfg.head_dim
         batch, length = tokens.shape
         end = start + length
         if end > self.max_len:
@@ -403,7 +442,8 @@ class TPDecoder:
             layer.v_cache[:, :, start:end] = v.view(batch, length, self.n_kv, hd).transpose(1, 2)
             keys, values = layer.k_cache[:, :, :end], layer.v_cache[:, :, :end]
             attn = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=(length > 1 and start == 0), enable_gqa=gqa
+                q, keys, values, attn_mask=mask, is_causal=(length > 1 and start == 0),
+                enable_gqa=gqa,
             )
             o = F.linear(attn.transpose(1, 2).reshape(batch, length, self.n_q * hd), layer.w_o)
             comm.allreduce(o)  # row-parallel O: partial sums over heads
@@ -422,13 +462,14 @@ class TPDecoder:
 
 
 # --------------------------------------------------------------------------
-# Communication backends
+# Communication: the benchmarks' adapters (bench.impls), timed
 # --------------------------------------------------------------------------
 
 
 class _TimedComm:
-    """Wraps a backend; adds up the ns spent inside its collectives and, once
-    ``begin_step`` was called, records each call's entry and exit times."""
+    """Wraps an adapter of ``bench.impls``; adds up the ns spent inside its
+    collectives and, once ``begin_step`` was called, records each call's
+    entry and exit times."""
 
     def __init__(self, backend, steps: int, calls_per_step: int):
         self.backend = backend
@@ -460,104 +501,96 @@ class _TimedComm:
         return out
 
 
-class HarmpiBackend:
-    name = "harmpi"
-
-    def __init__(self, comm):
-        import harmpi
-
-        self.harmpi, self.comm = harmpi, comm
-        harmpi.init(comm=comm)
-        forced = os.environ.get("HARMPI_ALGORITHM")
-        self.description = f"harmpi: harmpi.allreduce / harmpi.allgather on bf16 tensors, algorithm {forced + ' (HARMPI_ALGORITHM)' if forced else 'auto'}"
-
-    def allreduce(self, tensor):
-        self.harmpi.allreduce(tensor, comm=self.comm)
-
-    def allgather(self, tensor):
-        return self.harmpi.allgather(tensor, comm=self.comm)
-
-    def close(self):
-        self.harmpi.finalize()
-
-
-class GlooBackend:
-    name = "gloo"
-
-    def __init__(self, comm):
-        import torch
-        import torch.distributed as dist
-
-        from bench.impls import gloo_allgather_function, init_gloo
-
-        self.torch, self.dist = torch, dist
-        address, port = init_gloo(comm)
-        self._gather = gloo_allgather_function()
-        self._outs: dict = {}
-        self.description = f"gloo: torch.distributed.all_reduce / {self._gather.__name__} on bf16 tensors, tcp://{address}:{port}"
-
-    def allreduce(self, tensor):
-        self.dist.all_reduce(tensor)
-
-    def allgather(self, tensor):
-        key = tuple(tensor.shape)
-        out = self._outs.get(key)
-        if out is None:
-            out = self._outs[key] = self.torch.empty((self.dist.get_world_size() * tensor.shape[0],) + key[1:], dtype=tensor.dtype)
-        self._gather(out, tensor)
-        return out  # reused by the next call; the caller consumes it first
-
-    def close(self):
-        if self.dist.is_initialized():
-            self.dist.destroy_process_group()
-
-
-class MpiBackend:
-    """MPI_Allreduce on float32 (bf16 converted in and out: MPI has no bf16), MPI_Allgather of the bf16 bytes."""
-
-    name = "mpi"
-
-    def __init__(self, comm):
-        import torch
-        from mpi4py import MPI
-
-        self.torch, self.MPI, self.comm = torch, MPI, comm
-        self._f32: dict = {}
-        self.description = "mpi: MPI_Allreduce on float32 (bf16 converted in and out), MPI_Allgather of bf16 bytes"
-
-    def allreduce(self, tensor):
-        buf = self._f32.get(tensor.numel())
-        if buf is None:
-            buf = self._f32[tensor.numel()] = self.torch.empty(tensor.numel(), dtype=self.torch.float32)
-        buf.copy_(tensor.reshape(-1))
-        self.comm.Allreduce(self.MPI.IN_PLACE, [buf.numpy(), self.MPI.FLOAT], self.MPI.SUM)
-        tensor.reshape(-1).copy_(buf)
-
-    def allgather(self, tensor):
-        torch = self.torch
-        out = torch.empty((self.comm.Get_size() * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
-        send = tensor.contiguous().view(torch.int16).numpy()
-        self.comm.Allgather([send, self.MPI.BYTE], [out.view(torch.int16).numpy(), self.MPI.BYTE])
-        return out
-
-    def close(self):
-        pass
-
-
-_BACKENDS = {"harmpi": HarmpiBackend, "gloo": GlooBackend, "mpi": MpiBackend}
-
-
 # --------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------
 
 
-def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, barrier):
-    """Prefill + warm-up + timed steps.
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What one run does, fixed before it starts (the same on every rank)."""
 
-    Returns (tokens [B, 1 + warmup + steps], step_ns [steps], comm_ns [steps],
-    enter_ns and exit_ns [steps, calls], prefill_ns).
-    """
+    cfg: ModelConfig
+    tp: int
+    batch: int
+    prompt_len: int
+    steps: int
+    warmup_steps: int
+    rounds: int
+    seed: int
+
+    @property
+    def per_round(self) -> list[int]:
+        return round_steps(self.steps, self.rounds)
+
+    @property
+    def max_len(self) -> int:
+        """KV-cache positions a round needs."""
+        return self.prompt_len + self.warmup_steps + max(self.per_round) + 1
+
+    @property
+    def allreduce_nbytes(self) -> int:
+        return self.batch * self.cfg.hidden * 2
+
+    @property
+    def allgather_nbytes(self) -> int:
+        return self.batch * (self.cfg.vocab // self.tp) * 2
+
+    def row_fields(self) -> dict:
+        """The fields every result row repeats."""
+        return dict(
+            steps=self.steps,
+            rounds=len(self.per_round),
+            warmup_steps=self.warmup_steps,
+            batch=self.batch,
+            collectives_per_token=2 * self.cfg.layers + 1,
+            allreduce_nbytes=self.allreduce_nbytes,
+            allgather_nbytes=self.allgather_nbytes,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Threads:
+    """torch threads of this rank and what the count was derived from."""
+
+    count: int
+    host_cpus: int | None
+    local_ranks: int
+    allowed_cpus: int
+
+
+class _Round(NamedTuple):
+    """One backend's decode from the prompt, on one rank."""
+
+    tokens: np.ndarray  # [batch, 1 + warmup + steps]
+    step_ns: np.ndarray  # [steps]
+    comm_ns: np.ndarray  # [steps]
+    enter_ns: np.ndarray  # [steps, calls]
+    exit_ns: np.ndarray  # [steps, calls]
+    prefill_ns: int
+
+
+@dataclasses.dataclass
+class _Measured:
+    """One backend's rounds on this rank."""
+
+    rounds: list[_Round] = dataclasses.field(default_factory=list)
+    #: every rank generated the same tokens in every round so far
+    identical: bool = True
+
+    def longest_tokens(self) -> np.ndarray:
+        return max((r.tokens for r in self.rounds), key=lambda t: t.shape[1])
+
+    def concatenated(self, field: str) -> np.ndarray:
+        return np.concatenate([getattr(r, field) for r in self.rounds])
+
+
+def _tokens_digest(tokens: np.ndarray) -> str:
+    return hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest()
+
+
+def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, barrier) -> _Round:
+    """Prefill + warm-up + timed steps."""
     torch = model.torch
     comm = _TimedComm(backend, steps, 2 * model.cfg.layers + 1)
     barrier()
@@ -581,7 +614,7 @@ def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, ba
                 step_ns[timed] = elapsed
                 comm_ns[timed] = comm.ns
     tokens = torch.stack(generated, dim=1).numpy()
-    return tokens, step_ns, comm_ns, comm.enter_ns, comm.exit_ns, prefill_ns
+    return _Round(tokens, step_ns, comm_ns, comm.enter_ns, comm.exit_ns, prefill_ns)
 
 
 def _host_info(comm):
@@ -593,186 +626,258 @@ def _host_info(comm):
     return local_ranks
 
 
-def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int, warmup_steps: int,
-        seed: int, threads: int | None, json_path: str | None, rounds: int = 4, comm=None) -> int:
-    from mpi4py import MPI
-
-    from bench.osu import bench_version, environment_lines, topology
-
-    comm = MPI.COMM_WORLD if comm is None else comm
-    rank, tp = comm.Get_rank(), comm.Get_size()
-    say = (lambda text="": print(text, flush=True)) if rank == 0 else (lambda text="": None)
-
+def _set_threads(comm, override: int | None) -> _Threads:
+    """Give torch this rank's share of the host's CPUs (collective)."""
     local_ranks = _host_info(comm)
     allowed = len(os.sched_getaffinity(0))
-    n_threads = threads_per_rank(os.cpu_count() or 1, local_ranks, allowed, threads)
+    count = threads_per_rank(os.cpu_count() or 1, local_ranks, allowed, override)
     # Before torch starts its OpenMP pool; a value the user exported wins.
-    os.environ.setdefault("OMP_NUM_THREADS", str(n_threads))
+    os.environ.setdefault("OMP_NUM_THREADS", str(count))
     import torch
 
-    torch.set_num_threads(n_threads)
+    torch.set_num_threads(count)
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set, or parallel work already started
         pass
+    return _Threads(count, os.cpu_count(), local_ranks, allowed)
 
-    layout = shard_layout(cfg, tp, rank)
-    max_len = prompt_len + warmup_steps + max(round_steps(steps, rounds)) + 1
+
+def _build_model(plan: _Plan, comm) -> tuple[TPDecoder, float]:
+    """This rank's shard and the slowest rank's build time in s (collective)."""
+    from mpi4py import MPI
+
+    layout = shard_layout(plan.cfg, plan.tp, comm.Get_rank())
     t0 = time.perf_counter()
-    model = TPDecoder(cfg, layout, seed, batch, max_len)
+    model = TPDecoder(plan.cfg, layout, plan.seed, plan.batch, plan.max_len)
     build_s = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-    prompt = torch.from_numpy(np.random.default_rng([seed, 7]).integers(0, cfg.vocab, (batch, prompt_len)))
+    return model, build_s
 
-    backends = []
-    try:
-        for name in comms:
-            backends.append(_BACKENDS[name](comm))
-        topo = topology(comm)
-        harmpi_info = None
-        if any(b.name == "harmpi" for b in backends):
-            import harmpi
 
-            harmpi_info = dict(harmpi.info(comm=comm))
-        env_lines = environment_lines(comm, topo, harmpi_info)
-        same_host = topo["hosts"] == 1
+def _prompt(plan: _Plan):
+    """[batch, prompt_len] token ids, the same on every rank."""
+    import torch
 
-        say(f"# harmpi TP decode benchmark v{bench_version()} (Qwen2.5-shaped decoder, random bf16 weights)")
-        for line in env_lines:
-            say(line)
-        params = cfg.params()
-        say(
-            f"# Model: hidden {cfg.hidden}, layers {cfg.layers}, heads {cfg.heads} (kv {cfg.kv_heads}, head_dim {cfg.head_dim}), "
-            f"ffn {cfg.ffn}, vocab {cfg.vocab}: {params / 1e6:.0f} M parameters, "
-            f"{model.shard_bytes() / 2**20:.0f} MiB of sharded bf16 weights per rank (built in {build_s:.1f} s)"
+    rng = np.random.default_rng([plan.seed, 7])
+    return torch.from_numpy(rng.integers(0, plan.cfg.vocab, (plan.batch, plan.prompt_len)))
+
+
+# --- header ---------------------------------------------------------------
+
+
+def _model_lines(plan: _Plan, shard_nbytes: int, build_s: float) -> list[str]:
+    cfg, batch, tp = plan.cfg, plan.batch, plan.tp
+    return [
+        f"# Model: hidden {cfg.hidden}, layers {cfg.layers}, heads {cfg.heads} "
+        f"(kv {cfg.kv_heads}, head_dim {cfg.head_dim}), ffn {cfg.ffn}, vocab {cfg.vocab}: "
+        f"{cfg.params() / 1e6:.0f} M parameters, {shard_nbytes / 2**20:.0f} MiB of sharded "
+        f"bf16 weights per rank (built in {build_s:.1f} s)",
+        f"# Sharding over {tp} ranks: column-parallel QKV and gate/up, row-parallel O and down, "
+        "vocab-parallel LM head, replicated embedding",
+        f"# Per step: {2 * cfg.layers} all-reduces of {plan.allreduce_nbytes} B "
+        f"(bf16 [{batch}, {cfg.hidden}]) + 1 allgather of {plan.allgather_nbytes} B per rank "
+        f"(bf16 logits [{batch}, {cfg.vocab // tp}])",
+        f"# Decode: batch {batch}, prompt {plan.prompt_len} tokens, greedy; per backend "
+        f"{plan.steps} timed steps in {len(plan.per_round)} rounds, backends taking turns, "
+        f"each round from the prompt with {plan.warmup_steps} warm-up steps",
+    ]
+
+
+def _threads_line(threads: _Threads, interop_threads: int) -> str:
+    omp = os.environ.get("OMP_NUM_THREADS", "unset")
+    gomp = os.environ.get("GOMP_SPINCOUNT")
+    return (
+        f"# Threads per rank: {threads.count} (torch.set_num_threads: {threads.host_cpus} host "
+        f"CPUs / {threads.local_ranks} ranks on the host, {threads.allowed_cpus} CPUs allowed "
+        f"to this rank; interop {interop_threads}, OMP_NUM_THREADS={omp}"
+        + (f", GOMP_SPINCOUNT={gomp}" if gomp is not None else "")
+        + ")"
+    )
+
+
+def _method_lines(same_host: bool) -> list[str]:
+    lines = [
+        "# tok/s = batch / median step time; ms/token = median step time (one token of every "
+        "sequence); compute = the step outside the collectives (it grows when waiting ranks "
+        "slow the computing ones)",
+        "# inside collectives: time per step in the 2 x layers all-reduces and the logits "
+        "gather, and its share of the step (mean over ranks; min rank: the rank that waits "
+        "least); it includes waiting for the last rank to arrive",
+    ]
+    if same_host:
+        lines.append(
+            "# after last arrival: the part of it after the last rank entered each call (one "
+            "host, one clock): the collectives' own latency, without waiting for late or "
+            "descheduled peers"
         )
-        say(f"# Sharding over {tp} ranks: column-parallel QKV and gate/up, row-parallel O and down, vocab-parallel LM head, replicated embedding")
-        ar_nbytes = batch * cfg.hidden * 2
-        ag_nbytes = batch * (cfg.vocab // tp) * 2
-        say(
-            f"# Per step: {2 * cfg.layers} all-reduces of {ar_nbytes} B (bf16 [{batch}, {cfg.hidden}]) "
-            f"+ 1 allgather of {ag_nbytes} B per rank (bf16 logits [{batch}, {cfg.vocab // tp}])"
+    else:
+        lines.append(
+            "# after last arrival: not measured (ranks on several hosts do not share a clock)"
         )
-        say(
-            f"# Decode: batch {batch}, prompt {prompt_len} tokens, greedy; per backend {steps} timed steps in "
-            f"{len(round_steps(steps, rounds))} rounds, backends taking turns, each round from the prompt with {warmup_steps} warm-up steps"
-        )
-        omp = os.environ.get("OMP_NUM_THREADS", "unset")
-        say(
-            f"# Threads per rank: {n_threads} (torch.set_num_threads: {os.cpu_count()} host CPUs / {local_ranks} ranks on the host, "
-            f"{allowed} CPUs allowed to this rank; interop {torch.get_num_interop_threads()}, OMP_NUM_THREADS={omp}"
-            + (f", GOMP_SPINCOUNT={os.environ['GOMP_SPINCOUNT']}" if "GOMP_SPINCOUNT" in os.environ else "")
-            + ")"
-        )
-        for backend in backends:
-            say(f"# {backend.description}")
-        say("# tok/s = batch / median step time; ms/token = median step time (one token of every sequence); "
-            "compute = the step outside the collectives (it grows when waiting ranks slow the computing ones)")
-        say("# inside collectives: time per step in the 2 x layers all-reduces and the logits gather, and its share of the step "
-            "(mean over ranks; min rank: the rank that waits least); it includes waiting for the last rank to arrive")
-        if same_host:
-            say("# after last arrival: the part of it after the last rank entered each call (one host, one clock): "
-                "the collectives' own latency, without waiting for late or descheduled peers")
-        else:
-            say("# after last arrival: not measured (ranks on several hosts do not share a clock)")
+    return lines
 
-        # Backends take turns, round by round, so a change in the machine's
-        # load hits all of them alike; every round starts from the prompt.
-        per_round = round_steps(steps, rounds)
-        results = {b.name: {"step_ns": [], "comm_ns": [], "enter_ns": [], "exit_ns": [], "prefill_ns": [], "tokens": [], "identical": True}
-                   for b in backends}
-        for n_steps in per_round:
-            for backend in backends:
-                tokens, step_ns, comm_ns, enter_ns, exit_ns, prefill_ns = _decode(model, backend, prompt, warmup_steps, n_steps, comm.Barrier)
-                digests = comm.allgather(hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest())
-                result = results[backend.name]
-                result["identical"] = result["identical"] and len(set(digests)) == 1
-                for key, value in (("tokens", tokens), ("step_ns", step_ns), ("comm_ns", comm_ns), ("enter_ns", enter_ns),
-                                   ("exit_ns", exit_ns), ("prefill_ns", prefill_ns)):
-                    result[key].append(value)
 
-        rows, all_tokens, exit_code = [], {}, 0
-        for backend in backends:
-            result = results[backend.name]
-            identical = result["identical"]
-            if not identical:
-                exit_code = 1
-            longest = max(result["tokens"], key=lambda t: t.shape[1])
-            all_tokens[backend.name] = longest
-            repeatable = all((t == longest[:, : t.shape[1]]).all() for t in result["tokens"])
-            steps_all = comm.gather(np.concatenate(result["step_ns"]), root=0)
-            comms_all = comm.gather(np.concatenate(result["comm_ns"]), root=0)
-            enter_all = comm.gather(np.concatenate(result["enter_ns"]), root=0)
-            exit_all = comm.gather(np.concatenate(result["exit_ns"]), root=0)
-            prefill_all = comm.gather(np.median(result["prefill_ns"]), root=0)
-            if rank == 0:
-                latency_ns = collective_latency_ns(np.stack(enter_all), np.stack(exit_all)) if same_host else None
-                row = {"comm": backend.name}
-                row.update(summarize_backend(np.stack(steps_all), np.stack(comms_all), batch, latency_ns))
-                row.update(
-                    prefill_ms=float(np.max(prefill_all) / 1e6),
-                    tokens_identical_across_ranks=identical,
-                    tokens_repeat_across_rounds=repeatable,
-                    steps=steps,
-                    rounds=len(per_round),
-                    warmup_steps=warmup_steps,
-                    batch=batch,
-                    collectives_per_token=2 * cfg.layers + 1,
-                    allreduce_nbytes=ar_nbytes,
-                    allgather_nbytes=ag_nbytes,
-                    tokens_sha=hashlib.blake2b(longest.tobytes(), digest_size=16).hexdigest(),
-                )
-                rows.append(row)
+# --- rounds and results ---------------------------------------------------
 
-        if rank == 0:
-            for line in format_decode_table(rows):
-                print(line)
-            compared = rows
-            first = compared[0]["comm"]
-            for row in compared:
-                if not row["tokens_identical_across_ranks"]:
-                    print(f"# ERROR: {row['comm']}: ranks generated different tokens")
-                if not row["tokens_repeat_across_rounds"]:
-                    print(f"# note: {row['comm']}: rounds from the same prompt generated different tokens")
-            agreement = []
-            for row in compared:
-                divergence = first_divergence(all_tokens[first], all_tokens[row["comm"]])
-                row["agrees_with"] = first
-                row["first_divergence"] = divergence
-                row["tokens_agree"] = divergence is None
-                if row["comm"] != first:
-                    agreement.append(f"{row['comm']} vs {first}: " + ("yes" if divergence is None else f"no (first divergence at generated token {divergence})"))
-            if agreement:
-                print("# tokens agree across backends: " + "; ".join(agreement))
-            reference = next((row for row in compared if row["comm"] == "harmpi"), None)
-            if reference is not None and len(compared) > 1:
-                ratios = [f"harmpi / {row['comm']} {reference['tokens_per_s'] / row['tokens_per_s']:.2f}x" for row in compared if row is not reference]
-                print("# tok/s ratio: " + "; ".join(ratios))
-            sys.stdout.flush()
-            if json_path:
-                meta = {
-                    "benchmark": "decode",
-                    "model": dataclasses.asdict(cfg),
-                    "ranks": tp,
-                    "topology": topo,
-                    "threads_per_rank": n_threads,
-                    "prompt_len": prompt_len,
-                    "environment": [line.lstrip("# ") for line in env_lines],
-                    "descriptions": {b.name: b.description for b in backends},
-                    "harmpi_info": harmpi_info,
-                }
-                with open(json_path, "w") as fh:
-                    json.dump({"meta": _jsonable(meta), "rows": rows}, fh, indent=2)
-                    fh.write("\n")
-        return int(comm.allreduce(exit_code, op=MPI.MAX))
-    finally:
-        for backend in reversed(backends):
-            backend.close()
+
+def _run_rounds(model: TPDecoder, impls, prompt, plan: _Plan, comm) -> dict[str, _Measured]:
+    """Every backend's rounds on this rank (collective)."""
+    # Backends take turns, round by round, so a change in the machine's
+    # load hits all of them alike; every round starts from the prompt.
+    measured = {impl.name: _Measured() for impl in impls}
+    for n_steps in plan.per_round:
+        for impl in impls:
+            result = _decode(model, impl, prompt, plan.warmup_steps, n_steps, comm.Barrier)
+            digests = comm.allgather(_tokens_digest(result.tokens))
+            backend = measured[impl.name]
+            backend.identical = backend.identical and len(set(digests)) == 1
+            backend.rounds.append(result)
+    return measured
+
+
+def _gather_row(name: str, measured: _Measured, plan: _Plan, comm, same_host: bool):
+    """One backend's result row on rank 0 from every rank's rounds, None elsewhere (collective)."""
+    longest = measured.longest_tokens()
+    repeatable = all((r.tokens == longest[:, : r.tokens.shape[1]]).all() for r in measured.rounds)
+    step_ns, comm_ns, enter_ns, exit_ns = (
+        comm.gather(measured.concatenated(field), root=0)
+        for field in ("step_ns", "comm_ns", "enter_ns", "exit_ns")
+    )
+    prefill_ns = comm.gather(np.median([r.prefill_ns for r in measured.rounds]), root=0)
+    if comm.Get_rank() != 0:
+        return None
+    latency_ns = None
+    if same_host:
+        latency_ns = collective_latency_ns(np.stack(enter_ns), np.stack(exit_ns))
+    row = {"comm": name}
+    row.update(summarize_backend(np.stack(step_ns), np.stack(comm_ns), plan.batch, latency_ns))
+    row.update(
+        prefill_ms=float(np.max(prefill_ns) / 1e6),
+        tokens_identical_across_ranks=measured.identical,
+        tokens_repeat_across_rounds=repeatable,
+        **plan.row_fields(),
+        tokens_sha=_tokens_digest(longest),
+    )
+    return row
+
+
+def _mark_agreement(rows: list[dict], tokens: dict[str, np.ndarray]) -> None:
+    """Compare every backend's tokens with the first backend's (rank 0)."""
+    first = rows[0]["comm"]
+    for row in rows:
+        divergence = first_divergence(tokens[first], tokens[row["comm"]])
+        row["agrees_with"] = first
+        row["first_divergence"] = divergence
+        row["tokens_agree"] = divergence is None
+
+
+def _report_lines(rows: Sequence[dict]) -> list[str]:
+    """The table and the notes under it (rows marked by ``_mark_agreement``)."""
+    lines = format_decode_table(rows)
+    for row in rows:
+        if not row["tokens_identical_across_ranks"]:
+            lines.append(f"# ERROR: {row['comm']}: ranks generated different tokens")
+        if not row["tokens_repeat_across_rounds"]:
+            lines.append(
+                f"# note: {row['comm']}: rounds from the same prompt generated different tokens"
+            )
+    agreement = [
+        f"{row['comm']} vs {row['agrees_with']}: "
+        + ("yes" if row["tokens_agree"]
+           else f"no (first divergence at generated token {row['first_divergence']})")
+        for row in rows[1:]
+    ]
+    if agreement:
+        lines.append("# tokens agree across backends: " + "; ".join(agreement))
+    reference = next((row for row in rows if row["comm"] == "harmpi"), None)
+    if reference is not None and len(rows) > 1:
+        ratios = [
+            f"harmpi / {row['comm']} {reference['tokens_per_s'] / row['tokens_per_s']:.2f}x"
+            for row in rows
+            if row is not reference
+        ]
+        lines.append("# tok/s ratio: " + "; ".join(ratios))
+    return lines
+
+
+def _write_json(path: str, meta: dict, rows: Sequence[dict]) -> None:
+    with open(path, "w") as fh:
+        json.dump({"meta": _jsonable(meta), "rows": list(rows)}, fh, indent=2)
+        fh.write("\n")
 
 
 def _jsonable(value):
     from bench.osu import _jsonable as convert
 
     return convert(value)
+
+
+def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int,
+        warmup_steps: int, seed: int, threads: int | None, json_path: str | None,
+        rounds: int = 4, comm=None) -> int:
+    """Run the benchmark on every rank of ``comm`` (default: the world); rank 0
+    prints and writes ``json_path``.  Returns the exit code, the same on every
+    rank: 1 if any backend's ranks generated different tokens."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    plan = _Plan(cfg, comm.Get_size(), batch, prompt_len, steps, warmup_steps, rounds, seed)
+    threads_used = _set_threads(comm, threads)
+    model, build_s = _build_model(plan, comm)
+    prompt = _prompt(plan)
+    impls = make_impls(comms, comm)
+    try:
+        identical = _run_backends(plan, model, prompt, impls, comm, threads=threads_used,
+                                  build_s=build_s, json_path=json_path)
+        return int(comm.allreduce(0 if identical else 1, op=MPI.MAX))
+    finally:
+        close_impls(impls)
+
+
+def _run_backends(plan: _Plan, model: TPDecoder, prompt, impls, comm, *, threads: _Threads,
+                  build_s: float, json_path: str | None) -> bool:
+    """Print the header, run the rounds, report (rank 0).  True if every
+    backend's ranks generated identical tokens."""
+    from bench.osu import bench_version, environment_lines, topology
+
+    rank = comm.Get_rank()
+    topo = topology(comm)
+    harmpi_impl = next((impl for impl in impls if isinstance(impl, HarmpiImpl)), None)
+    harmpi_info = harmpi_impl.info() if harmpi_impl is not None else None
+    env_lines = environment_lines(comm, topo, harmpi_info)
+    same_host = topo["hosts"] == 1
+    descriptions = {impl.name: impl.describe_tensors(DTYPES["bf16"]) for impl in impls}
+    if rank == 0:
+        lines = [
+            f"# harmpi TP decode benchmark v{bench_version()} "
+            "(Qwen2.5-shaped decoder, random bf16 weights)",
+            *env_lines,
+            *_model_lines(plan, model.shard_bytes(), build_s),
+            _threads_line(threads, model.torch.get_num_interop_threads()),
+            *(f"# {text}" for text in descriptions.values()),
+            *_method_lines(same_host),
+        ]
+        print("\n".join(lines), flush=True)
+
+    measured = _run_rounds(model, impls, prompt, plan, comm)
+    rows = [_gather_row(impl.name, measured[impl.name], plan, comm, same_host) for impl in impls]
+    if rank == 0:
+        _mark_agreement(rows, {name: m.longest_tokens() for name, m in measured.items()})
+        print("\n".join(_report_lines(rows)), flush=True)
+        if json_path:
+            meta = {
+                "benchmark": "decode",
+                "model": dataclasses.asdict(plan.cfg),
+                "ranks": plan.tp,
+                "topology": topo,
+                "threads_per_rank": threads.count,
+                "prompt_len": plan.prompt_len,
+                "environment": [line.lstrip("# ") for line in env_lines],
+                "descriptions": descriptions,
+                "harmpi_info": harmpi_info,
+            }
+            _write_json(json_path, meta, rows)
+    return all(backend.identical for backend in measured.values())
 
 
 # --------------------------------------------------------------------------
@@ -791,40 +896,59 @@ def _jsonable(value):
 )
 @click.option("--comm", "comm_spec", default="harmpi,gloo,mpi", show_default=True,
               help="Comma list of harmpi, gloo, mpi.")
-@click.option("--hidden", type=click.IntRange(min=2), default=ModelConfig.hidden, show_default=True)
-@click.option("--layers", type=click.IntRange(min=1), default=ModelConfig.layers, show_default=True)
-@click.option("--heads", type=click.IntRange(min=1), default=ModelConfig.heads, show_default=True)
-@click.option("--kv-heads", type=click.IntRange(min=1), default=ModelConfig.kv_heads, show_default=True)
+@click.option("--hidden", type=click.IntRange(min=2), default=ModelConfig.hidden,
+              show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=ModelConfig.layers,
+              show_default=True)
+@click.option("--heads", type=click.IntRange(min=1), default=ModelConfig.heads,
+              show_default=True)
+@click.option("--kv-heads", type=click.IntRange(min=1), default=ModelConfig.kv_heads,
+              show_default=True)
 @click.option("--ffn", type=click.IntRange(min=1), default=ModelConfig.ffn, show_default=True)
-@click.option("--vocab", type=click.IntRange(min=1), default=ModelConfig.vocab, show_default=True)
+@click.option("--vocab", type=click.IntRange(min=1), default=ModelConfig.vocab,
+              show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Sequences decoded together; the all-reduce carries batch x hidden bf16 (default 4 x 1280 x 2 B = 10240 B).")
+              help="Sequences decoded together; the all-reduce carries batch x hidden bf16 "
+                   "(default 4 x 1280 x 2 B = 10240 B).")
 @click.option("--prompt-len", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--tokens", "steps", type=click.IntRange(min=1), default=96, show_default=True,
-              help="Timed decode steps per backend (each yields one token per sequence), split over the rounds.")
+              help="Timed decode steps per backend (each yields one token per sequence), "
+                   "split over the rounds.")
 @click.option("--rounds", type=click.IntRange(min=1), default=4, show_default=True,
               help="Backends take turns this many times, each round restarting from the prompt.")
-@click.option("--warmup", "warmup_steps", type=click.IntRange(min=0), default=2, show_default=True,
-              help="Untimed decode steps at the start of each round.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch threads per rank (default: host CPUs / ranks on the host, at least 1).")
+@click.option("--warmup", "warmup_steps", type=click.IntRange(min=0), default=2,
+              show_default=True, help="Untimed decode steps at the start of each round.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="torch threads per rank (default: host CPUs / ranks on the host, at least 1).")
 @click.option("--seed", type=int, default=1234, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Write the results as JSON (rank 0).")
-def main(comm_spec, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len, steps, rounds, warmup_steps, threads, seed, json_path):
-    comms = [c.strip() for c in comm_spec.split(",") if c.strip()]
-    bad = [c for c in comms if c not in COMM_KINDS]
-    if not comms or bad or len(set(comms)) != len(comms):
-        raise click.UsageError(f"--comm takes a comma list of distinct {', '.join(COMM_KINDS)}; got {comm_spec!r}")
-    cfg = ModelConfig(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
+              default=None, help="Write the results as JSON (rank 0).")
+def main(comm_spec, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len, steps,
+         rounds, warmup_steps, threads, seed, json_path):
+    comms = _parse_comms(comm_spec)
+    cfg = ModelConfig(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn,
+                      vocab=vocab)
     from mpi4py import MPI
 
     try:
         cfg.check(MPI.COMM_WORLD.Get_size())
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    code = harness.run_or_abort(run, cfg, comms=comms, batch=batch, prompt_len=prompt_len, steps=steps,
-                                warmup_steps=warmup_steps, seed=seed, threads=threads,
-                                json_path=json_path, rounds=rounds)
+    code = harness.run_or_abort(run, cfg, comms=comms, batch=batch, prompt_len=prompt_len,
+                                steps=steps, warmup_steps=warmup_steps, seed=seed,
+                                threads=threads, json_path=json_path, rounds=rounds)
     sys.exit(code)
+
+
+def _parse_comms(spec: str) -> list[str]:
+    """'harmpi,gloo' -> the backends, distinct and known (click.UsageError otherwise)."""
+    comms = [c.strip() for c in spec.split(",") if c.strip()]
+    bad = [c for c in comms if c not in COMM_KINDS]
+    if not comms or bad or len(set(comms)) != len(comms):
+        raise click.UsageError(
+            f"--comm takes a comma list of distinct {', '.join(COMM_KINDS)}; got {spec!r}"
+        )
+    return comms
 
 
 if __name__ == "__main__":

@@ -1,9 +1,17 @@
 """Adapters for the implementations a benchmark compares.
 
-Each adapter turns "a collective of ``count`` elements of ``dtype``" into a
-prepared operation whose ``run()`` only moves data (allocation happens in
-``prepare``, as in Gloo's algorithm classes), plus ``result()`` to read the
-output back as a numpy storage array (bf16 as uint16 bits).
+One adapter class per implementation, shared by every benchmark:
+
+* the OSU harness (``bench.osu``) asks it to turn "a collective of ``count``
+  elements of ``dtype``" into a prepared operation whose ``run()`` only moves
+  data (allocation happens in ``prepare``, as in Gloo's algorithm classes),
+  plus ``result()`` to read the output back as a numpy storage array (bf16
+  as uint16 bits);
+* the decode benchmark (``bench.decode``) calls ``allreduce(tensor)`` and
+  ``allgather(tensor)`` on the torch tensors of its model, as a script would.
+
+``make_impls`` creates the adapters (and sets harmpi up once),
+``close_impls`` releases them.
 
 ``harmpi`` / ``harmpi:<algorithm>``
     ``harmpi.allreduce(t)`` / ``harmpi.allgather(t)`` on a torch tensor of the
@@ -14,7 +22,8 @@ output back as a numpy storage array (bf16 as uint16 bits).
     MPI.SUM)``; MPI has no bf16 (Open MPI) and no portable f16, so bf16 and
     f16 are compared against **float32 with the same bytes** (half as many
     elements; a 2-byte message sends one float32).  Allgather moves bytes, so
-    it uses the requested dtype as is.
+    it uses the requested dtype as is.  On tensors, bf16 and f16 are
+    converted to float32 and back around ``MPI_Allreduce``.
 ``gloo``
     ``torch.distributed`` with the gloo backend on the same ranks (rank 0
     starts a TCPStore on a free port and broadcasts it through MPI); tensors of
@@ -39,8 +48,9 @@ __all__ = [
     "parse_impls",
     "make_impls",
     "close_impls",
-    "init_gloo",
-    "gloo_allgather_function",
+    "HarmpiImpl",
+    "MpiImpl",
+    "GlooImpl",
     "IMPL_KINDS",
 ]
 
@@ -81,6 +91,26 @@ class Impl:
     def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
         raise NotImplementedError
 
+    def describe_tensors(self, dtype: DType) -> str:
+        """One header line saying what ``allreduce`` / ``allgather`` call on tensors."""
+        raise NotImplementedError
+
+    def allreduce(self, tensor) -> None:
+        """Sum a contiguous CPU torch tensor over the ranks, in place.
+
+        Rank r holds x_r before; every rank holds x_0 + ... + x_{n-1} after.
+        """
+        raise NotImplementedError
+
+    def allgather(self, tensor):
+        """Every rank's tensor (same shape on all), concatenated along dim 0 in rank order.
+
+        Rank r holds x_r of shape [m, ...]; every rank gets [x_0; ...; x_{n-1}]
+        of shape [n m, ...].  The result may be a buffer that the next call
+        with the same shape overwrites: consume it first.
+        """
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release resources; called once, in reverse order of creation."""
 
@@ -93,9 +123,10 @@ class Impl:
 def _torch_from_storage(values: np.ndarray, dtype: DType):
     import torch
 
+    storage = np.ascontiguousarray(values)
     if dtype.name == "bf16":
-        return torch.from_numpy(np.ascontiguousarray(values).view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(values).copy())
+        return torch.from_numpy(storage.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(storage.copy())
 
 
 def _storage_from_torch(tensor, dtype: DType) -> np.ndarray:
@@ -105,6 +136,22 @@ def _storage_from_torch(tensor, dtype: DType) -> np.ndarray:
     if dtype.name == "bf16":
         return flat.view(torch.int16).numpy().view(np.uint16).copy()
     return flat.numpy().copy()
+
+
+_DTYPE_BY_TORCH_NAME = {f"torch.{dtype.torch_name}": dtype for dtype in DTYPES.values()}
+
+
+def _tensor_dtype(tensor) -> DType:
+    """The benchmarks' DType of a torch tensor; ValueError for a dtype they do not know."""
+    try:
+        return _DTYPE_BY_TORCH_NAME[str(tensor.dtype)]
+    except KeyError:
+        raise ValueError(f"no benchmark dtype for {tensor.dtype} tensors") from None
+
+
+def _gathered_shape(tensor, n_ranks: int) -> tuple[int, ...]:
+    """Shape of n_ranks tensors like ``tensor`` concatenated along dim 0."""
+    return (n_ranks * tensor.shape[0],) + tuple(tensor.shape[1:])
 
 
 # --------------------------------------------------------------------------
@@ -119,59 +166,87 @@ class HarmpiImpl(Impl):
         try:
             import harmpi
         except ImportError as exc:  # the library is optional while benchmarking rivals
-            raise SystemExit(f"harmpi is not importable ({exc}); run with --impl mpi,gloo") from exc
+            raise SystemExit(
+                f"harmpi is not importable ({exc}); run with --impl mpi,gloo"
+            ) from exc
         self._harmpi = harmpi
         self._comm = comm
         self.algorithm = algorithm
         self.name = "harmpi" if algorithm is None else f"harmpi:{algorithm}"
         if algorithm is not None and algorithm not in harmpi.ALGORITHMS:
-            raise SystemExit(f"unknown harmpi algorithm {algorithm!r}; choose from {', '.join(harmpi.ALGORITHMS)}")
+            raise SystemExit(
+                f"unknown harmpi algorithm {algorithm!r}; "
+                f"choose from {', '.join(harmpi.ALGORITHMS)}"
+            )
+        #: keyword arguments of every harmpi.allreduce call
+        self._kwargs = {} if algorithm is None else {"algorithm": algorithm}
 
-    def describe(self, op: str, dtype: DType) -> str:
+    def _algorithm_note(self) -> str:
         forced = os.environ.get("HARMPI_ALGORITHM")
         if self.algorithm is not None:
-            how = f"algorithm {self.algorithm} (forced per call)"
-        elif forced:
-            how = f"algorithm {forced} (HARMPI_ALGORITHM)"
-        else:
-            how = "algorithm auto"
+            return f"algorithm {self.algorithm} (forced per call)"
+        if forced:
+            return f"algorithm {forced} (HARMPI_ALGORITHM)"
+        return "algorithm auto"
+
+    def describe(self, op: str, dtype: DType) -> str:
         into = " into a preallocated tensor (out=)" if op == "allgather" else ""
-        return f"{self.name}: harmpi.{op} on a torch {dtype.torch_name} tensor{into}, {how}"
+        return (
+            f"{self.name}: harmpi.{op} on a torch {dtype.torch_name} tensor{into}, "
+            f"{self._algorithm_note()}"
+        )
+
+    def describe_tensors(self, dtype: DType) -> str:
+        return (
+            f"{self.name}: harmpi.allreduce / harmpi.allgather on {dtype.name} tensors, "
+            f"{self._algorithm_note()}"
+        )
 
     def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
-        harmpi = self._harmpi
         tensor = _torch_from_storage(values, dtype)
-        comm = self._comm
         if op == "allreduce":
-            kwargs = {} if self.algorithm is None else {"algorithm": self.algorithm}
-            # Argument and topology checks happen before any data moves, so a
-            # mismatch (e.g. "shm" across nodes) raises on every rank alike.
-            try:
-                harmpi.allreduce(tensor, comm=comm, **kwargs)
-            except harmpi.HarmpiArgumentError as exc:
-                raise ImplUnavailable(str(exc)) from exc
-            tensor.copy_(_torch_from_storage(values, dtype))  # undo the probe call
-
-            from mpi4py import MPI
-
-            if comm is MPI.COMM_WORLD and not kwargs:
-                # the call a research script makes: harmpi.allreduce(t)
-                def run(tensor=tensor, allreduce=harmpi.allreduce):
-                    allreduce(tensor)
-            else:
-                def run(tensor=tensor, allreduce=harmpi.allreduce, comm=comm, kwargs=kwargs):
-                    allreduce(tensor, comm=comm, **kwargs)
-
-            return Prepared(run, lambda: _storage_from_torch(tensor, dtype))
+            return self._prepare_allreduce(tensor, values, dtype)
         if op == "allgather":
-            # into a preallocated tensor (out=), as the mpi and gloo impls do
-            out = tensor.new_empty(tensor.numel() * comm.Get_size())
-
-            def run(tensor=tensor, out=out, allgather=harmpi.allgather, comm=comm):
-                allgather(tensor, comm=comm, out=out)
-
-            return Prepared(run, lambda: _storage_from_torch(out, dtype))
+            return self._prepare_allgather(tensor, dtype)
         raise ValueError(op)
+
+    def _prepare_allreduce(self, tensor, values: np.ndarray, dtype: DType) -> Prepared:
+        harmpi, comm, kwargs = self._harmpi, self._comm, self._kwargs
+        # Argument and topology checks happen before any data moves, so a
+        # mismatch (e.g. "shm" across nodes) raises on every rank alike.
+        try:
+            harmpi.allreduce(tensor, comm=comm, **kwargs)
+        except harmpi.HarmpiArgumentError as exc:
+            raise ImplUnavailable(str(exc)) from exc
+        tensor.copy_(_torch_from_storage(values, dtype))  # undo the probe call
+
+        from mpi4py import MPI
+
+        if comm is MPI.COMM_WORLD and not kwargs:
+            # the call a research script makes: harmpi.allreduce(t)
+            def run(tensor=tensor, allreduce=harmpi.allreduce):
+                allreduce(tensor)
+        else:
+            def run(tensor=tensor, allreduce=harmpi.allreduce, comm=comm, kwargs=kwargs):
+                allreduce(tensor, comm=comm, **kwargs)
+
+        return Prepared(run, lambda: _storage_from_torch(tensor, dtype))
+
+    def _prepare_allgather(self, tensor, dtype: DType) -> Prepared:
+        comm = self._comm
+        # into a preallocated tensor (out=), as the mpi and gloo impls do
+        out = tensor.new_empty(tensor.numel() * comm.Get_size())
+
+        def run(tensor=tensor, out=out, allgather=self._harmpi.allgather, comm=comm):
+            allgather(tensor, comm=comm, out=out)
+
+        return Prepared(run, lambda: _storage_from_torch(out, dtype))
+
+    def allreduce(self, tensor) -> None:
+        self._harmpi.allreduce(tensor, comm=self._comm, **self._kwargs)
+
+    def allgather(self, tensor):
+        return self._harmpi.allgather(tensor, comm=self._comm)  # a new tensor per call
 
     def info(self) -> dict:
         return dict(self._harmpi.info(comm=self._comm))
@@ -188,7 +263,13 @@ class MpiImpl(Impl):
     name = "mpi"
 
     def __init__(self, comm):
+        from mpi4py import MPI
+
+        self._MPI = MPI
         self._comm = comm
+        self._float_types = {"f32": MPI.FLOAT, "f64": MPI.DOUBLE}
+        self._f32_staging: dict[int, object] = {}  # element count -> float32 tensor
+        self._torch = None  # imported at the first tensor call (OSU runs need no torch)
 
     def wire_dtype(self, op: str, dtype: DType) -> DType:
         if op == "allreduce" and dtype.name in ("bf16", "f16"):
@@ -196,29 +277,44 @@ class MpiImpl(Impl):
         return dtype
 
     def describe(self, op: str, dtype: DType) -> str:
-        from mpi4py import MPI
-
+        MPI = self._MPI
         wire = self.wire_dtype(op, dtype)
         if op == "allreduce":
             what = "MPI_Allreduce(MPI_IN_PLACE, SUM)"
             if wire is not dtype:
-                what += f" float32, same bytes ({dtype.name} has no MPI type; half the elements, a 2 B message sends 4 B)"
+                what += (
+                    f" float32, same bytes ({dtype.name} has no MPI type; half the elements,"
+                    " a 2 B message sends 4 B)"
+                )
             else:
                 what += f" {wire.name}"
         else:
             what = f"MPI_Allgather, {dtype.name} moved as bytes"
-        levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
-        return f"mpi: {what}; thread level {levels.get(MPI.Query_thread(), MPI.Query_thread())}"
+        levels = {
+            MPI.THREAD_SINGLE: "single",
+            MPI.THREAD_FUNNELED: "funneled",
+            MPI.THREAD_SERIALIZED: "serialized",
+            MPI.THREAD_MULTIPLE: "multiple",
+        }
+        level = MPI.Query_thread()
+        return f"mpi: {what}; thread level {levels.get(level, level)}"
+
+    def describe_tensors(self, dtype: DType) -> str:
+        wire = self.wire_dtype("allreduce", dtype)
+        if wire is dtype:
+            reduce = f"MPI_Allreduce on {dtype.torch_name}"
+        else:
+            reduce = f"MPI_Allreduce on {wire.torch_name} ({dtype.name} converted in and out)"
+        return f"mpi: {reduce}, MPI_Allgather of {dtype.name} bytes"
 
     def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
-        from mpi4py import MPI
-
+        MPI = self._MPI
         comm = self._comm
         buf = np.ascontiguousarray(values).copy()
         if op == "allreduce":
-            target = [buf, MPI.FLOAT if buf.dtype == np.float32 else MPI.DOUBLE]
             if buf.dtype not in (np.float32, np.float64):
                 raise ImplUnavailable(f"mpi allreduce of {buf.dtype} is not supported here")
+            target = [buf, MPI.FLOAT if buf.dtype == np.float32 else MPI.DOUBLE]
 
             def run(comm=comm, target=target, in_place=MPI.IN_PLACE, op=MPI.SUM):
                 comm.Allreduce(in_place, target, op)
@@ -234,6 +330,39 @@ class MpiImpl(Impl):
 
             return Prepared(run, lambda: out.copy())
         raise ValueError(op)
+
+    def _torch_module(self):
+        if self._torch is None:
+            import torch
+
+            self._torch = torch
+        return self._torch
+
+    def allreduce(self, tensor) -> None:
+        MPI = self._MPI
+        dtype = _tensor_dtype(tensor)
+        wire = self.wire_dtype("allreduce", dtype)
+        flat = tensor.view(-1)  # a view: a non-contiguous tensor raises instead of losing the sum
+        if wire is dtype:
+            target = [flat.numpy(), self._float_types[wire.name]]
+            self._comm.Allreduce(MPI.IN_PLACE, target, MPI.SUM)
+            return
+        # MPI has no bf16 (and no portable f16): sum float32 copies
+        staging = self._f32_staging.get(flat.numel())
+        if staging is None:
+            torch = self._torch_module()
+            staging = torch.empty(flat.numel(), dtype=torch.float32)
+            self._f32_staging[flat.numel()] = staging
+        staging.copy_(flat)
+        self._comm.Allreduce(MPI.IN_PLACE, [staging.numpy(), MPI.FLOAT], MPI.SUM)
+        flat.copy_(staging)
+
+    def allgather(self, tensor):
+        MPI, torch = self._MPI, self._torch_module()
+        out = tensor.new_empty(_gathered_shape(tensor, self._comm.Get_size()))
+        send = tensor.contiguous().view(torch.uint8).numpy()
+        self._comm.Allgather([send, MPI.BYTE], [out.view(torch.uint8).numpy(), MPI.BYTE])
+        return out  # a new tensor per call
 
 
 # --------------------------------------------------------------------------
@@ -253,18 +382,20 @@ def _gloo_address(comm) -> str:
     return comm.bcast(address, root=0)
 
 
-def init_gloo(comm) -> tuple[str, int]:
+def _init_gloo(comm) -> tuple[str, int]:
     """Start a torch.distributed gloo process group on the ranks of ``comm``.
 
     Rank 0 binds a TCPStore to port 0 itself (no pick-then-rebind race) and
-    broadcasts the port through MPI.  Returns (address, port).  Call
-    ``torch.distributed.destroy_process_group()`` when done.
+    broadcasts the port through MPI.  Returns (address, port).
+    ``GlooImpl.close`` destroys the process group.
     """
     import torch.distributed as dist
 
     rank, size = comm.Get_rank(), comm.Get_size()
     address = _gloo_address(comm)
-    store = dist.TCPStore(address, 0, size, is_master=True, wait_for_workers=False) if rank == 0 else None
+    store = None
+    if rank == 0:
+        store = dist.TCPStore(address, 0, size, is_master=True, wait_for_workers=False)
     port = comm.bcast(store.port if rank == 0 else None, root=0)
     if rank != 0:
         store = dist.TCPStore(address, port, size, is_master=False)
@@ -272,7 +403,7 @@ def init_gloo(comm) -> tuple[str, int]:
     return address, port
 
 
-def gloo_allgather_function():
+def _gloo_allgather_function():
     """torch.distributed's gather-into-one-tensor call (all_gather_single in torch >= 2.13)."""
     import torch.distributed as dist
 
@@ -291,13 +422,25 @@ class GlooImpl(Impl):
         self._dist = dist
         self._torch = torch
         self.max_iterations = max_iterations
-        self.address, self.port = init_gloo(comm)
-        self._gather = gloo_allgather_function()
+        self.address, self.port = _init_gloo(comm)
+        self._gather = _gloo_allgather_function()
+        self._gather_outs: dict[tuple, object] = {}  # (shape, dtype) -> allgather output
 
     def describe(self, op: str, dtype: DType) -> str:
         call = "all_reduce" if op == "allreduce" else self._gather.__name__
-        cap = "" if self.max_iterations is None else f", at most {self.max_iterations} timed iterations per size"
-        return f"gloo: torch.distributed.{call} ({dtype.torch_name}) over tcp://{self.address}:{self.port}, torch {self._torch.__version__}{cap}"
+        cap = ""
+        if self.max_iterations is not None:
+            cap = f", at most {self.max_iterations} timed iterations per size"
+        return (
+            f"gloo: torch.distributed.{call} ({dtype.torch_name}) over "
+            f"tcp://{self.address}:{self.port}, torch {self._torch.__version__}{cap}"
+        )
+
+    def describe_tensors(self, dtype: DType) -> str:
+        return (
+            f"gloo: torch.distributed.all_reduce / {self._gather.__name__} on {dtype.name} "
+            f"tensors, tcp://{self.address}:{self.port}"
+        )
 
     def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
         dist = self._dist
@@ -309,13 +452,26 @@ class GlooImpl(Impl):
 
             return Prepared(run, lambda: _storage_from_torch(tensor, dtype))
         if op == "allgather":
-            out = self._torch.empty(tensor.numel() * dist.get_world_size(), dtype=tensor.dtype)
+            n_ranks = dist.get_world_size()
+            out = self._torch.empty(tensor.numel() * n_ranks, dtype=tensor.dtype)
 
             def run(tensor=tensor, out=out, gather=self._gather):
                 gather(out, tensor)
 
             return Prepared(run, lambda: _storage_from_torch(out, dtype))
         raise ValueError(op)
+
+    def allreduce(self, tensor) -> None:
+        self._dist.all_reduce(tensor)
+
+    def allgather(self, tensor):
+        key = (tuple(tensor.shape), tensor.dtype)
+        out = self._gather_outs.get(key)
+        if out is None:
+            shape = _gathered_shape(tensor, self._dist.get_world_size())
+            out = self._gather_outs[key] = tensor.new_empty(shape)
+        self._gather(out, tensor)
+        return out  # reused by the next call of this shape
 
     def close(self) -> None:
         if self._dist.is_initialized():
@@ -335,7 +491,10 @@ def parse_impls(spec: str) -> list[str]:
     for name in names:
         kind, _, algorithm = name.partition(":")
         if kind not in IMPL_KINDS:
-            raise ValueError(f"unknown implementation {name!r}; choose from harmpi, harmpi:<algorithm>, mpi, gloo")
+            raise ValueError(
+                f"unknown implementation {name!r}; "
+                "choose from harmpi, harmpi:<algorithm>, mpi, gloo"
+            )
         if algorithm and kind != "harmpi":
             raise ValueError(f"only harmpi takes an algorithm, not {name!r}")
         if kind == "harmpi" and ":" in name and not algorithm:

@@ -14,6 +14,7 @@ import pytest
 
 from bench import harness
 from bench.decode import (
+    COMM_KINDS,
     FFN_UNIT,
     VOCAB_UNIT,
     ModelConfig,
@@ -28,7 +29,7 @@ from bench.decode import (
 )
 from bench.demo import mpirun_argv, mpirun_env, mpirun_path, summary_lines
 from bench.harness import ALLGATHER, ALLREDUCE, DTYPES, Row
-from bench.impls import parse_impls
+from bench.impls import IMPL_KINDS, GlooImpl, HarmpiImpl, Impl, MpiImpl, parse_impls
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -272,6 +273,14 @@ def test_parse_impls():
             parse_impls(bad)
 
 
+def test_decode_backends_are_the_osu_adapters():
+    assert set(COMM_KINDS) == set(IMPL_KINDS)
+    for kind in COMM_KINDS:  # no adapter left without the decode benchmark's tensor calls
+        adapter = {"harmpi": HarmpiImpl, "mpi": MpiImpl, "gloo": GlooImpl}[kind]
+        for method in ("describe_tensors", "allreduce", "allgather"):
+            assert getattr(adapter, method) is not getattr(Impl, method), (kind, method)
+
+
 # --------------------------------------------------------------------------
 # Decode benchmark, pure parts
 # --------------------------------------------------------------------------
@@ -489,6 +498,15 @@ def test_osu_allgather_under_mpirun():
     assert "Allgather Latency Test" in proc.stdout
     table = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
     assert len(table) == 6 and all("Fail" not in row for row in table)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_adapters_on_tensors_under_mpirun():
+    # allreduce(tensor) / allgather(tensor), the calls the decode benchmark makes
+    proc = _mpirun(2, "tests.bench_adapters_check", [_impls()])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"adapters ok: {_impls()}" in proc.stdout
 
 
 @pytest.mark.timeout(180)
