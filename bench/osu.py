@@ -7,6 +7,7 @@ the pure parts are in ``bench.harness``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from importlib import metadata
@@ -16,7 +17,7 @@ import click
 import numpy as np
 
 from bench import harness
-from bench.harness import DTYPES, Collective, Row
+from bench.harness import DTYPES, Collective, DType, Row
 from bench.impls import ImplUnavailable, close_impls, make_impls, parse_impls
 
 __all__ = ["command", "run", "environment_lines", "topology", "bench_version"]
@@ -87,6 +88,52 @@ def topology(comm) -> dict:
     }
 
 
+def _ranks_line(topo: dict) -> str:
+    per_node = topo["ranks_per_node"]
+    if len(set(per_node)) == 1:
+        nodes = f"{topo['nodes']} x {per_node[0]}"
+    else:
+        nodes = "+".join(map(str, per_node))
+    where = f"{topo['hosts']} host{'s' if topo['hosts'] != 1 else ''}"
+    if topo["virtual"]:
+        where += (
+            f", virtual nodes (HARMPI_RANKS_PER_NODE={os.environ.get('HARMPI_RANKS_PER_NODE')});"
+            " only harmpi sees them, mpi and gloo see one host"
+        )
+    return f"# Ranks: {topo['ranks']}, nodes: {nodes} ({where})"
+
+
+def _binding_line(affinity: list[str]) -> str:
+    """Rank 0's line from every rank's CPU list."""
+    if len(set(affinity)) == 1:
+        binding = f"every rank may run on CPUs {affinity[0]}"
+    else:
+        binding = ", ".join(f"r{r}:{cpus}" for r, cpus in enumerate(affinity))
+    return f"# Binding: {binding}"
+
+
+def _harmpi_lines(info: dict) -> list[str]:
+    extras = []
+    for key, label in (("algorithm", "algorithm"), ("spin_count", "spin count"),
+                       ("oversubscribed", "oversubscribed"),
+                       ("mpi_thread_level", "MPI thread level")):
+        if key in info:
+            extras.append(f"{label} {info[key] if info[key] is not None else 'auto'}")
+    lines = [
+        f"# harmpi {info.get('version', '?')}: nodes {info.get('nodes')}, "
+        f"ranks per node {info.get('ranks_per_node')}"
+        + (" (virtual)" if info.get("virtual_nodes") else "")
+        + (", " + ", ".join(extras) if extras else ""),
+        f"# harmpi transport: {info.get('transport')} ({info.get('transport_reason', '')})",
+    ]
+    thresholds = info.get("thresholds")
+    if thresholds:
+        lines.append(
+            "# harmpi thresholds: " + ", ".join(f"{k}={v}" for k, v in thresholds.items())
+        )
+    return lines
+
+
 def environment_lines(comm, topo: dict, harmpi_info: dict | None) -> list[str]:
     """'# ...' lines naming MPI, ranks, nodes, binding, threads, harmpi's choices."""
     from mpi4py import MPI
@@ -94,35 +141,15 @@ def environment_lines(comm, topo: dict, harmpi_info: dict | None) -> list[str]:
     library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
     affinity = comm.gather(_cpu_list(os.sched_getaffinity(0)), root=0)
     load_1min = os.getloadavg()[0]
-    lines = [f"# MPI: {library} (mpi4py {metadata.version('mpi4py')}), host CPUs: {os.cpu_count()}, 1-min load average {load_1min:.2f} (this job included)"]
-    nodes = f"{topo['nodes']} x {topo['ranks_per_node'][0]}" if len(set(topo["ranks_per_node"])) == 1 else "+".join(map(str, topo["ranks_per_node"]))
-    where = f"{topo['hosts']} host{'s' if topo['hosts'] != 1 else ''}"
-    if topo["virtual"]:
-        where += f", virtual nodes (HARMPI_RANKS_PER_NODE={os.environ.get('HARMPI_RANKS_PER_NODE')}); only harmpi sees them, mpi and gloo see one host"
-    lines.append(f"# Ranks: {topo['ranks']}, nodes: {nodes} ({where})")
+    lines = [
+        f"# MPI: {library} (mpi4py {metadata.version('mpi4py')}), host CPUs: {os.cpu_count()}, "
+        f"1-min load average {load_1min:.2f} (this job included)",
+        _ranks_line(topo),
+    ]
     if comm.Get_rank() == 0:
-        bound = set(affinity)
-        if len(bound) == 1:
-            binding = f"every rank may run on CPUs {affinity[0]}"
-        else:
-            binding = ", ".join(f"r{r}:{cpus}" for r, cpus in enumerate(affinity))
-        lines.append(f"# Binding: {binding}")
+        lines.append(_binding_line(affinity))
     if harmpi_info is not None:
-        info = harmpi_info
-        extras = []
-        for key, label in (("algorithm", "algorithm"), ("spin_count", "spin count"), ("oversubscribed", "oversubscribed"),
-                           ("mpi_thread_level", "MPI thread level")):
-            if key in info:
-                extras.append(f"{label} {info[key] if info[key] is not None else 'auto'}")
-        lines.append(
-            f"# harmpi {info.get('version', '?')}: nodes {info.get('nodes')}, ranks per node {info.get('ranks_per_node')}"
-            + (" (virtual)" if info.get("virtual_nodes") else "")
-            + (", " + ", ".join(extras) if extras else "")
-        )
-        lines.append(f"# harmpi transport: {info.get('transport')} ({info.get('transport_reason', '')})")
-        thresholds = info.get("thresholds")
-        if thresholds:
-            lines.append("# harmpi thresholds: " + ", ".join(f"{k}={v}" for k, v in thresholds.items()))
+        lines += _harmpi_lines(harmpi_info)
     return lines
 
 
@@ -137,7 +164,8 @@ def _all_ranks_ok(comm, ok: bool) -> bool:
     return bool(comm.allreduce(bool(ok), op=MPI.LAND))
 
 
-def _check_cell(comm, collective: Collective, impl, count: int, wire, seed: int) -> tuple[bool, str]:
+def _check_cell(comm, collective: Collective, impl, count: int, wire,
+                seed: int) -> tuple[bool, str]:
     """The untimed check pass for one (impl, size) cell; same answer on every rank."""
     rank, n_ranks = comm.Get_rank(), comm.Get_size()
     values = collective.init_values(seed, rank, count, wire)
@@ -154,8 +182,154 @@ def _check_cell(comm, collective: Collective, impl, count: int, wire, seed: int)
         groups = {}
         for r, d in enumerate(digests):
             groups.setdefault(d, []).append(r)
-        notes.append("results differ across ranks: " + " | ".join(",".join(map(str, g)) for g in groups.values()))
+        notes.append("results differ across ranks: "
+                     + " | ".join(",".join(map(str, g)) for g in groups.values()))
     return all_ok and identical, "; ".join(notes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """How every (implementation, size) cell is run and shown (the same on every rank)."""
+
+    collective: Collective
+    dtype: DType
+    iterations: int | None
+    warmup: int | None
+    full: bool
+    check: bool
+    stat: str
+    seed: int
+
+    def table_options(self) -> dict:
+        return dict(full=self.full, check=self.check, stat=self.stat)
+
+
+def _prepare_cell(comm, settings: _Settings, impl, row: Row, wire: DType, notes: dict):
+    """The check pass (with -c), then the timed operation: (prepared, "") or
+    (None, why) when the implementation cannot run this cell."""
+    collective = settings.collective
+    try:
+        if settings.check:
+            row.valid, detail = _check_cell(comm, collective, impl, row.count, wire, settings.seed)
+            if detail:
+                notes.setdefault((impl.name, detail), []).append(row.size)
+        values = collective.timing_values(settings.seed, comm.Get_rank(), row.count, wire)
+        return impl.prepare(collective.op, values, wire), ""
+    except ImplUnavailable as exc:
+        return None, str(exc) or type(exc).__name__
+
+
+def _run_cell(comm, settings: _Settings, impl, nbytes: int, notes: dict) -> Row:
+    """Check and time one implementation at one size (collective); rank 0's row has the times."""
+    op, dtype = settings.collective.op, settings.dtype
+    wire = impl.wire_dtype(op, dtype)
+    count = max(1, nbytes // wire.itemsize)
+    iters, warm = harness.iterations_for(nbytes, settings.iterations, settings.warmup)
+    iters, warm = harness.capped_iterations(iters, warm, impl.max_iterations)
+    row = Row(impl=impl.name, dtype=dtype.name, size=nbytes, avg_us=None, min_us=None,
+              max_us=None, iterations=iters, valid=None, wire_dtype=wire.name, count=count,
+              warmup=warm, stat=settings.stat)
+    prepared, error = _prepare_cell(comm, settings, impl, row, wire, notes)
+    errors = comm.allgather(error)
+    if any(errors):
+        row.valid = None
+        row.note = next(e for e in errors if e)
+        notes.setdefault((impl.name, f"not run: {row.note}"), []).append(nbytes)
+        return row
+    samples_ns = harness.time_op(prepared.run, comm.Barrier, iters, warm)
+    del prepared
+    per_rank_us = comm.gather(harness.rank_stat_us(samples_ns, settings.stat), root=0)
+    if comm.Get_rank() == 0:
+        row.avg_us, row.min_us, row.max_us = harness.summarize_ranks(per_rank_us)
+        factor = settings.collective.busbw_factor(comm.Get_size())
+        row.busbw_gbps = harness.busbw_gbps(nbytes, row.avg_us, factor)
+    return row
+
+
+def _run_sizes(comm, settings: _Settings, impls, impl_names, sizes, say):
+    """Every cell, size by size; rank 0 prints each size's line as soon as
+    every implementation has run it, as OSU does.  Returns (rows, notes):
+    notes maps (implementation, message) to the sizes it applies to."""
+    table = settings.table_options()
+    header = harness.format_table([], impl_names, **table)
+    for line in header:
+        say(line)
+    rows: list[Row] = []
+    notes: dict[tuple[str, str], list[int]] = {}
+    for nbytes in sizes:
+        if nbytes < settings.dtype.itemsize:
+            continue
+        size_rows = [_run_cell(comm, settings, impl, nbytes, notes) for impl in impls]
+        rows.extend(size_rows)
+        for line in harness.format_table(size_rows, impl_names, **table)[len(header):]:
+            say(line)
+    return rows, notes
+
+
+def _header_lines(settings: _Settings, env_lines, impls, impl_names) -> list[str]:
+    """The '#' lines between the title and the table."""
+    op, dtype, full = settings.collective.op, settings.dtype, settings.full
+    lines = [f"# Datatype: {dtype.name} ({dtype.itemsize} bytes per element); "
+             "Size = bytes per rank"]
+    lines += env_lines
+    lines += [f"# {impl.describe(op, dtype)}" for impl in impls]
+    timing = (
+        f"# Timing: barrier before every iteration (untimed), per-rank {settings.stat} of the "
+        f"timed calls, then average over ranks{' (Min/Max: over ranks)' if full else ''}"
+    )
+    if full:
+        timing += f"; BusBW = Size/t x {'2(n-1)/n' if op == 'allreduce' else '(n-1)'}"
+    lines.append(timing)
+    if len(impls) > 1:
+        reference = harness.reference_impl(impl_names)
+        lines.append(f"# Ratios: latency of each implementation / latency of {reference} "
+                     f"(above 1: {reference} is faster)")
+    return lines
+
+
+def _footer_lines(notes: dict, sizes, check: bool, exit_code: int) -> list[str]:
+    lines = []
+    for (name, message), note_sizes in notes.items():
+        if len(note_sizes) == len(sizes):
+            where = "every size"
+        else:
+            where = ", ".join(f"{n} B" for n in note_sizes)
+        lines.append(f"# note: {name} ({where}): {message}")
+    if check:
+        lines.append(f"# Validation: {'all Pass' if exit_code == 0 else 'FAILED'}")
+    return lines
+
+
+def _meta(settings: _Settings, title: str, impls, impl_names, topo: dict, env_lines,
+          harmpi_info) -> dict:
+    """The --json document's "meta"."""
+    collective, dtype = settings.collective, settings.dtype
+    return {
+        "benchmark": f"osu_{collective.op}",
+        "title": title.lstrip("# "),
+        "dtype": dtype.name,
+        "stat": settings.stat,
+        "impls": impl_names,
+        "topology": topo,
+        "environment": [line.lstrip("# ") for line in env_lines],
+        "descriptions": {impl.name: impl.describe(collective.op, dtype) for impl in impls},
+        "harmpi_info": harmpi_info,
+        "busbw_factor": collective.busbw_factor(topo["ranks"]),
+    }
+
+
+def _write_outputs(rows, meta: dict, settings: _Settings, impl_names, json_path,
+                   plot_path) -> None:
+    """--json and --plot (rank 0)."""
+    if json_path:
+        with open(json_path, "w") as fh:
+            fh.write(harness.rows_to_json(rows, _jsonable(meta)))
+    if plot_path:
+        topo = meta["topology"]
+        nodes = f"{topo['nodes']} node{'s' if topo['nodes'] != 1 else ''}"
+        title = (f"{settings.collective.name} {settings.dtype.name}, {topo['ranks']} ranks, "
+                 f"{nodes}")
+        harness.plot_rows(rows, impl_names, plot_path, title)
 
 
 def run(
@@ -179,8 +353,9 @@ def run(
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD if comm is None else comm
-    rank, n_ranks = comm.Get_rank(), comm.Get_size()
-    dtype = DTYPES[dtype_name]
+    rank = comm.Get_rank()
+    settings = _Settings(collective, DTYPES[dtype_name], iterations, warmup, full, check, stat,
+                         seed)
     say = (lambda text="": print(text, flush=True)) if rank == 0 else (lambda text="": None)
 
     impls = make_impls(impl_names, comm, gloo_max_iterations=gloo_max_iters)
@@ -191,92 +366,16 @@ def run(
         env_lines = environment_lines(comm, topo, harmpi_info)
 
         title = f"# harmpi OSU-style {collective.name} Latency Test v{bench_version()}"
-        say(title)
-        say(f"# Datatype: {dtype.name} ({dtype.itemsize} bytes per element); Size = bytes per rank")
-        for line in env_lines:
+        for line in [title, *_header_lines(settings, env_lines, impls, impl_names)]:
             say(line)
-        for impl in impls:
-            say(f"# {impl.describe(collective.op, dtype)}")
-        say(
-            f"# Timing: barrier before every iteration (untimed), per-rank {stat} of the timed calls, "
-            f"then average over ranks{' (Min/Max: over ranks)' if full else ''}"
-            + (f"; BusBW = Size/t x {'2(n-1)/n' if collective.op == 'allreduce' else '(n-1)'}" if full else "")
-        )
-        if len(impls) > 1:
-            reference = harness.reference_impl(impl_names)
-            say(f"# Ratios: latency of each implementation / latency of {reference} (above 1: {reference} is faster)")
-
-        table = dict(full=full, check=check, stat=stat)
-        header = harness.format_table([], impl_names, **table)
-        for line in header:
-            say(line)
-        rows: list[Row] = []
-        notes: dict[tuple[str, str], list[int]] = {}  # (impl, message) -> sizes
-        for nbytes in sizes:
-            size_rows: list[Row] = []
-            for impl in impls:
-                wire = impl.wire_dtype(collective.op, dtype)
-                if nbytes < dtype.itemsize:
-                    continue
-                count = max(1, nbytes // wire.itemsize)
-                iters, warm = harness.iterations_for(nbytes, iterations, warmup)
-                iters, warm = harness.capped_iterations(iters, warm, impl.max_iterations)
-                row = Row(impl=impl.name, dtype=dtype.name, size=nbytes, avg_us=None, min_us=None, max_us=None,
-                          iterations=iters, valid=None, wire_dtype=wire.name, count=count, warmup=warm, stat=stat)
-                try:
-                    error = ""
-                    if check:
-                        row.valid, detail = _check_cell(comm, collective, impl, count, wire, seed)
-                        if detail:
-                            notes.setdefault((impl.name, detail), []).append(nbytes)
-                    prepared = impl.prepare(collective.op, collective.timing_values(seed, rank, count, wire), wire)
-                except ImplUnavailable as exc:
-                    error = str(exc) or type(exc).__name__
-                errors = comm.allgather(error)
-                if any(errors):
-                    row.valid = None
-                    row.note = next(e for e in errors if e)
-                    notes.setdefault((impl.name, f"not run: {row.note}"), []).append(nbytes)
-                    size_rows.append(row)
-                    continue
-                samples_ns = harness.time_op(prepared.run, comm.Barrier, iters, warm)
-                del prepared
-                per_rank_us = comm.gather(harness.rank_stat_us(samples_ns, stat), root=0)
-                if rank == 0:
-                    row.avg_us, row.min_us, row.max_us = harness.summarize_ranks(per_rank_us)
-                    row.busbw_gbps = harness.busbw_gbps(nbytes, row.avg_us, collective.busbw_factor(n_ranks))
-                size_rows.append(row)
-            rows.extend(size_rows)
-            if size_rows:  # one line per size as soon as every implementation has run it, as OSU does
-                for line in harness.format_table(size_rows, impl_names, **table)[len(header):]:
-                    say(line)
+        rows, notes = _run_sizes(comm, settings, impls, impl_names, sizes, say)
 
         exit_code = 0 if _all_ranks_ok(comm, all(row.valid is not False for row in rows)) else 1
+        for line in _footer_lines(notes, sizes, check, exit_code):
+            say(line)
         if rank == 0:
-            for (name, message), note_sizes in notes.items():
-                where = "every size" if len(note_sizes) == len(sizes) else ", ".join(f"{n} B" for n in note_sizes)
-                print(f"# note: {name} ({where}): {message}")
-            if check:
-                print(f"# Validation: {'all Pass' if exit_code == 0 else 'FAILED'}")
-            sys.stdout.flush()
-            meta = {
-                "benchmark": f"osu_{collective.op}",
-                "title": title.lstrip("# "),
-                "dtype": dtype.name,
-                "stat": stat,
-                "impls": impl_names,
-                "topology": topo,
-                "environment": [line.lstrip("# ") for line in env_lines],
-                "descriptions": {impl.name: impl.describe(collective.op, dtype) for impl in impls},
-                "harmpi_info": harmpi_info,
-                "busbw_factor": collective.busbw_factor(n_ranks),
-            }
-            if json_path:
-                with open(json_path, "w") as fh:
-                    fh.write(harness.rows_to_json(rows, _jsonable(meta)))
-            if plot_path:
-                nodes = f"{topo['nodes']} node{'s' if topo['nodes'] != 1 else ''}"
-                harness.plot_rows(rows, impl_names, plot_path, f"{collective.name} {dtype.name}, {n_ranks} ranks, {nodes}")
+            meta = _meta(settings, title, impls, impl_names, topo, env_lines, harmpi_info)
+            _write_outputs(rows, meta, settings, impl_names, json_path, plot_path)
         return exit_code
     finally:
         close_impls(impls)
@@ -301,54 +400,75 @@ def _jsonable(value):
 # --------------------------------------------------------------------------
 
 
+def _parse_arguments(message_size, extra_sizes: str, impl_spec: str, plot_path):
+    """(sizes, implementation names) from the command line; click.UsageError when wrong."""
+    try:
+        extra = [harness.parse_nbytes(x) for x in extra_sizes.split(",") if x.strip()]
+        sizes = harness.parse_sizes(message_size, extra=extra)
+        impl_names = parse_impls(impl_spec)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise click.UsageError(
+                f"--plot needs matplotlib ({exc}); pip install matplotlib"
+            ) from exc
+    return sizes, impl_names
+
+
 def command(collective: Collective) -> click.Command:
     """The click command of one collective's microbenchmark."""
+    path_type = click.Path(dir_okay=False, writable=True)
 
     @click.command(
         name=f"osu_{collective.op}",
         help=(
             f"OSU-style {collective.name} latency of harmpi, MPI and Gloo on the same ranks. "
-            f"Run under MPI: mpirun -np N python -m mpi4py -m bench.osu_{collective.op} [options]. "
-            "Only rank 0 prints."
+            f"Run under MPI: mpirun -np N python -m mpi4py -m bench.osu_{collective.op} "
+            "[options]. Only rank 0 prints."
         ),
         context_settings={"help_option_names": ["-h", "--help"]},
     )
     @click.option("-m", "--message-size", "message_size", default=None, metavar="[MIN:]MAX",
-                  help="Sizes in bytes (K/M suffixes ok), doubling from MIN to MAX. Default 2:4M.")
-    @click.option("--extra-sizes", default=str(harness.DECODE_NBYTES), show_default=True, metavar="LIST",
-                  help="Comma list of sizes added when inside MIN..MAX ('' for none); 10240 = bf16 hidden 5120.")
+                  help="Sizes in bytes (K/M suffixes ok), doubling from MIN to MAX. "
+                       "Default 2:4M.")
+    @click.option("--extra-sizes", default=str(harness.DECODE_NBYTES), show_default=True,
+                  metavar="LIST",
+                  help="Comma list of sizes added when inside MIN..MAX ('' for none); "
+                       "10240 = bf16 hidden 5120.")
     @click.option("-i", "--iterations", type=click.IntRange(min=1), default=None,
-                  help="Timed iterations for every size (default OSU's: 1000 up to 8 KiB, 100 above).")
+                  help="Timed iterations for every size "
+                       "(default OSU's: 1000 up to 8 KiB, 100 above).")
     @click.option("-x", "--warmup", type=click.IntRange(min=0), default=None,
                   help="Warm-up iterations for every size (default 100 up to 8 KiB, 10 above).")
-    @click.option("-f", "--full", is_flag=True, help="Add Min/Max latency over ranks, Iterations and BusBW.")
+    @click.option("-f", "--full", is_flag=True,
+                  help="Add Min/Max latency over ranks, Iterations and BusBW.")
     @click.option("-c", "--validation", "check", is_flag=True,
-                  help="Check every size against a float64 reference and across ranks; Pass/Fail column; exit 1 on any Fail.")
+                  help="Check every size against a float64 reference and across ranks; "
+                       "Pass/Fail column; exit 1 on any Fail.")
     @click.option("--impl", "impl_spec", default="harmpi,mpi,gloo", show_default=True,
                   help="Comma list of harmpi, harmpi:<algorithm>, mpi, gloo.")
-    @click.option("--dtype", "dtype_name", type=click.Choice(["bf16", "f16", "f32"]), default="bf16", show_default=True)
-    @click.option("--stat", type=click.Choice(["mean", "median"]), default="mean", show_default=True,
-                  help="Per-rank statistic of the timed calls. mean keeps OSU's 'Avg Latency(us)' column; median prints 'Median Latency(us)'.")
-    @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
+    @click.option("--dtype", "dtype_name", type=click.Choice(["bf16", "f16", "f32"]),
+                  default="bf16", show_default=True)
+    @click.option("--stat", type=click.Choice(["mean", "median"]), default="mean",
+                  show_default=True,
+                  help="Per-rank statistic of the timed calls. mean keeps OSU's "
+                       "'Avg Latency(us)' column; median prints 'Median Latency(us)'.")
+    @click.option("--json", "json_path", type=path_type, default=None,
                   help="Write every row as JSON (rank 0).")
-    @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                  help="Write latency vs size, log-log, one line per implementation (PNG, needs matplotlib).")
+    @click.option("--plot", "plot_path", type=path_type, default=None,
+                  help="Write latency vs size, log-log, one line per implementation "
+                       "(PNG, needs matplotlib).")
     @click.option("--gloo-max-iters", type=click.IntRange(min=1), default=50, show_default=True,
-                  help="Cap on gloo's timed iterations per size (gloo takes milliseconds per call).")
-    @click.option("--seed", type=int, default=20240607, show_default=True, help="Seed of the check pass's data.")
-    def main(message_size, extra_sizes, iterations, warmup, full, check, impl_spec, dtype_name, stat,
-             json_path, plot_path, gloo_max_iters, seed):
-        try:
-            extra = [harness.parse_nbytes(x) for x in extra_sizes.split(",") if x.strip()]
-            sizes = harness.parse_sizes(message_size, extra=extra)
-            impl_names = parse_impls(impl_spec)
-        except ValueError as exc:
-            raise click.UsageError(str(exc)) from exc
-        if plot_path:
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError as exc:
-                raise click.UsageError(f"--plot needs matplotlib ({exc}); pip install matplotlib") from exc
+                  help="Cap on gloo's timed iterations per size (gloo takes milliseconds "
+                       "per call).")
+    @click.option("--seed", type=int, default=20240607, show_default=True,
+                  help="Seed of the check pass's data.")
+    def main(message_size, extra_sizes, iterations, warmup, full, check, impl_spec, dtype_name,
+             stat, json_path, plot_path, gloo_max_iters, seed):
+        sizes, impl_names = _parse_arguments(message_size, extra_sizes, impl_spec, plot_path)
         code = harness.run_or_abort(
             run, collective, sizes=sizes, impl_names=impl_names, dtype_name=dtype_name,
             iterations=iterations, warmup=warmup, full=full, check=check, stat=stat,

@@ -104,7 +104,8 @@ def measure(dt, rows, count, repeats=7):
     x_us = _best_us(lambda r: _loop_x(kernel_x, src, x, out, out2, r), reps, repeats)
     in_place = src.copy()
     x_in = src[0].copy()
-    x_inpl_us = _best_us(lambda r: _loop_x(kernel_x, in_place, x_in, in_place[0], x_in, r), reps, repeats)
+    x_inpl_us = _best_us(lambda r: _loop_x(kernel_x, in_place, x_in, in_place[0], x_in, r), reps,
+                         repeats)
     np_reps = max(1, reps // 20)
     numpy_us = _best_us(lambda r: [numpy_sum_rows(dt, src) for _ in range(r)], np_reps, 3)
     gbps = (rows + 1) * count * src.itemsize / njit_us / 1e3
