@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import shlex
-from dataclasses import replace
 import sys
+from dataclasses import replace
 from typing import Any, Sequence
 
 import click

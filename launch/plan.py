@@ -175,8 +175,7 @@ def _domains(map_by: str, topo: HostTopology, unit: str, cpus_per_host: int) -> 
     return 1, cpus_per_host  # node, slot
 
 
-def plan_layout(inputs: PlanInputs, topo: HostTopology) -> Layout:
-    """Decide ranks per host, threads, binding and spin; LaunchError on bad input."""
+def _check_inputs(inputs: PlanInputs) -> None:
     if inputs.np < 1:
         raise LaunchError(f"-np must be at least 1, got {inputs.np}")
     _check_choice(inputs.map_by, MAP_BY, "--map-by")
@@ -186,6 +185,105 @@ def plan_layout(inputs: PlanInputs, topo: HostTopology) -> Layout:
     _check_positive(inputs.ranks_per_node, "--ranks-per-node")
     _check_positive(inputs.threads_per_rank, "--threads-per-rank")
     _check_positive(inputs.virtual_nodes, "--virtual-nodes")
+
+
+def _counts_per_node(inputs: PlanInputs, hosts: tuple[Host, ...], explicit: bool) -> list[int]:
+    """Ranks on each host with --ranks-per-node k: k on each of the first np / k hosts."""
+    np, k = inputs.np, inputs.ranks_per_node
+    if inputs.map_by == "node":
+        raise LaunchError(
+            "--ranks-per-node places consecutive ranks on each host, "
+            "--map-by node places them round-robin; choose one"
+        )
+    if np % k:
+        raise LaunchError(
+            f"-np {np} is not divisible by --ranks-per-node {k}: "
+            f"every node must get exactly {k} ranks"
+        )
+    if np // k > len(hosts):
+        where = (
+            f"only {len(hosts)} host(s) given" if explicit
+            else "only this host is used (add --hosts or --hostfile; "
+            "--virtual-nodes splits one host into virtual nodes)"
+        )
+        raise LaunchError(
+            f"-np {np} with --ranks-per-node {k} needs {np // k} hosts, but {where}"
+        )
+    return [k] * (np // k) + [0] * (len(hosts) - np // k)
+
+
+def _check_slots(inputs: PlanInputs, over: list, explicit: bool, cpus_per_host: int,
+                 unit: str, total_slots: int) -> None:
+    """LaunchError for hosts given more ranks than slots, unless --oversubscribe."""
+    if not over or inputs.oversubscribe:
+        return
+    if explicit:
+        detail = ", ".join(f"{h.name} gets {c} ranks for {h.slots} slots" for h, c in over)
+    else:
+        detail = f"this host has {cpus_per_host} {unit}s"
+    raise LaunchError(
+        f"more ranks than slots: {inputs.np} ranks for {total_slots} slots ({detail}); "
+        "pass --oversubscribe to run anyway (binding is then relaxed to none) "
+        "or use fewer ranks"
+    )
+
+
+def _threads_per_rank(inputs: PlanInputs, procs_exceed: bool, cpus_per_domain: int,
+                      ranks_per_domain: int) -> int:
+    if inputs.threads_per_rank is not None:
+        return inputs.threads_per_rank
+    if procs_exceed:
+        return 1
+    return max(1, cpus_per_domain // ranks_per_domain)
+
+
+def _cpus_per_rank(inputs: PlanInputs, bind: str, threads: int, rph: int, cpus_per_host: int,
+                   cpus_per_domain: int, ranks_per_domain: int, unit: str,
+                   warnings: list[str]) -> int:
+    """CPUs each rank is bound to: its threads, as far as its share of the domain allows."""
+    if bind not in ("core", "hwthread") or threads <= 1:
+        return 1
+    if inputs.map_by in ("core", "hwthread"):
+        avail = cpus_per_host // rph  # mapped like "slot" (see _openmpi)
+    else:
+        avail = cpus_per_domain // ranks_per_domain
+    cpus_per_rank = min(threads, max(1, avail))
+    if cpus_per_rank < threads:
+        warnings.append(
+            f"{threads} threads per rank but only {cpus_per_rank} {unit}(s) per rank "
+            f"free in each {inputs.map_by} domain: each rank is bound to "
+            f"{cpus_per_rank} {unit}(s) and its threads share them"
+        )
+    return cpus_per_rank
+
+
+def _spin(inputs: PlanInputs, fits: bool, rph: int, threads: int, cpus_per_host: int,
+          unit: str, warnings: list[str]) -> bool:
+    """Let OpenMP workers spin: by default when ranks x threads fit the CPUs."""
+    if inputs.spin is None:
+        return fits
+    if inputs.spin and not fits:
+        warnings.append(
+            f"--spin with {rph} ranks x {threads} threads on {cpus_per_host} {unit}s "
+            "per host oversubscribes them: spinning OpenMP workers steal time from "
+            "the threads doing the work (use --no-spin)"
+        )
+    return inputs.spin
+
+
+def _ppr(inputs: PlanInputs, domains: int) -> tuple[int, str] | None:
+    """Open MPI's ppr:N:domain for --ranks-per-node k (None without it)."""
+    k = inputs.ranks_per_node
+    if k is None:
+        return None
+    if inputs.map_by in ("numa", "socket") and domains > 1 and k % domains == 0:
+        return (k // domains, inputs.map_by)
+    return (k, "node")
+
+
+def plan_layout(inputs: PlanInputs, topo: HostTopology) -> Layout:
+    """Decide ranks per host, threads, binding and spin; LaunchError on bad input."""
+    _check_inputs(inputs)
     warnings: list[str] = []
 
     unit = "hwthread" if "hwthread" in (inputs.map_by, inputs.bind_to) else "core"
@@ -196,43 +294,12 @@ def plan_layout(inputs: PlanInputs, topo: HostTopology) -> Layout:
         for h in (inputs.hosts or (Host(topo.hostname, None),))
     )
     slots = [h.slots for h in hosts]
-    np, k = inputs.np, inputs.ranks_per_node
-
-    if k is not None:
-        if inputs.map_by == "node":
-            raise LaunchError(
-                "--ranks-per-node places consecutive ranks on each host, "
-                "--map-by node places them round-robin; choose one"
-            )
-        if np % k:
-            raise LaunchError(
-                f"-np {np} is not divisible by --ranks-per-node {k}: "
-                f"every node must get exactly {k} ranks"
-            )
-        if np // k > len(hosts):
-            where = (
-                f"only {len(hosts)} host(s) given" if explicit
-                else "only this host is used (add --hosts or --hostfile; "
-                "--virtual-nodes splits one host into virtual nodes)"
-            )
-            raise LaunchError(
-                f"-np {np} with --ranks-per-node {k} needs {np // k} hosts, but {where}"
-            )
-        counts = [k] * (np // k) + [0] * (len(hosts) - np // k)
+    if inputs.ranks_per_node is not None:
+        counts = _counts_per_node(inputs, hosts, explicit)
     else:
-        counts = _distribute(np, slots, round_robin=inputs.map_by == "node")
-
+        counts = _distribute(inputs.np, slots, round_robin=inputs.map_by == "node")
     over = [(h, c) for h, c in zip(hosts, counts) if c > h.slots]
-    if over and not inputs.oversubscribe:
-        if explicit:
-            detail = ", ".join(f"{h.name} gets {c} ranks for {h.slots} slots" for h, c in over)
-        else:
-            detail = f"this host has {cpus_per_host} {unit}s"
-        raise LaunchError(
-            f"more ranks than slots: {np} ranks for {sum(slots)} slots ({detail}); "
-            "pass --oversubscribe to run anyway (binding is then relaxed to none) "
-            "or use fewer ranks"
-        )
+    _check_slots(inputs, over, explicit, cpus_per_host, unit, sum(slots))
 
     rph = max(counts)
     domains, cpus_per_domain = _domains(inputs.map_by, topo, unit, cpus_per_host)
@@ -247,45 +314,11 @@ def plan_layout(inputs: PlanInputs, topo: HostTopology) -> Layout:
         )
         bind = "none"
 
-    if inputs.threads_per_rank is not None:
-        threads = inputs.threads_per_rank
-    elif procs_exceed:
-        threads = 1
-    else:
-        threads = max(1, cpus_per_domain // ranks_per_domain)
-
-    cpus_per_rank = 1
-    if bind in ("core", "hwthread") and threads > 1:
-        if inputs.map_by in ("core", "hwthread"):
-            avail = cpus_per_host // rph  # mapped like "slot" (see _openmpi)
-        else:
-            avail = cpus_per_domain // ranks_per_domain
-        cpus_per_rank = min(threads, max(1, avail))
-        if cpus_per_rank < threads:
-            warnings.append(
-                f"{threads} threads per rank but only {cpus_per_rank} {unit}(s) per rank "
-                f"free in each {inputs.map_by} domain: each rank is bound to "
-                f"{cpus_per_rank} {unit}(s) and its threads share them"
-            )
-
+    threads = _threads_per_rank(inputs, procs_exceed, cpus_per_domain, ranks_per_domain)
+    cpus_per_rank = _cpus_per_rank(inputs, bind, threads, rph, cpus_per_host, cpus_per_domain,
+                                   ranks_per_domain, unit, warnings)
     fits = not over and rph * threads <= cpus_per_host
-    if inputs.spin is None:
-        spin = fits
-    else:
-        spin = inputs.spin
-        if spin and not fits:
-            warnings.append(
-                f"--spin with {rph} ranks x {threads} threads on {cpus_per_host} {unit}s "
-                "per host oversubscribes them: spinning OpenMP workers steal time from "
-                "the threads doing the work (use --no-spin)"
-            )
-
-    ppr = None
-    if k is not None:
-        if inputs.map_by in ("numa", "socket") and domains > 1 and k % domains == 0:
-            ppr = (k // domains, inputs.map_by)
-        else:
-            ppr = (k, "node")
+    spin = _spin(inputs, fits, rph, threads, cpus_per_host, unit, warnings)
 
     if inputs.virtual_nodes is not None and inputs.virtual_nodes > rph:
         warnings.append(
@@ -294,7 +327,7 @@ def plan_layout(inputs: PlanInputs, topo: HostTopology) -> Layout:
         )
 
     return Layout(
-        np=np,
+        np=inputs.np,
         hosts=hosts,
         explicit_hosts=explicit,
         ranks_on_host=tuple(counts),
@@ -309,7 +342,7 @@ def plan_layout(inputs: PlanInputs, topo: HostTopology) -> Layout:
         bind_to=bind,
         oversubscribed=bool(over),
         spin=spin,
-        ppr=ppr,
+        ppr=_ppr(inputs, domains),
         warnings=tuple(warnings),
     )
 
@@ -317,13 +350,9 @@ def plan_layout(inputs: PlanInputs, topo: HostTopology) -> Layout:
 # --- per-flavour dialects ---------------------------------------------------
 
 
-def _openmpi(inputs: PlanInputs, lay: Layout, mpi: MpiInfo, topo: HostTopology,
-             base_env: Mapping[str, str], env: dict[str, str],
-             forward: list[str]) -> list[str]:
-    modern = mpi.major >= 5 or mpi.major == 0
-    sock = "package" if modern else "socket"
-    token = {"socket": sock}
-
+def _openmpi_map_by(inputs: PlanInputs, lay: Layout, modern: bool) -> str:
+    """The --map-by spec: ppr, slot or the policy, then PE= and OVERSUBSCRIBE."""
+    token = {"socket": "package" if modern else "socket"}
     if lay.ppr is not None:
         spec = f"ppr:{lay.ppr[0]}:{token.get(lay.ppr[1], lay.ppr[1])}"
     elif inputs.map_by in ("core", "hwthread") and lay.cpus_per_rank > 1:
@@ -334,21 +363,12 @@ def _openmpi(inputs: PlanInputs, lay: Layout, mpi: MpiInfo, topo: HostTopology,
         spec += f":PE={lay.cpus_per_rank}"
     if inputs.oversubscribe and modern:
         spec += ":OVERSUBSCRIBE"
+    return spec
 
-    argv = [mpi.path, "-np", str(inputs.np), "--map-by", spec,
-            "--bind-to", token.get(lay.bind_to, lay.bind_to)]
-    if lay.cpu_unit == "hwthread":
-        argv.append("--use-hwthread-cpus")
-    if inputs.oversubscribe and not modern:
-        argv.append("--oversubscribe")
-    if inputs.hostfile:
-        argv += ["--hostfile", inputs.hostfile]
-    elif lay.explicit_hosts:
-        argv += ["--host", ",".join(f"{h.name}:{h.slots}" for h in lay.hosts)]
-    for name in forward:
-        argv += ["-x", name]
 
-    # mpirun itself reads these; ranks inherit them. Never override the user's.
+def _openmpi_defaults(inputs: PlanInputs, topo: HostTopology, base_env: Mapping[str, str],
+                      env: dict[str, str]) -> None:
+    """MCA and root settings mpirun itself reads (ranks inherit them); never the user's."""
     defaults = {}
     if inputs.run_as_root:
         defaults["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
@@ -359,6 +379,26 @@ def _openmpi(inputs: PlanInputs, lay: Layout, mpi: MpiInfo, topo: HostTopology,
     for name, value in defaults.items():
         if name not in base_env:
             env[name] = value
+
+
+def _openmpi(inputs: PlanInputs, lay: Layout, mpi: MpiInfo, topo: HostTopology,
+             base_env: Mapping[str, str], env: dict[str, str],
+             forward: list[str]) -> list[str]:
+    modern = mpi.major >= 5 or mpi.major == 0
+    bind_token = "package" if modern and lay.bind_to == "socket" else lay.bind_to
+    argv = [mpi.path, "-np", str(inputs.np), "--map-by", _openmpi_map_by(inputs, lay, modern),
+            "--bind-to", bind_token]
+    if lay.cpu_unit == "hwthread":
+        argv.append("--use-hwthread-cpus")
+    if inputs.oversubscribe and not modern:
+        argv.append("--oversubscribe")
+    if inputs.hostfile:
+        argv += ["--hostfile", inputs.hostfile]
+    elif lay.explicit_hosts:
+        argv += ["--host", ",".join(f"{h.name}:{h.slots}" for h in lay.hosts)]
+    for name in forward:
+        argv += ["-x", name]
+    _openmpi_defaults(inputs, topo, base_env, env)
     return argv
 
 
