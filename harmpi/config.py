@@ -7,7 +7,8 @@ by an environment variable so that launch scripts need no code changes.
 variable                   default    meaning
 =========================  =========  ==========================================
 HARMPI_TIMEOUT_S           60         deadline of every wait on a peer, seconds
-HARMPI_SPIN_COUNT          20000      busy-poll iterations before yielding
+HARMPI_SPIN_COUNT          (auto)     busy-poll iterations before yielding; auto:
+                                      20000, or 64 when ranks outnumber cores
 HARMPI_SLOT_BYTES          1048576    bytes per rank per buffer in the node arena;
                                       larger tensors are processed in chunks
 HARMPI_SMALL_MAX_BYTES     65536      up to this size on one node every rank sums
@@ -18,11 +19,11 @@ HARMPI_ALGORITHM           auto       force an all-reduce algorithm by name
 HARMPI_TRANSPORT           auto       cross-node transport: auto, tcp, mpi or verbs
 HARMPI_RANKS_PER_NODE      (unset)    split each host into virtual nodes of k
                                       consecutive ranks (testing multi-node paths)
-HARMPI_STREAM_STORES       auto       how data moves through the shared slots:
-                                      "on" (streaming stores), "off" (plain),
-                                      "flush" (plain, readers flush what they
-                                      read), "auto" (measured per size, see
-                                      copytune)
+HARMPI_STREAM_STORES       on         slot data that other ranks read next
+                                      goes out with streaming stores from 4 KiB
+                                      ("on") or plain stores ("off")
+HARMPI_NATIVE              1          0: harmpi.allreduce(t) never takes the
+                                      native entry point (harmpi.native)
 =========================  =========  ==========================================
 """
 
@@ -38,7 +39,8 @@ __all__ = ["Config", "ALGORITHMS", "TRANSPORTS"]
 #: All-reduce algorithms by name. "auto" picks among them by size and topology.
 ALGORITHMS = ("shm", "shm_rsag", "har_latency", "har_bandwidth", "leader", "flat_ring")
 TRANSPORTS = ("auto", "tcp", "mpi", "verbs")
-STREAM_STORES = ("auto", "on", "off", "flush")
+_SWITCH = {"on": True, "1": True, "yes": True, "true": True,
+           "off": False, "0": False, "no": False, "false": False}
 
 
 def _int(env, name, default, minimum):
@@ -67,19 +69,31 @@ def _float(env, name, default, minimum):
     return value
 
 
+def _switch(env, name, default):
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = _SWITCH.get(raw.strip().lower())
+    if value is None:
+        raise HarmpiArgumentError(f"{name}={raw!r}: choose on or off")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Tunables of one harmpi context (see the module docstring)."""
 
     timeout_s: float = 60.0
-    spin_count: int = 20000
+    #: None: 20000, or 64 when ranks outnumber cores (harmpi.context)
+    spin_count: int | None = None
     slot_nbytes: int = 1 << 20
     small_max_nbytes: int = 64 << 10
     har_latency_max_nbytes: int = 256 << 10
     algorithm: str = "auto"
     transport: str = "auto"
     ranks_per_node: int | None = None
-    stream_stores: str = "auto"
+    stream_stores: bool = True
+    native: bool = True
 
     def __post_init__(self):
         if self.algorithm != "auto" and self.algorithm not in ALGORITHMS:
@@ -88,10 +102,8 @@ class Config:
         if self.transport not in TRANSPORTS:
             raise HarmpiArgumentError(
                 f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
-        if self.stream_stores not in STREAM_STORES:
-            raise HarmpiArgumentError(
-                f"HARMPI_STREAM_STORES={self.stream_stores!r}: choose one of "
-                f"{', '.join(STREAM_STORES)}")
+        if self.spin_count is not None and self.spin_count < 0:
+            raise HarmpiArgumentError(f"spin_count={self.spin_count} must be >= 0 (or None: auto)")
         if self.slot_nbytes % 64:
             raise HarmpiArgumentError(f"slot size {self.slot_nbytes} must be a multiple of 64 bytes")
 
@@ -109,5 +121,6 @@ class Config:
             algorithm=(env.get("HARMPI_ALGORITHM") or "auto").strip().lower(),
             transport=(env.get("HARMPI_TRANSPORT") or "auto").strip().lower(),
             ranks_per_node=None if rpn in (None, "") else _int(env, "HARMPI_RANKS_PER_NODE", 0, 1),
-            stream_stores=(env.get("HARMPI_STREAM_STORES") or "auto").strip().lower(),
+            stream_stores=_switch(env, "HARMPI_STREAM_STORES", cls.stream_stores),
+            native=_switch(env, "HARMPI_NATIVE", cls.native),
         )

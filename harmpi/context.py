@@ -1,7 +1,26 @@
-"""One harmpi context per communicator: topology, arena, transports, algorithms.
+"""One harmpi context per communicator: topology, arena, transports, entries.
 
 Creating a context is collective over its communicator (it splits
-communicators and allocates the shared window); so is freeing it.
+communicators, allocates the shared window and connects the rails); so is
+freeing it. When it is made, the context picks its *entries*, the one
+thing a collective calls after its arguments are checked:
+
+=========================================  ====================================
+topology and settings                      allreduce entry
+=========================================  ====================================
+one rank                                   node.SOLO_STEP (compiled)
+one node, algorithm auto                   node.ONE_NODE_STEP (compiled)
+two equal nodes over tcp, algorithm auto   har_latency.HAR2_STEP (compiled) up
+                                           to har_latency_max, PyStep above
+anything else, or a forced algorithm       PyStep (the algorithm objects)
+=========================================  ====================================
+
+Every entry is ``entry(ctl, x_addr, n, fmt) -> status``; the compiled ones
+also have a C address (``entry_cfunc``, 0 for the others) that the native
+module calls. The allgather entry is ``gather(ctl, x_addr, out_addr, n,
+fmt, digest) -> status``. A non-zero status becomes an exception in one
+place, :meth:`Context.fail`, which also marks the context unusable when the
+failure may have left peers behind (timeouts, transport errors).
 """
 
 from __future__ import annotations
@@ -12,27 +31,31 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from . import node, transports
+from . import control, dtypes, kind, node, transports
 from .algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
-from .algorithms.shm import ShmAllreduce
+from .algorithms.base import Call
+from .algorithms.har_latency import HAR2_STEP
 from .config import Config
-from .errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError, HarmpiTimeoutError
+from .control import MISMATCH, POISONED, RAIL_FAILED, RAIL_TIMEOUT, RAISED, TIMEOUT
+from .errors import (HarmpiArgumentError, HarmpiError, HarmpiMismatchError, HarmpiTimeoutError,
+                     HarmpiTransportError)
 from .shm import Arena
 from .topology import discover
 
-__all__ = ["Context"]
+__all__ = ["Context", "AUTO_CODE"]
 
 log = logging.getLogger("harmpi")
 
-#: ids carried in the meta code (see algorithms.base.Call)
-OP_SUM = 1
-COLL_ALLREDUCE, COLL_ALLGATHER = 1, 2
-#: meta code of an "auto" all-reduce, without its dtype bits
-AUTO_ALLREDUCE_CODE = (ALGORITHM_IDS["auto"] << 8) | (COLL_ALLREDUCE << 16) | (OP_SUM << 20)
+#: kind word of an auto all-reduce, without its format
+AUTO_CODE = kind.encode(op=kind.OP_SUM, coll=kind.COLL_ALLREDUCE, algo=ALGORITHM_IDS["auto"])
 
+#: spin count of waits when every rank owns a core: ~1 ms of polling
+SPIN_COUNT = 20000
 #: spins before yielding when ranks outnumber cores (a spinning waiter would
 #: hold the core its peer needs to arrive)
 OVERSUBSCRIBED_SPIN_COUNT = 64
+
+_ITEMSIZE = tuple(f.itemsize for f in dtypes.FORMATS)
 
 
 def _boot_id():
@@ -50,6 +73,44 @@ def _cpus_allowed():
         return set(range(os.cpu_count() or 1))
 
 
+def _oversubscribed(comm):
+    """Whether the ranks on this physical machine outnumber its cores.
+    Ranks count together by the kernel's boot id (so "hosts" that are
+    containers or network namespaces of one machine count together),
+    against the union of their allowed CPUs (each rank may be bound to one)."""
+    mine = (_boot_id() or MPI.Get_processor_name(), frozenset(_cpus_allowed()))
+    same = [cpus for key, cpus in comm.allgather(mine) if key == mine[0]]
+    return len(same) > len(frozenset().union(*same))
+
+
+class PyStep:
+    """An all-reduce algorithm written in Python, behind the entry signature.
+    ``name``: a forced algorithm, or "auto" (chosen per call by size)."""
+
+    def __init__(self, ctx, name):
+        self.ctx = ctx
+        self.name = name
+        self.code = kind.encode(op=kind.OP_SUM, coll=kind.COLL_ALLREDUCE,
+                                algo=ALGORITHM_IDS[name])
+
+    def __call__(self, ctl, x_addr, n, fmt):
+        call = Call(x_addr, n, fmt, self.code | fmt, "allreduce")
+        algo = self.ctx.allreduce_algorithm(self.name, call.nbytes)
+        return self.ctx.run_python(algo.run, call)
+
+
+class SizeSwitch:
+    """A compiled entry up to ``max_nbytes``, another entry above."""
+
+    def __init__(self, small, max_nbytes, large):
+        self.small, self.max_nbytes, self.large = small, max_nbytes, large
+
+    def __call__(self, ctl, x_addr, n, fmt):
+        if n * _ITEMSIZE[fmt] <= self.max_nbytes:
+            return self.small(ctl, x_addr, n, fmt)
+        return self.large(ctl, x_addr, n, fmt)
+
+
 class Context:
     """Everything harmpi keeps for one communicator."""
 
@@ -57,52 +118,89 @@ class Context:
         self.config = config or Config.from_env()
         self.comm = comm
         self.topo, self.node_comm, self.rail_comm = discover(comm, self.config.ranks_per_node)
-        # Ranks of the node share the host's cores: decide spin vs yield from
-        # how many of them there are (HARMPI_SPIN_COUNT overrides).
-        # Count ranks per physical machine (the kernel's boot id, so that
-        # "hosts" that are containers or network namespaces of one machine
-        # count together) against the union of their allowed CPUs (each rank
-        # may be bound to one core).
-        mine = (_boot_id() or MPI.Get_processor_name(), frozenset(_cpus_allowed()))
-        same = [cpus for key, cpus in comm.allgather(mine) if key == mine[0]]
-        self.oversubscribed = len(same) > len(frozenset().union(*same))
+        self.oversubscribed = _oversubscribed(comm)
         spin = self.config.spin_count
-        if "HARMPI_SPIN_COUNT" not in os.environ and self.oversubscribed:
-            spin = OVERSUBSCRIBED_SPIN_COUNT
+        if spin is None:
+            spin = OVERSUBSCRIBED_SPIN_COUNT if self.oversubscribed else SPIN_COUNT
         self.spin_count = spin
         # A transport poll (MPI_Testall, ~0.7 us) costs ~50 spin-loop pauses:
         # poll proportionally fewer times before yielding.
         self.transport_spin_count = max(1, spin // 64)
         self.arena = Arena(self.node_comm, self.config.slot_nbytes)
-        self.ctl = node.new_ctl(self.arena, spin, self.config.timeout_s, AUTO_ALLREDUCE_CODE,
-                                self.config.small_max_nbytes, self.config.stream_stores)
+        self.ctl = control.new()
+        node.init_control(self.ctl, self.arena, spin, self.config.timeout_s, AUTO_CODE,
+                          self.config.small_max_nbytes, self.config.stream_stores)
         self._broken = None
-        #: whether harmpi.native serves this context (the API attaches it)
-        self.native_attached = False
-        #: auto on one node with peers: the API may call the shm kernel directly
-        self.single_node_auto = (self.topo.node_count == 1 and self.topo.size > 1
-                                 and self.config.algorithm == "auto")
+        #: the exception a Python entry caught, until fail() raises it
+        self.pending_error = None
         self._logged = set()
-        self._allreduce = {}
-        self._allgather = None
-        self._rail_transport = None
+        self._algorithms = {}
+        self._entries = {}
         self._world_transport = None
         self._recv_buf = None
+        self._rail_transport = None
+        self.transport_reason = "one node: no cross-node transport needed"
         if self.topo.node_count > 1:
             self._rail_transport, self.transport_reason = transports.select(
                 self.config.transport, self.rail_comm, self.transport_spin_count,
                 self.config.timeout_s)
             self.log_once(f"cross-node transport: {self._rail_transport.name} "
                           f"({self.transport_reason})")
-        else:
-            self.transport_reason = "one node: no cross-node transport needed"
-        #: auto on two equal nodes over tcp: the API may run the compiled
-        #: two-node step directly for sizes up to har_latency_max (else None)
-        self.two_node_fast = None
-        if (self.topo.node_count == 2 and self.topo.uniform and self.config.algorithm == "auto"
+        self._har2 = None
+        self.entry, self.entry_cfunc = self._default_entry()
+        self.gather = self._gather_entry()
+
+    # -- entries --------------------------------------------------------------
+
+    def _default_entry(self):
+        """(entry, C address or 0) of an all-reduce with every argument at its default."""
+        auto, auto_cfunc = self._auto_entry()
+        self._entries["auto"] = auto
+        if self.config.algorithm == "auto":
+            return auto, auto_cfunc
+        return self.entry_for(self.config.algorithm), 0
+
+    def _auto_entry(self):
+        """(entry, C address or 0) of algorithm "auto" on this topology."""
+        topo = self.topo
+        if topo.size == 1:
+            return node.SOLO_STEP, node.SOLO_CFUNC
+        if topo.node_count == 1:
+            return node.ONE_NODE_STEP, node.ONE_NODE_CFUNC
+        python = PyStep(self, "auto")
+        if (topo.node_count == 2 and topo.uniform
                 and isinstance(self._rail_transport, transports.TcpTransport)):
-            self.two_node_fast = self.allreduce_algorithm("har_latency", 0)
-        self.har_latency_max_nbytes = self.config.har_latency_max_nbytes
+            self._har2 = self._algorithm("har_latency")
+            return SizeSwitch(HAR2_STEP, self.config.har_latency_max_nbytes, python), 0
+        return python, 0
+
+    def entry_for(self, name):
+        """The entry of algorithm ``name`` ("auto": the default one); a
+        forced algorithm runs as a :class:`PyStep`."""
+        entry = self._entries.get(name)
+        if entry is None:
+            if name not in ALLREDUCE:
+                raise HarmpiArgumentError(
+                    f"unknown algorithm {name!r}; choose 'auto' or one of {', '.join(ALLREDUCE)}")
+            entry = node.SOLO_STEP if self.topo.size == 1 else PyStep(self, name)
+            self._entries[name] = entry
+        return entry
+
+    def _gather_entry(self):
+        if self.topo.node_count == 1 and self.topo.uniform:
+            self._gather_table = HierAllgather(self).table  # kept alive: ctl holds its address
+            return node.GATHER_STEP
+        return HierAllgather(self)
+
+    def run_python(self, fn, *args):
+        """Run a Python algorithm as an entry: its HarmpiError becomes the
+        status RAISED (fail() raises it again)."""
+        try:
+            fn(*args)
+        except HarmpiError as exc:
+            self.pending_error = exc
+            return RAISED
+        return 0
 
     @property
     def broken(self):
@@ -114,7 +212,7 @@ class Context:
         self._broken = why
         if why is not None:
             # close the native entry point's gate: the Python path raises
-            self.ctl[node.C_NATIVE] = 0
+            self.ctl[0]["gate"] = 0
 
     # -- pieces the algorithms ask for --------------------------------------
 
@@ -156,15 +254,11 @@ class Context:
             else:
                 log.debug(message)
 
-    # -- choosing and running ----------------------------------------------
-
     def allreduce_algorithm(self, name, nbytes):
         """The algorithm object for ``name`` ("auto" resolves by size and topology)."""
-        if name == "auto":
+        if name == "auto":  # several nodes (one node: the compiled entry)
             topo = self.topo
-            if topo.node_count == 1:
-                name = "auto_shm"
-            elif not topo.uniform:
+            if not topo.uniform:
                 self.log_once(f"allreduce: nodes hold {list(topo.node_sizes)} ranks (uneven); "
                               "using the leader algorithm")
                 name = "leader"
@@ -172,28 +266,18 @@ class Context:
                 name = "har_latency"
             else:
                 name = "har_bandwidth"
-        algo = self._allreduce.get(name)
+        return self._algorithm(name)
+
+    def _algorithm(self, name):
+        algo = self._algorithms.get(name)
         if algo is None:
-            algo = self._allreduce[name] = self._make(name)
+            if name in ("shm", "shm_rsag") and self.topo.node_count > 1:
+                raise HarmpiArgumentError(
+                    f"algorithm {name!r} works inside one node; this job spans "
+                    f"{self.topo.node_count} nodes. Use 'auto', 'har_latency', 'har_bandwidth' "
+                    "or 'leader'.")
+            algo = self._algorithms[name] = ALLREDUCE[name](self)
         return algo
-
-    def _make(self, name):
-        if name == "auto_shm":
-            algo = ShmAllreduce(self)
-            algo.small_max_nbytes = self.config.small_max_nbytes
-            return algo
-        cls = ALLREDUCE[name]
-        if name in ("shm", "shm_rsag") and self.topo.node_count > 1:
-            raise HarmpiArgumentError(
-                f"algorithm {name!r} works inside one node; this job spans "
-                f"{self.topo.node_count} nodes. Use 'auto', 'har_latency', 'har_bandwidth' "
-                "or 'leader'.")
-        return cls(self)
-
-    def allgather_algorithm(self):
-        if self._allgather is None:
-            self._allgather = HierAllgather(self)
-        return self._allgather
 
     def stage_or_remember(self, call, addr, m, copy=True):
         """node.stage of one chunk (``copy=False``: only the meta check, the
@@ -202,10 +286,10 @@ class Context:
         then finishes its cross-node exchanges poisoned, so the other nodes
         fail too instead of waiting for this one, and raises in :meth:`settle`."""
         if copy:
-            rc = node.stage(self.ctl, addr, m, call.nbytes, call.code, call.fmt, call.w)
+            rc = node.stage(self.ctl, addr, m, call.nbytes, call.code, call.w)
         else:
-            rc = node.stage_meta(self.ctl, m, call.nbytes, call.code, call.fmt, call.w)
-        if rc == node.TIMEOUT:
+            rc = node.stage_meta(self.ctl, m, call.nbytes, call.code, call.w)
+        if rc == TIMEOUT:
             self.fail(rc, call)
         return self.error_state() if rc else None
 
@@ -214,33 +298,51 @@ class Context:
         raise on every rank if any rank of the node failed."""
         rc = node.publish_wait_status(self.ctl, 1 if poisoned else 0)
         if local is not None:
-            self.fail(node.MISMATCH, call, state=local)
+            self.fail(MISMATCH, call, state=local)
         if rc:
-            self.fail(rc, call, after_rail=True)
+            self.fail(rc, call)
 
     def error_state(self):
-        """The (peer, a, b) a failed compiled step left in ctl."""
-        ctl = self.ctl
-        return int(ctl[node.C_ERR_PEER]), int(ctl[node.C_ERR_A]), int(ctl[node.C_ERR_B])
+        """The (peer, a, b) a failed compiled step left in the control block."""
+        c = self.ctl[0]
+        return int(c["err_peer"]), int(c["err_a"]), int(c["err_b"])
 
-    def fail(self, rc, call, rail_poison=False, after_rail=False, state=None):
-        """Turn a compiled step's status into the right exception.
+    # -- failures -----------------------------------------------------------
 
-        ``state``: an earlier :meth:`error_state`, when the algorithm went on
-        (in poisoned mode) after the failing step so its peers fail too.
-        """
+    def fail(self, rc, call, state=None):
+        """Raise the exception for a step's status ``rc``; a timeout or a
+        transport error also marks this context unusable (peers may have
+        been left mid-collective). ``state``: an earlier :meth:`error_state`,
+        when the algorithm went on (poisoned) after the failing step so its
+        peers fail too."""
+        try:
+            self._raise(rc, call, state)
+        except (HarmpiTimeoutError, HarmpiTransportError) as exc:
+            self.broken = self.broken or str(exc)
+            raise
+
+    def raise_status(self, rc, x_addr, n, fmt, code, op):
+        """fail() for a status returned by an entry (the API's one error path)."""
+        self.fail(rc, Call(x_addr, n, fmt, code, op))
+
+    def _raise(self, rc, call, state):
+        if rc == RAISED:
+            exc, self.pending_error = self.pending_error, None
+            raise exc
+        if rc in (RAIL_TIMEOUT, RAIL_FAILED) and self._har2 is not None:
+            self._har2.raise_rail(rc, call)
         topo = self.topo
         who = f"rank {topo.rank} (node {topo.node_index}, local rank {topo.local_rank})"
         peer, a, b = state or self.error_state()
         peer_rank = topo.node_ranks[topo.node_index][peer]
-        if rc == node.TIMEOUT:
-            self.broken = (f"{who}: {call}: local rank {peer} (rank {peer_rank}) did not publish "
-                           f"step {a} within {self.config.timeout_s:g} s; its flag shows {b}")
+        if rc == TIMEOUT:
             raise HarmpiTimeoutError(
-                self.broken + ". It crashed, hangs, or never called this collective "
-                "(HARMPI_TIMEOUT_S sets the deadline); this context is unusable now.")
-        if rc == node.MISMATCH:
-            if rail_poison or after_rail or b == node.POISON_CODE:
+                f"{who}: {call}: local rank {peer} (rank {peer_rank}) did not publish step {a} "
+                f"within {self.config.timeout_s:g} s; its flag shows {b}. It crashed, hangs, or "
+                "never called this collective (HARMPI_TIMEOUT_S sets the deadline); this "
+                "context is unusable now.")
+        if rc in (MISMATCH, POISONED):
+            if rc == POISONED or b == kind.POISON:
                 detail = ("the cross-node exchange saw a peer node pass a different size, dtype, "
                           "op or algorithm")
             else:
@@ -256,8 +358,7 @@ class Context:
 
     def free(self):
         """Release the window, transports and communicators (collective).
-        (The API detaches harmpi.native first: _Contexts.free_all.)"""
-        self.native_attached = False
+        (The API detaches harmpi.native first.)"""
         for t in (self._rail_transport, self._world_transport):
             if t is not None:
                 t.close()

@@ -31,9 +31,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["HOOK_WORDS", "fill_hook", "new_hook", "iprobe", "iprobe_address"]
+__all__ = ["hook_values", "new_hook", "iprobe", "iprobe_address"]
 
-HOOK_WORDS = 4
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 
@@ -61,18 +60,16 @@ def iprobe_address():
     return 0
 
 
-def fill_hook(words):
-    """Fill four int64 words (a numpy view) with this process's hook."""
+def hook_values():
+    """This process's hook: (MPI_Iprobe's address, COMM_SELF's handle,
+    ANY_SOURCE, ANY_TAG), the four words that sync.poke reads in order."""
     from mpi4py import MPI  # noqa: PLC0415
-    words[0] = iprobe_address()
-    words[1] = MPI._handleof(MPI.COMM_SELF)
-    words[2] = MPI.ANY_SOURCE
-    words[3] = MPI.ANY_TAG
-    return words
+    return (iprobe_address(), MPI._handleof(MPI.COMM_SELF), MPI.ANY_SOURCE, MPI.ANY_TAG)
 
 
 def new_hook():
-    return fill_hook(np.zeros(HOOK_WORDS, np.int64))
+    """A standalone hook (four int64 words) for waits outside a control block."""
+    return np.array(hook_values(), np.int64)
 
 
 @intrinsic

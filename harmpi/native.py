@@ -5,18 +5,22 @@ it reaching the kernel (torch attribute calls at ~50 ns each, numba's
 argument unboxing). The C++ module checks the tensor on its C++ side and
 calls the numba kernel through a function pointer in ~0.05 us.
 
-What it serves: the world communicator's context on one node (the API's
-``single_node_auto`` case), torch tensors only; everything else, and every
+What it serves: the world communicator's context when its default entry is
+compiled (one node, or one rank; harmpi.context), torch tensors only. It
+calls that entry, the one every path calls; everything else, and every
 tensor it declines, takes the Python path, which has the same checks and
-raises the errors. A context's gate word (``node.C_NATIVE``) is 1 while the
-module may use it; Context clears it when the context breaks or is freed.
+raises the errors. The control block's ``gate`` field is 1 while the module
+may use the context; Context clears it when the context breaks or is freed.
+The dtype -> format pairs come from harmpi.dtypes at attach time (the C++
+side has no table of its own).
 
 Building: ``python -m launch.build_native`` (``make`` runs it) compiles the module
 with the system C++ compiler against the installed torch's headers into
 ``harmpi/_native_build/<tag>/``; the tag hashes the source, the torch
 version and the Python ABI, so a changed torch or source is never loaded
 stale. Nothing is compiled at run time: without a build (no compiler, or
-``HARMPI_NATIVE=0``) the API simply keeps the Python path, and
+``HARMPI_NATIVE=0``, i.e. ``Config(native=False)``) the API simply keeps
+the Python path, and
 ``harmpi.info()["native"]`` says why.
 
 This module imports torch (through the C++ module), so only harmpi.torch
@@ -33,29 +37,15 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
-import numba
-import numpy as np
-from numba import types
-
-from . import node
+from . import control
 
 log = logging.getLogger("harmpi")
 
-__all__ = ["SOURCE", "build", "load", "attach", "detach", "status", "KERNEL_SIG"]
+__all__ = ["SOURCE", "build", "load", "attach", "detach", "status"]
 
 SOURCE = Path(__file__).with_name("_native.cpp")
 BUILD_ROOT = Path(__file__).with_name("_native_build")
 MODULE_NAME = "_harmpi_native"
-
-#: kernel(ctl_addr, x_addr, n, fmt) -> status, as the C++ module calls it
-KERNEL_SIG = types.int64(types.int64, types.int64, types.int64, types.int64)
-
-
-@numba.cfunc(KERNEL_SIG, cache=True, nogil=True)
-def _kernel(ctl_addr, x_addr, n, fmt):
-    ctl = numba.carray(node._voidptr(ctl_addr), (node.C_LEN,), np.int64)
-    return node.fast_allreduce(ctl, x_addr, n, fmt)
-
 
 #: compiler flags beyond include and library paths (torch 2.13's headers use C++20)
 CXXFLAGS = ("-O2", "-fPIC", "-shared", "-std=c++20")
@@ -114,9 +104,6 @@ def load():
     global _loaded, _status
     if _loaded is not None:
         return _loaded
-    if os.environ.get("HARMPI_NATIVE", "1").strip() == "0":
-        _status = "off (HARMPI_NATIVE=0)"
-        return None
     try:
         path = _library_path()
     except Exception as exc:  # no torch, unreadable source
@@ -137,20 +124,25 @@ def load():
     return mod
 
 
-def attach(ctl) -> bool:
-    """Serve the context whose control array is ``ctl``; False if the module
-    is not available. The caller sets ctl[node.C_NATIVE] = 1 when it may."""
+def attach(ctx):
+    """Serve the context ``ctx`` (its default entry must be compiled: a
+    non-zero ``ctx.entry_cfunc``); returns the module's ``allreduce(t)``,
+    or None if the module is not available."""
+    from .torch import FORMAT_IDS  # noqa: PLC0415 - torch is loaded by now
+
     mod = load()
     if mod is None:
-        return False
-    mod.attach(int(ctl.ctypes.data), node.C_NATIVE, int(_kernel.address))
-    return True
+        return None
+    mod.attach(int(ctx.ctl.ctypes.data), control.offset("gate"), int(ctx.entry_cfunc),
+               tuple(FORMAT_IDS.items()))
+    ctx.ctl[0]["gate"] = 1
+    return mod.allreduce
 
 
 def detach() -> None:
     """Serve no context (before its control array goes away)."""
     if _loaded is not None:
-        _loaded.attach(0, 0, 0)
+        _loaded.attach(0, 0, 0, ())
 
 
 def status() -> str:

@@ -140,6 +140,8 @@ import numba
 import numpy as np
 from numba import types
 
+from . import dtypes
+
 __all__ = [
     "HARDWARE_F16",
     "SUM2",
@@ -969,9 +971,6 @@ SUM2 = {
     "f64": sum2_f64,
 }
 
-_STORAGE = {"bf16": np.uint16, "f16": np.uint16, "f32": np.float32, "f64": np.float64}
-
-
 def warm_up():
     """Run every kernel once on a few elements.
 
@@ -979,9 +978,10 @@ def warm_up():
     at import; this makes sure each one has run, so the first timed
     collective pays nothing.
     """
-    for name, storage in _STORAGE.items():
-        src = np.zeros((2, 3), storage)
-        out = np.zeros(3, storage)
+    for f in dtypes.FORMATS:
+        name = f.name
+        src = np.zeros((2, 3), f.storage)
+        out = np.zeros(3, f.storage)
         SUM_ROWS[name](src, 0, 3, out, 0)
         SUM_ROWS_X[name](src, 0, 3, 1, out.copy(), out, out.copy(), 0)
         SUM2[name](src[0], src[1], out)

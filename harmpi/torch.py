@@ -8,38 +8,31 @@ harmpi itself never pulls torch in.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from . import dtypes
 from .errors import HarmpiArgumentError
-from .node import ALLGATHER_NODE, FMT_BF16, FMT_F16, FMT_F32, FMT_F64
 
-__all__ = ["KINDS", "FAST_GATHER", "Tensor", "describe", "empty_like_gathered"]
+__all__ = ["FORMAT_IDS", "Tensor", "describe", "empty_like_gathered"]
 
 Tensor = torch.Tensor
 
-#: torch dtype -> (storage format, zero-length witness of the storage dtype, itemsize)
-KINDS = {
-    torch.bfloat16: (FMT_BF16, np.empty(0, np.uint16), 2),
-    torch.float16: (FMT_F16, np.empty(0, np.uint16), 2),
-    torch.float32: (FMT_F32, np.empty(0, np.float32), 4),
-    torch.float64: (FMT_F64, np.empty(0, np.float64), 8),
-}
-
-
-#: torch dtype -> (compiled one-node allgather, storage format, itemsize, witness)
-FAST_GATHER = {dt: (ALLGATHER_NODE[w.dtype], fmt, isz, w) for dt, (fmt, w, isz) in KINDS.items()}
+#: torch dtype -> storage format id (harmpi.dtypes, the one table)
+FORMAT_IDS = {getattr(torch, f.torch_name): f.id for f in dtypes.FORMATS}
+_NAMES = ", ".join(f"torch.{f.torch_name}" for f in dtypes.FORMATS)
 
 
 def describe(t, writable=True):
-    """(addr, numel, fmt, witness, itemsize, True) of a tensor, or HarmpiArgumentError."""
-    kind = KINDS.get(t.dtype)
-    if kind is None:
-        raise HarmpiArgumentError(
-            f"unsupported tensor dtype {t.dtype}; harmpi reduces torch.bfloat16, torch.float16, "
-            "torch.float32 and torch.float64")
+    """(addr, numel, fmt) of a tensor, or HarmpiArgumentError."""
+    fmt = FORMAT_IDS.get(t.dtype)
+    if fmt is None:
+        raise HarmpiArgumentError(f"unsupported tensor dtype {t.dtype}; harmpi reduces {_NAMES}")
     if not t.is_cpu:
         raise HarmpiArgumentError(f"tensor is on {t.device}; harmpi works on CPU tensors")
+    if t.layout != torch.strided:
+        raise HarmpiArgumentError(
+            f"tensor has layout {t.layout} (sparse or otherwise not dense); harmpi works on "
+            "dense tensors: pass t.to_dense()")
     if not t.is_contiguous():
         raise HarmpiArgumentError(
             f"tensor of shape {tuple(t.shape)} with strides {t.stride()} is not contiguous; "
@@ -48,8 +41,7 @@ def describe(t, writable=True):
         raise HarmpiArgumentError(
             "tensor requires grad; an in-place collective would bypass autograd. Call it under "
             "torch.no_grad() or pass t.detach()")
-    fmt, w, itemsize = kind
-    return t.data_ptr(), t.numel(), fmt, w, itemsize, True
+    return t.data_ptr(), t.numel(), fmt
 
 
 def empty_like_gathered(t, nranks):

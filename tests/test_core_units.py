@@ -9,11 +9,13 @@ import time
 import numpy as np
 import pytest
 
-from harmpi import node
+from harmpi import control, kind, node
 from harmpi.config import ALGORITHMS, Config
+from harmpi.control import MISMATCH, OK
+from harmpi.dtypes import F32, F64
 from harmpi.errors import HarmpiArgumentError
+from harmpi.kind import MAX_TAG, POISON_TAG, rail_tag
 from harmpi.sync import wait_flags_ge
-from harmpi.transports import POISON_TAG, MAX_TAG, tag_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,9 +43,13 @@ def test_config_rejects_bad_values(env, match):
         Config.from_env(env)
 
 
-def test_algorithm_names_are_known():
-    assert set(ALGORITHMS) == {"shm", "shm_rsag", "har_latency", "har_bandwidth", "leader",
-                               "flat_ring"}
+def test_config_algorithm_names_are_the_algorithms():
+    from harmpi.algorithms import ALGORITHM_IDS, ALLREDUCE
+    assert set(ALGORITHMS) == set(ALLREDUCE)
+    # every id fits the kind word's algo field, and ids are distinct
+    assert len(set(ALGORITHM_IDS.values())) == len(ALGORITHM_IDS)
+    for i in ALGORITHM_IDS.values():
+        assert kind.decode(kind.encode(algo=i))["algo"] == i
 
 
 def test_wait_returns_when_all_flags_reached():
@@ -70,39 +76,61 @@ class _FakeArena:
         self.slots_addr = self.flags_addr + 4096
         self.slot_nbytes = slot_nbytes
         self.local_size, self.local_rank = 1, 0
-        self.tune_addr = self.flags_addr + 64
-
-    def tune_table(self):
-        return self.mem[64:64 + 512].view(np.int64)
 
 
-def test_node_steps_single_rank_roundtrip():
+def _control(arena, small_max_nbytes=1 << 40, stream=True):
+    ctl = control.new()
+    node.init_control(ctl, arena, 10, 1.0, 0, small_max_nbytes, stream)
+    return ctl
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_node_steps_single_rank_roundtrip(stream):
     arena = _FakeArena()
-    ctl = node.new_ctl(arena, 10, 1.0)
+    ctl = _control(arena, stream=stream)
     w = np.empty(0, np.float32)
     x = np.arange(2500, dtype=np.float32)     # 10000 bytes: three 4 KiB chunks
-    assert node.shm_allreduce(ctl, x.ctypes.data, x.size, 3, node.FMT_F32, 1 << 40, w) == node.OK
+    assert node.shm_allreduce(ctl, x.ctypes.data, x.size, 3, F32, 1 << 40, w) == OK
     assert np.array_equal(x, np.arange(2500, dtype=np.float32))
-    assert ctl[node.C_STEPS] == 3 and ctl[node.C_EPOCH] == 3
+    assert ctl[0]["steps"] == 3 and ctl[0]["epoch"] == 3
     # a single rank never takes the reduce-scatter branch: one epoch per step
-    assert node.shm_allreduce(ctl, x.ctypes.data, x.size, 3, node.FMT_F32, -1, w) == node.OK
-    assert ctl[node.C_STEPS] == 6 and ctl[node.C_EPOCH] == 6
+    assert node.shm_allreduce(ctl, x.ctypes.data, x.size, 3, F32, -1, w) == OK
+    assert ctl[0]["steps"] == 6 and ctl[0]["epoch"] == 6
     assert np.array_equal(x, np.arange(2500, dtype=np.float32))
+
+
+def test_one_node_entry_and_its_c_twin_run_the_same_step():
+    """The entry a context calls and the cfunc the native module calls are
+    one step: the same counters move, the same status comes back."""
+    import ctypes
+    arena = _FakeArena()
+    ctl = _control(arena)
+    x = np.arange(100, dtype=np.float64)
+    assert node.ONE_NODE_STEP(ctl, x.ctypes.data, x.size, F64) == OK
+    cfunc = ctypes.CFUNCTYPE(ctypes.c_int64, *[ctypes.c_int64] * 4)(node.ONE_NODE_CFUNC)
+    assert cfunc(ctl.ctypes.data, x.ctypes.data, x.size, F64) == OK
+    assert ctl[0]["steps"] == 2 and np.array_equal(x, np.arange(100.0))
 
 
 def test_poisoned_stage_fails_even_alone():
     arena = _FakeArena()
-    ctl = node.new_ctl(arena, 10, 1.0)
+    ctl = _control(arena)
     w = np.empty(0, np.float64)
     x = np.ones(4)
-    assert node.stage(ctl, x.ctypes.data, 4, 32, node.POISON_CODE, node.FMT_F64, w) == \
-        node.MISMATCH
+    assert node.stage(ctl, x.ctypes.data, 4, 32, kind.POISON, w) == MISMATCH
+
+
+def test_control_block_fields_are_int64_words_in_order():
+    names = [name for name, _ in control.FIELDS]
+    assert len(set(names)) == len(names)
+    assert [control.offset(n) for n in names] == [8 * i for i in range(len(names))]
+    assert control.CONTROL.itemsize == 8 * len(names)
 
 
 def test_add_into_and_part_bounds():
     a = np.arange(100, dtype=np.float64)
     b = np.ones(100)
-    node.add_into(a.ctypes.data, b.ctypes.data, 100, node.FMT_F64, np.empty(0, np.float64))
+    node.add_into(a.ctypes.data, b.ctypes.data, 100, F64, np.empty(0, np.float64))
     assert np.array_equal(a, np.arange(100) + 1)
     for m in (0, 1, 17, 1000, 4097):
         for L in (1, 2, 3, 4):
@@ -113,9 +141,14 @@ def test_add_into_and_part_bounds():
 
 
 def test_tags_stay_in_mpi_range_and_differ():
-    tags = {tag_for(n, c) for n in range(0, 4000, 4) for c in (0, 1, 2, 3)}
+    tags = {rail_tag(n, c) for n in range(0, 4000, 4) for c in (0, 1, 2, 3)}
     assert all(1 <= t <= MAX_TAG for t in tags) and POISON_TAG > MAX_TAG
     assert len(tags) > 3900
+    # every field of the kind word reaches the tag, the high ones included
+    base = kind.encode(fmt=1, op=1, coll=1)
+    for name, shift, width in kind.FIELDS:
+        other = base ^ (1 << (shift + width - 1))
+        assert rail_tag(10240, other) != rail_tag(10240, base), name
 
 
 def test_singleton_process_arena_and_topology():
@@ -150,11 +183,24 @@ def test_mpi_progress_hook_calls_mpi_iprobe():
     req.wait()
 
 
-def test_compiled_tag_matches_the_transports_tag():
-    # the compiled two-node step and the Python loop must put the same tag
-    # on the wire, or ranks on the two paths would see a mismatch
-    from harmpi.algorithms.har_latency import _tag
-    from harmpi.transports import tag_for
-    for nbytes in (0, 1, 10240, 2 ** 31 + 7, 2 ** 40 + 3):
-        for code in (0, 1, 0x10100, 0x110203, 2 ** 30 + 5):
-            assert _tag(nbytes, code) == tag_for(nbytes, code), (nbytes, code)
+def test_kind_fields_do_not_overlap_and_round_trip():
+    spans = sorted((shift, shift + width) for _, shift, width in kind.FIELDS)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    assert spans[-1][1] <= 63, "bit 63 stays clear: a kind is never negative (POISON)"
+    values = {name: (1 << width) - 1 for name, _, width in kind.FIELDS}
+    assert kind.decode(kind.encode(**values)) == values
+    for name, _, width in kind.FIELDS:
+        one = kind.encode(**{name: (1 << width) - 1})
+        assert kind.decode(one) == {n: (values[n] if n == name else 0) for n in values}
+        with pytest.raises(ValueError):
+            kind.encode(**{name: 1 << width})
+    assert kind.decode(kind.POISON) == {}
+
+
+def test_ring_position_rides_in_the_kind_word_and_comes_off():
+    code = kind.encode(fmt=2, op=1, coll=1, algo=3)
+    for pos in (0, 64, 4096, 64 * kind.ring_lines_max()):
+        with_pos = kind.with_ring(code, pos)
+        assert kind.decode(with_pos)["ring"] == pos // 64
+        assert kind.without_ring(with_pos) == code
+    assert kind.with_ring(kind.POISON, 640) == kind.POISON

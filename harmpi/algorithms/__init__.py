@@ -22,10 +22,11 @@ from .shm_rsag import ShmRsagAllreduce
 
 __all__ = ["ALLREDUCE", "HierAllgather", "ShmAllreduce", "ShmRsagAllreduce",
            "HarLatencyAllreduce", "HarBandwidthAllreduce", "LeaderAllreduce",
-           "FlatRingAllreduce", "ALGORITHM_IDS"]
+           "FlatRingAllreduce", "ALGORITHM_IDS", "ALGORITHM_NAMES"]
 
 ALLREDUCE = {cls.name: cls for cls in (ShmAllreduce, ShmRsagAllreduce, HarLatencyAllreduce,
                                        HarBandwidthAllreduce, LeaderAllreduce, FlatRingAllreduce)}
 #: small integers carried in the meta code, so ranks that forced different
 #: algorithms are told so instead of deadlocking
 ALGORITHM_IDS = {"auto": 0, **{name: i + 1 for i, name in enumerate(ALLREDUCE)}}
+ALGORITHM_NAMES = {i: name for name, i in ALGORITHM_IDS.items()}

@@ -30,9 +30,10 @@ import logging
 
 import numpy as np
 
-from .. import node
-from ..transports import tag_for
-from .base import chunks, mismatch_error, recv_check
+from .. import kind, node
+from ..control import POISONED
+from ..kind import rail_tag
+from .base import Call, chunks, mismatch_error, recv_check
 
 __all__ = ["HierAllgather"]
 
@@ -52,9 +53,12 @@ class HierAllgather:
                          "do not span every node; using MPI_Allgather on the communicator")
             return
         self.transport = ctx.rail_transport() if self.G > 1 else None
-        # table[l, g] = communicator rank of local rank l on node g
-        self.table = np.array([[topo.node_ranks[g][l] for g in range(self.G)]
-                               for l in range(self.L)], dtype=np.int64)
+        self.table = gather_table(ctx)
+
+    def __call__(self, ctl, x_addr, out_addr, n, fmt, digest):
+        """The context's allgather entry (same signature as node.GATHER_STEP)."""
+        return self.ctx.run_python(self.run, Call(x_addr, n, fmt, kind.encode(
+            fmt=fmt, coll=kind.COLL_ALLGATHER, digest=digest), "allgather"), out_addr)
 
     def run(self, call, out_addr):
         ctx = self.ctx
@@ -72,14 +76,7 @@ class HierAllgather:
             return
         ctl = ctx.ctl
         G, g = self.G, self.g
-        if G == 1:
-            # one node: the whole loop below (without the rail) in one compiled call
-            rc = node.allgather_node(ctl, call.addr, out_addr, call.n, call.nbytes, call.code,
-                                     max(1, ctx.config.slot_nbytes // isz), self.table, call.w)
-            if rc:
-                ctx.fail(rc, call)
-            return
-        tag = tag_for(call.nbytes, call.code)
+        tag = rail_tag(call.nbytes, call.code)
         for start, src, m in chunks(call, max(1, ctx.config.slot_nbytes // G // isz)):
             nb = m * isz
             slot = node.next_slot_addr(ctl, ctx.topo.local_rank)
@@ -97,9 +94,24 @@ class HierAllgather:
             if pending is not None:
                 for got in self.transport.complete(pending, ctx.config.timeout_s, call):
                     poisoned = poisoned or recv_check(got, nb, tag)
-            code = node.POISON_CODE if poisoned else call.code
-            rc = node.stage(ctl, 0, 0, call.nbytes, code, call.fmt, call.w)
+            code = kind.POISON if poisoned else call.code
+            rc = node.stage(ctl, 0, 0, call.nbytes, code, call.w)
             if rc:
-                ctx.fail(rc, call, rail_poison=poisoned)
-            node.copy_blocks(ctl, out_addr, call.n, start, m, self.table, call.w)
+                ctx.fail(POISONED if poisoned else rc, call)
+            node.copy_blocks(ctl, out_addr, call.n, start, m, call.w)
+
+
+def gather_table(ctx):
+    """int64[L, G]: communicator rank of local rank l on node g; its address
+    goes into the control block (node.copy_blocks reads it there). Uneven
+    nodes have no table (None)."""
+    topo = ctx.topo
+    if not topo.uniform:
+        return None
+    table = np.array([[topo.node_ranks[g][l] for g in range(topo.node_count)]
+                      for l in range(topo.local_size)], dtype=np.int64)
+    c = ctx.ctl[0]
+    c["gather_table"] = table.ctypes.data
+    c["gather_nodes"] = topo.node_count
+    return table
 

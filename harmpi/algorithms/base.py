@@ -5,32 +5,26 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .. import node
+from .. import dtypes, kind, node
 from ..errors import HarmpiMismatchError
-from ..transports import POISON_TAG
+from ..kind import POISON_TAG
 
-__all__ = ["Call", "RailAlgorithm", "chunks", "rail_allreduce", "recv_check", "mismatch_error", "FMT_NAMES"]
-
-
-FMT_NAMES = ("bf16", "f16", "f32", "f64")
+__all__ = ["Call", "RailAlgorithm", "chunks", "rail_allreduce", "recv_check", "mismatch_error"]
 
 
 class Call:
-    """One collective call, already validated: x[:n] at ``addr``.
-
-    ``code`` is the kind word every rank compares: storage format in bits
-    0-7, algorithm id in bits 8-15, collective id in bits 16-23, a shape
-    digest (allgather) above.
-    """
+    """One collective call, already validated: x[:n] at ``addr``, of storage
+    format ``fmt`` (harmpi.dtypes), with kind word ``code`` (harmpi.kind)."""
 
     __slots__ = ("addr", "n", "itemsize", "fmt", "w", "code", "op")
 
-    def __init__(self, addr, n, itemsize, fmt, w, code, op):
+    def __init__(self, addr, n, fmt, code, op):
+        f = dtypes.FORMATS[fmt]
         self.addr = addr
         self.n = n
-        self.itemsize = itemsize
+        self.itemsize = f.itemsize
         self.fmt = fmt
-        self.w = w
+        self.w = f.witness
         self.code = code
         self.op = op
 
@@ -39,17 +33,17 @@ class Call:
         return self.n * self.itemsize
 
     def __str__(self):
-        return f"{self.op} of {self.n} {FMT_NAMES[self.fmt]}"
+        return f"{self.op} of {self.n} {dtypes.FORMATS[self.fmt].name}"
 
     def describe_code(self, code=None):
-        code = self.code if code is None else code
-        if code < 0:
+        """A kind word in words (this call's, or a peer's)."""
+        fields = kind.decode(self.code if code is None else code)
+        if not fields:
             return "failed"
-        fmt, algo = code & 0xFF, (code >> 8) & 0xFF
-        from . import ALGORITHM_IDS  # noqa: PLC0415 - avoid an import cycle
-        names = {v: k for k, v in ALGORITHM_IDS.items()}
-        return (f"{FMT_NAMES[fmt] if fmt < len(FMT_NAMES) else fmt}, "
-                f"algorithm {names.get(algo, algo)}")
+        from . import ALGORITHM_NAMES  # noqa: PLC0415 - avoid an import cycle
+        fmt = fields["fmt"]
+        name = dtypes.FORMATS[fmt].name if fmt < len(dtypes.FORMATS) else fmt
+        return f"{name}, algorithm {ALGORITHM_NAMES.get(fields['algo'], fields['algo'])}"
 
 
 class RailAlgorithm:

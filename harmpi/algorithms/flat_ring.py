@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import node
-from ..transports import POISON_TAG, tag_for
+from ..kind import POISON_TAG, rail_tag
 from .base import chunks, mismatch_error, recv_check
 
 __all__ = ["FlatRingAllreduce"]
@@ -57,7 +57,7 @@ class FlatRingAllreduce:
         if N == 1:
             return
         isz = call.itemsize
-        tag = tag_for(call.nbytes, call.code)
+        tag = rail_tag(call.nbytes, call.code)
         right, left = (r + 1) % N, (r - 1) % N
         timeout_s = ctx.config.timeout_s
         poisoned = False

@@ -25,7 +25,7 @@ flag round: from a few hundred KiB on TCP.
 from __future__ import annotations
 
 from .. import node
-from ..transports import tag_for
+from ..kind import rail_tag
 from .base import RailAlgorithm, chunks, rail_allreduce
 
 __all__ = ["HarBandwidthAllreduce"]
@@ -37,7 +37,7 @@ class HarBandwidthAllreduce(RailAlgorithm):
     def run(self, call):
         ctx = self.ctx
         ctl = ctx.ctl
-        tag = tag_for(call.nbytes, call.code)
+        tag = rail_tag(call.nbytes, call.code)
         for _start, addr, m in chunks(call, ctx.config.slot_nbytes // call.itemsize):
             local = ctx.stage_or_remember(call, addr, m)
             lo, hi = node.part_bounds(m, self.L, self.me, call.itemsize)

@@ -41,16 +41,13 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import types
 
-from .. import node
-from ..node import (C_ERR2_A, C_ERR2_B, C_ERR2_PEER, C_ERR_A, C_ERR_B, C_ERR_PEER, C_RAIL_FD,
-                    C_RAIL_RECV, C_RAIL_RECV_CAP, C_RAIL_SPIN, C_SLOT_NBYTES, C_TIMEOUT_NS)
-from ..transports import MAX_TAG, TcpTransport, tag_for
-from ..transports import sockio
+from .. import control, dtypes, kind, node
+from ..control import MISMATCH, OK, RAIL_FAILED, RAIL_TIMEOUT, TIMEOUT
+from ..transports import TcpTransport, sockio
 from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
 
-__all__ = ["HarLatencyAllreduce", "TWO_NODE_TCP"]
+__all__ = ["HarLatencyAllreduce", "HAR2_STEP"]
 
 # -- two nodes over the tcp transport: the whole step in one compiled call ----
 #
@@ -58,80 +55,88 @@ __all__ = ["HarLatencyAllreduce", "TWO_NODE_TCP"]
 # on either path meets its peers), without ~15 us of Python per call: post
 # the exchange (header + x straight from the caller's buffer), stage the
 # metas only, complete the exchange (sleeping in poll(2) when there is
-# nothing to do), then add + publish + sum.
+# nothing to do), then add + publish + sum. Its socket, buffers and sockio
+# rows are in the control block (rail_* fields).
 
-#: return codes of har2_tcp besides node.OK
-H2_NODE_TIMEOUT, H2_LOCAL_MISMATCH, H2_RAIL_TIMEOUT, H2_IO_FAILED = 11, 12, 13, 14
-H2_AFTER_TIMEOUT, H2_AFTER_MISMATCH = 15, 16
-
-
-@numba.njit(cache=True, nogil=True)
-def _tag(nbytes, code):
-    """transports.tag_for, compiled (int64 wrap-around keeps the low 32 bits exact)."""
-    h = (nbytes * 0x9E3779B1 + code * 0x85EBCA77) & 0xFFFFFFFF
-    return 1 + h % MAX_TAG
+_voidptr = control._voidptr
+_RAIL_ROWS = 2
 
 
 @numba.njit(cache=True, nogil=True)
-def _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, fmt, w):
+def _har2_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
+    """One step of the two-node exchange over x[:m] at ``addr``."""
+    c = ctl[0]
+    nbytes = m * w.itemsize
+    sockio.set_recv(ops, 0, c.rail_fd, c.rail_recv, c.rail_recv_cap)
+    sockio.set_send(ops, 1, c.rail_fd, addr, nbytes, tag)
+    if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
+        return RAIL_FAILED
+    rc = node.stage_meta(ctl, m, total, code, w)
+    if rc == TIMEOUT:
+        return TIMEOUT
+    local_bad = rc == MISMATCH
+    if local_bad:  # keep the node's verdict while the step ends poisoned
+        c.saved_peer, c.saved_a, c.saved_b = c.err_peer, c.err_a, c.err_b
+    io = sockio.progress(ops, _RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
+                         node.hook_addr(ctl))
+    if io == sockio.IO_TIMEOUT:
+        return RAIL_TIMEOUT
+    if io != sockio.IO_OK:
+        return RAIL_FAILED
+    rail_bad = ops[0, sockio.OP_HDR_N] != nbytes or ops[0, sockio.OP_HDR_TAG] != tag
+    status = 1 if (local_bad or rail_bad) else 0
+    rc = node.add_publish_sum(ctl, addr, c.rail_recv, m, status, fmt, w)
+    if local_bad:
+        c.err_peer, c.err_a, c.err_b = c.saved_peer, c.saved_a, c.saved_b
+        return MISMATCH
+    return rc
+
+
+@numba.njit(cache=True, nogil=True)
+def _har2(ctl, x_addr, n, code, fmt, w):
+    c = ctl[0]
     isz = w.itemsize
     total = n * isz
-    tag = _tag(total, code)
-    chunk = ctl[C_SLOT_NBYTES] // isz
-    fd = ctl[C_RAIL_FD]
-    recv_addr = ctl[C_RAIL_RECV]
+    tag = kind.rail_tag(total, code)
+    ops = numba.carray(_voidptr(c.rail_ops), (_RAIL_ROWS, sockio.OP_WORDS), np.int64)
+    pollfds = numba.carray(_voidptr(c.rail_pollfds), (_RAIL_ROWS, 2), np.int32)
+    scratch = numba.carray(_voidptr(c.rail_scratch), (c.rail_scratch_len,), np.int64)
+    chunk = c.slot_nbytes // isz
     start = 0
     while True:
         m = min(chunk, n - start)
-        addr = x_addr + start * isz
-        sockio.set_recv(ops, 0, fd, recv_addr, ctl[C_RAIL_RECV_CAP])
-        sockio.set_send(ops, 1, fd, addr, m * isz, tag)
-        if sockio.kick(ops, 2, scratch) != sockio.IO_OK:
-            return H2_IO_FAILED
-        rc = node.stage_meta(ctl, m, total, code, fmt, w)
-        if rc == node.TIMEOUT:
-            return H2_NODE_TIMEOUT
-        local_bad = rc == node.MISMATCH
-        if local_bad:
-            ctl[C_ERR2_PEER] = ctl[C_ERR_PEER]
-            ctl[C_ERR2_A] = ctl[C_ERR_A]
-            ctl[C_ERR2_B] = ctl[C_ERR_B]
-        io = sockio.progress(ops, 2, ctl[C_RAIL_SPIN], ctl[C_TIMEOUT_NS], pollfds, scratch,
-                             node.hook_addr(ctl))
-        if io == sockio.IO_TIMEOUT:
-            return H2_RAIL_TIMEOUT
-        if io != sockio.IO_OK:
-            return H2_IO_FAILED
-        rail_bad = ops[0, sockio.OP_HDR_N] != m * isz or ops[0, sockio.OP_HDR_TAG] != tag
-        status = 1 if (local_bad or rail_bad) else 0
-        rc = node.add_publish_sum(ctl, addr, recv_addr, m, status, fmt, w)
-        if local_bad:
-            return H2_LOCAL_MISMATCH
-        if rc == node.TIMEOUT:
-            return H2_AFTER_TIMEOUT
-        if rc != node.OK:
-            return H2_AFTER_MISMATCH
+        rc = _har2_chunk(ctl, ops, pollfds, scratch, x_addr + start * isz, m, total, code, tag,
+                         fmt, w)
+        if rc != OK:
+            return rc
         start += m
         if start >= n:
-            return node.OK
+            return OK
 
 
-_H2_SIG = types.int64(types.int64[::1], types.int64[:, ::1], types.int32[:, ::1],
-                      types.int64[::1], types.intp, types.int64, types.int64, types.int64)
+_RUN_SIG = numba.types.int64(control.ARRAY, numba.types.intp, numba.types.int64,
+                             numba.types.int64, numba.types.int64)
 
 
-@numba.njit(_H2_SIG, cache=True, nogil=True)
-def _har2_tcp_step(ctl, ops, pollfds, scratch, x_addr, n, code, fmt):
-    """_har2_tcp for the storage format ``fmt`` (one compiled entry point)."""
-    if fmt == node.FMT_BF16 or fmt == node.FMT_F16:
-        return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, fmt, np.empty(0, np.uint16))
-    if fmt == node.FMT_F32:
-        return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, fmt, np.empty(0, np.float32))
-    return _har2_tcp(ctl, ops, pollfds, scratch, x_addr, n, code, fmt, np.empty(0, np.float64))
+@numba.njit(_RUN_SIG, cache=True, nogil=True)
+def har2_run(ctl, x_addr, n, code, fmt):
+    """The two-node step of x[:n] with kind ``code``, for any storage format."""
+    if fmt == dtypes.BF16 or fmt == dtypes.F16:
+        return _har2(ctl, x_addr, n, code, fmt, np.empty(0, np.uint16))
+    if fmt == dtypes.F32:
+        return _har2(ctl, x_addr, n, code, fmt, np.empty(0, np.float32))
+    return _har2(ctl, x_addr, n, code, fmt, np.empty(0, np.float64))
 
 
-#: the compiled two-node step f(ctl, ops, pollfds, scratch, x_addr, n, code, fmt)
-TWO_NODE_TCP = node.entry_point(_har2_tcp_step, _H2_SIG)
+@numba.njit(node.STEP_SIG, cache=True, nogil=True)
+def har2_step(ctl, x_addr, n, fmt):
+    """The entry of auto on two equal nodes over tcp (up to har_latency_max)."""
+    return har2_run(ctl, x_addr, n, ctl[0].auto_code | fmt, fmt)
+
+
+#: compiled entry points: f(ctl, x_addr, n, fmt) and f(ctl, x_addr, n, code, fmt)
+HAR2_STEP = node.entry_point(har2_step, node.STEP_SIG)
+_HAR2_RUN = node.entry_point(har2_run, _RUN_SIG)
 
 
 class HarLatencyAllreduce(RailAlgorithm):
@@ -139,29 +144,34 @@ class HarLatencyAllreduce(RailAlgorithm):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        #: two nodes over tcp: the compiled step (else None: the Python loop)
-        self.compiled = None
-        if self.G == 2 and isinstance(self.transport, TcpTransport):
+        #: two nodes over tcp: the step runs compiled (else the Python loop)
+        self.compiled = self.G == 2 and isinstance(self.transport, TcpTransport)
+        if self.compiled:
             t = self.transport
-            ctl = ctx.ctl
-            ctl[C_RAIL_FD] = t.fd(1 - self.g)
-            ctl[C_RAIL_RECV] = self.recv_addr
-            ctl[C_RAIL_RECV_CAP] = self.recv_buf.nbytes
-            ctl[C_RAIL_SPIN] = t.spin_count
-            self.compiled = TWO_NODE_TCP
+            # rows of its own: the transport's may be reallocated by its other users
+            self.ops = sockio.new_ops(_RAIL_ROWS)
+            self.pollfds = sockio.new_pollfds(_RAIL_ROWS)
+            self.scratch = sockio.new_scratch()
+            c = ctx.ctl[0]
+            c["rail_fd"] = t.fd(1 - self.g)
+            c["rail_recv"] = self.recv_addr
+            c["rail_recv_cap"] = self.recv_buf.nbytes
+            c["rail_spin"] = t.spin_count
+            c["rail_ops"] = self.ops.ctypes.data
+            c["rail_pollfds"] = self.pollfds.ctypes.data
+            c["rail_scratch"] = self.scratch.ctypes.data
+            c["rail_scratch_len"] = self.scratch.size
 
     def run(self, call):
-        if self.compiled is not None:
-            t = self.transport
-            rc = self.compiled(self.ctx.ctl, t.ops, t.pollfds, t.scratch, call.addr, call.n,
-                               call.code, call.fmt)
+        if self.compiled:
+            rc = _HAR2_RUN(self.ctx.ctl, call.addr, call.n, call.code, call.fmt)
             if rc:
-                self.raise_for(rc, call)
+                self.ctx.fail(rc, call)
             return
         ctx = self.ctx
         ctl = ctx.ctl
         isz = call.itemsize
-        tag = tag_for(call.nbytes, call.code)
+        tag = kind.rail_tag(call.nbytes, call.code)
         timeout_s = ctx.config.timeout_s
         for _start, addr, m in chunks(call, ctx.config.slot_nbytes // isz):
             pending = None
@@ -186,23 +196,15 @@ class HarLatencyAllreduce(RailAlgorithm):
             rc2 = node.add_publish_sum(ctl, addr, r_addr, m, 1 if poisoned else 0, call.fmt,
                                        call.w)
             if local is not None:
-                ctx.fail(node.MISMATCH, call, state=local)
+                ctx.fail(MISMATCH, call, state=local)
             if rc2:
-                ctx.fail(rc2, call, after_rail=True)
+                ctx.fail(rc2, call)
 
-    def raise_for(self, rc, call):
-        """The exception for a failed compiled two-node step."""
-        ctx = self.ctx
-        t = self.transport
+    def raise_rail(self, rc, call):
+        """The exception for a compiled step's RAIL_TIMEOUT or RAIL_FAILED."""
         peer = 1 - self.g
-        if rc == H2_NODE_TIMEOUT or rc == H2_AFTER_TIMEOUT:
-            ctx.fail(node.TIMEOUT, call)
-        if rc == H2_LOCAL_MISMATCH:
-            ctl = ctx.ctl
-            ctx.fail(node.MISMATCH, call,
-                     state=(int(ctl[C_ERR2_PEER]), int(ctl[C_ERR2_A]), int(ctl[C_ERR2_B])))
-        if rc == H2_AFTER_MISMATCH:
-            ctx.fail(node.MISMATCH, call, after_rail=True)
-        if rc == H2_RAIL_TIMEOUT:
-            t.raise_timeout(2, 1, (peer, peer), ctx.config.timeout_s, call)
-        t.raise_failed((peer, peer), call)
+        t = self.transport
+        if rc == RAIL_TIMEOUT:
+            t.raise_timeout(_RAIL_ROWS, 1, (peer, peer), self.ctx.config.timeout_s, call,
+                            ops=self.ops)
+        t.raise_failed((peer, peer), call, ops=self.ops)

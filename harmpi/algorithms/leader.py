@@ -27,7 +27,7 @@ L*m reads on the leader, two flag rounds, one copy-out per rank.
 from __future__ import annotations
 
 from .. import node
-from ..transports import tag_for
+from ..kind import rail_tag
 from .base import chunks, rail_allreduce
 
 __all__ = ["LeaderAllreduce"]
@@ -49,7 +49,7 @@ class LeaderAllreduce:
     def run(self, call):
         ctx = self.ctx
         ctl = ctx.ctl
-        tag = tag_for(call.nbytes, call.code)
+        tag = rail_tag(call.nbytes, call.code)
         for _start, addr, m in chunks(call, ctx.config.slot_nbytes // call.itemsize):
             local = ctx.stage_or_remember(call, addr, m)
             poisoned = local is not None

@@ -28,23 +28,20 @@ from .. import node
 
 __all__ = ["ShmAllreduce"]
 
-#: threshold meaning "never switch to reduce-scatter inside the kernel"
-ALWAYS = 1 << 62
-
-
 class ShmAllreduce:
-    """Every rank sums every slot; ``small_max_nbytes`` lets the same compiled
-    loop switch to reduce-scatter + allgather for large steps (used by auto)."""
+    """Every rank sums every slot (forced ``shm``; auto runs the same compiled
+    loop, node.one_node_step, with the size switch to reduce-scatter)."""
 
     name = "shm"
     needs = "one node"
+    #: steps up to this size sum every slot; larger ones reduce-scatter
+    small_max_nbytes = node.NEVER_RSAG
 
     def __init__(self, ctx):
         self.ctx = ctx
-        self.small_max_nbytes = ALWAYS
 
     def run(self, call):
         rc = node.shm_allreduce(self.ctx.ctl, call.addr, call.n, call.code, call.fmt,
-                                self.small_max_nbytes // call.itemsize, call.w)
+                                self.small_max_nbytes, call.w)
         if rc:
             self.ctx.fail(rc, call)

@@ -28,6 +28,4 @@ class ShmRsagAllreduce(ShmAllreduce):
     name = "shm_rsag"
     needs = "one node"
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self.small_max_nbytes = -1  # every step takes the reduce-scatter branch
+    small_max_nbytes = -1  # every step takes the reduce-scatter branch

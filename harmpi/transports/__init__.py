@@ -17,12 +17,12 @@ import logging
 from mpi4py import MPI
 
 from ..errors import HarmpiTransportError
-from .base import MAX_TAG, POISON_TAG, Pending, Transport, tag_for
+from .base import MAX_TAG, POISON_TAG, Pending, Transport
 from .mpi import MpiTransport
 from .tcp import TcpTransport
 
 __all__ = ["Transport", "Pending", "MpiTransport", "TcpTransport", "select", "verbs_status",
-           "tag_for", "POISON_TAG", "MAX_TAG"]
+           "POISON_TAG", "MAX_TAG"]
 
 log = logging.getLogger(__name__)
 

@@ -17,16 +17,9 @@ from __future__ import annotations
 
 import abc
 
-__all__ = ["Transport", "Pending", "POISON_TAG", "MAX_TAG", "tag_for"]
+from ..kind import MAX_TAG, POISON_TAG
 
-MAX_TAG = 32000          # MPI guarantees tags up to 32767
-POISON_TAG = MAX_TAG + 1
-
-
-def tag_for(nbytes: int, code: int) -> int:
-    """A tag in [1, MAX_TAG] that differs when (nbytes, code) differ (almost always)."""
-    h = (nbytes * 0x9E3779B1 + code * 0x85EBCA77) & 0xFFFFFFFF
-    return 1 + h % MAX_TAG
+__all__ = ["Transport", "Pending", "POISON_TAG", "MAX_TAG"]
 
 
 class Pending(abc.ABC):

@@ -274,22 +274,25 @@ class TcpTransport(Transport):
     def world_rank(self, peer):
         return self._world[peer]
 
-    def raise_failed(self, peers, what):
-        """Raise for the op rows that failed (row i talks to peers[i])."""
+    def raise_failed(self, peers, what, ops=None):
+        """Raise for the op rows that failed (row i talks to peers[i]; ``ops``:
+        rows other than the transport's own)."""
+        ops = self.ops if ops is None else ops
         for i, peer in enumerate(peers):
-            if self.ops[i, sockio.OP_STATE] == sockio.ST_FAILED:
-                err = int(self.ops[i, sockio.OP_ERRNO])
+            if ops[i, sockio.OP_STATE] == sockio.ST_FAILED:
+                err = int(ops[i, sockio.OP_ERRNO])
                 why = "closed the connection" if err == sockio.ERR_CLOSED else os.strerror(err)
                 raise HarmpiTransportError(
                     f"rank {self._world[self.rank]}: {what}: tcp connection to rank "
                     f"{self._world[peer]}: {why} (that rank probably exited or crashed)")
         raise HarmpiTransportError(f"rank {self._world[self.rank]}: {what}: tcp I/O failed")
 
-    def raise_timeout(self, k, recv_rows, peers, timeout_s, what):
+    def raise_timeout(self, k, recv_rows, peers, timeout_s, what, ops=None):
         """Raise for op rows [0, k) still pending (rows < recv_rows receive)."""
+        ops = self.ops if ops is None else ops
         waiting = []
         for i in range(k):
-            if self.ops[i, sockio.OP_STATE] == sockio.ST_PENDING:
+            if ops[i, sockio.OP_STATE] == sockio.ST_PENDING:
                 kind = "a message from" if i < recv_rows else "delivery to"
                 waiting.append(f"{kind} rank {self._world[peers[i]]}")
         raise HarmpiTimeoutError(

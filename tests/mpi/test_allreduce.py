@@ -14,7 +14,8 @@ SLOT = SMALL["slot_nbytes"]
 
 
 def valid_algorithms(topo):
-    algos = ["auto", "leader", "flat_ring"]
+    """None first: the path users take (no algorithm=: the context's entry)."""
+    algos = [None, "auto", "leader", "flat_ring"]
     if topo.node_count == 1:
         algos += ["shm", "shm_rsag"]
     elif topo.uniform:
@@ -63,10 +64,36 @@ def test_numpy_inputs(small_comm, topo, name):
         check(small_comm, topo, name, n, "numpy", "auto")
 
 
-@pytest.mark.parametrize("n", [5120, 2 ** 20 + 3])
-def test_default_config_decode_and_large(world, topo, n):
-    # default 4 MiB slots: the decode size and a 2 MiB tensor through auto
-    check(world, topo, "bf16", n, "torch", "auto", repeats=3)
+def default_size_classes(name):
+    """Element counts of every size class of the default config: empty, tiny,
+    the decode size, each side of small_max (sum every slot / reduce-scatter)
+    and of har_latency_max (full tensor / one share on the rail), and past
+    one slot (several chunks)."""
+    cfg = harmpi.Config()
+    isz = ITEMSIZE[name]
+    return [0, 1, 7, 5120, cfg.small_max_nbytes // isz, cfg.small_max_nbytes // isz + 1,
+            cfg.har_latency_max_nbytes // isz, cfg.har_latency_max_nbytes // isz + 3,
+            cfg.slot_nbytes // isz + 5, 2 * cfg.slot_nbytes // isz + 7]
+
+
+@pytest.mark.parametrize("name", ["bf16", "f32"])
+def test_the_default_call_at_every_size_class(world, topo, name):
+    """harmpi.allreduce(t) with every argument at its default, on the world
+    communicator: the native entry point where it serves (one node), the
+    context's compiled or Python entry otherwise."""
+    for n in default_size_classes(name):
+        check(world, topo, name, n, "torch", None, repeats=2)
+        check(world, topo, name, n, "numpy", None, repeats=1)
+
+
+def test_the_native_entry_serves_the_default_call_on_one_node(world, topo):
+    from harmpi import native
+    harmpi.allreduce(torch.ones(2))
+    status = harmpi.info()["native"]
+    if topo.node_count == 1 and native.load() is not None and harmpi.Config.from_env().native:
+        assert status.startswith("serving"), status
+    else:
+        assert not status.startswith("serving"), status
 
 
 def test_closed_form_every_algorithm(small_comm, topo):
@@ -129,11 +156,10 @@ def test_both_spellings():
     assert callable(harmpi.allreduce)
 
 
-@pytest.fixture(scope="module", params=["on", "off", "flush", "auto"])
+@pytest.fixture(scope="module", params=[True, False], ids=["stream", "plain"])
 def copy_mode_comm(request, world):
-    """A duplicate of COMM_WORLD whose slots are filled with streaming
-    stores, plain stores, plain stores flushed by the readers, or whichever
-    the tuner measures fastest."""
+    """A duplicate of COMM_WORLD whose slots are filled with streaming or
+    plain stores."""
     comm = world.Dup()
     cfg = dataclasses.replace(harmpi.Config.from_env(), slot_nbytes=16384, small_max_nbytes=8192,
                               har_latency_max_nbytes=4096, stream_stores=request.param)
@@ -142,17 +168,16 @@ def copy_mode_comm(request, world):
 
 
 def test_slot_copy_modes(copy_mode_comm, topo):
-    """Sizes around the streaming threshold (node.STREAM_MIN_NBYTES, 4 KiB)
-    and the small-step limit (8 KiB, so small steps stream and walk the slot
-    ring), unaligned tails, and enough repeats for the tuner to probe and
-    switch."""
+    """Sizes around the streaming threshold (node.STREAM_MIN_NBYTES) and the
+    small-step limit (8 KiB, so small steps stream and walk the slot ring),
+    unaligned tails, and repeats."""
     from harmpi import node
-    assert node.STREAM_MIN_NBYTES == 4096
+    edge = node.STREAM_MIN_NBYTES
     for name in ("bf16", "f32"):
         isz = ITEMSIZE[name]
-        for n in (1, 4095 // isz, 4096 // isz, 4097 // isz + 1, 8192 // isz - 3, 8192 // isz + 7,
-                  3 * 16384 // isz + 1):
-            check(copy_mode_comm, topo, name, n, "torch", "auto", repeats=2)
+        for n in (1, (edge - 1) // isz, edge // isz, (edge + 1) // isz + 1, 8192 // isz - 3,
+                  8192 // isz + 7, 3 * 16384 // isz + 1):
+            check(copy_mode_comm, topo, name, n, "torch", None, repeats=2)
     r = copy_mode_comm.Get_rank()
     size = copy_mode_comm.Get_size()
     for i in range(300):
@@ -162,8 +187,8 @@ def test_slot_copy_modes(copy_mode_comm, topo):
 
 
 def _ring(comm):
-    from harmpi import api, node
-    return int(api._context(comm).ctl[node.C_RING])
+    from harmpi import api
+    return int(api._context(comm).ctl[0]["ring"])
 
 
 def test_small_steps_walk_the_slot_and_ranks_agree_on_where(small_comm, topo):

@@ -109,12 +109,12 @@ def test_native_entry_point_errors_and_gate(world, topo):
     """harmpi.allreduce(t) on the world context goes through harmpi.native
     when it is built: a mismatch still raises on every rank and leaves the
     context usable, and a broken context is refused, not served."""
-    from harmpi import api, node
+    from harmpi import api
 
     r, n_ranks = world.Get_rank(), world.Get_size()
     ctx = harmpi.init()
     harmpi.allreduce(torch.ones(4))  # torch seen: the entry point attaches
-    if not ctx.native_attached:  # the same on every rank
+    if api._STATE.native is None:  # the same on every rank
         pytest.skip(f"native entry point not serving: {harmpi.info()['native']}")
     assert harmpi.info()["native"].startswith("serving")
     x = torch.ones(100 if r == 0 else 200, dtype=torch.bfloat16)
@@ -126,11 +126,11 @@ def test_native_entry_point_errors_and_gate(world, topo):
     assert harmpi.allreduce(y) is y and torch.all(y == 2 * n_ranks)
     ctx.broken = "test: marked broken on purpose"
     try:
-        assert ctx.ctl[node.C_NATIVE] == 0
+        assert ctx.ctl[0]["gate"] == 0
         with pytest.raises(harmpi.HarmpiError, match="unusable"):
             harmpi.allreduce(torch.ones(4))
     finally:
         ctx.broken = None
-        ctx.ctl[node.C_NATIVE] = 1
-    assert api._NATIVE is not None
+        ctx.ctl[0]["gate"] = 1
+    assert api._STATE.native is not None
     harmpi.allreduce(torch.ones(4))

@@ -1,0 +1,101 @@
+"""The control block: one rank's per-context state, as one typed record.
+
+Every compiled step receives it (a one-element numpy structured array; in
+compiled code ``c = ctl[0]`` and then ``c.epoch``), so a step's arguments
+stay (control, address, count, format). It holds the arena geometry, this
+rank's counters, the settings the steps read, the state of the last failure
+and the rail resources of the compiled two-node step. The C++ entry point
+(harmpi/_native.cpp) reads one field, ``gate``, at the offset it is given.
+
+This module also owns the status codes every step returns.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+__all__ = ["FIELDS", "CONTROL", "RECORD", "ARRAY", "new", "offset", "control_at", "STATUS_NAMES",
+           "OK", "TIMEOUT", "MISMATCH", "POISONED", "RAIL_TIMEOUT", "RAIL_FAILED", "RAISED"]
+
+#: (field, meaning); every field is an int64
+FIELDS = (
+    ("epoch", "flag rounds this rank has published"),
+    ("steps", "steps started; slot parity of step k is k % 2"),
+    ("flags", "address of the node's flag lines"),
+    ("slots", "address of the node's first slot"),
+    ("slot_nbytes", "bytes per slot"),
+    ("local_size", "ranks on this node (L)"),
+    ("local_rank", "this rank's index on the node"),
+    ("spin", "busy polls of a wait before it yields"),
+    ("timeout_ns", "deadline of every wait"),
+    ("err_peer", "failed step: the local rank (or rail op) concerned"),
+    ("err_a", "failed step: epoch awaited, or the peer's byte count"),
+    ("err_b", "failed step: value seen, or the peer's kind"),
+    ("saved_peer", "a node mismatch kept while the step ends poisoned"),
+    ("saved_a", ""),
+    ("saved_b", ""),
+    ("auto_code", "kind of an auto all-reduce, without its format"),
+    ("small_max_nbytes", "one node: steps up to this size sum every slot"),
+    ("stream", "1: slot data other ranks read next goes out with streaming stores"),
+    ("ring", "slot byte position of the next small step (the same on every local rank)"),
+    ("gate", "1 while the native entry point may run this context"),
+    ("rail_fd", "two-node step: socket to the rail peer"),
+    ("rail_recv", "two-node step: receive buffer address"),
+    ("rail_recv_cap", "two-node step: its size"),
+    ("rail_spin", "two-node step: transport polls before sleeping"),
+    ("rail_ops", "two-node step: sockio op rows (2 x OP_WORDS int64)"),
+    ("rail_pollfds", "two-node step: struct pollfd[2]"),
+    ("rail_scratch", "two-node step: sockio scratch"),
+    ("rail_scratch_len", "two-node step: its length in int64 words"),
+    ("gather_table", "allgather: int64[L, G] communicator rank of (local rank, node)"),
+    ("gather_nodes", "allgather: G"),
+    ("hook_fn", "mpiprogress hook (4 adjacent words): MPI_Iprobe's address"),
+    ("hook_comm", ""),
+    ("hook_source", ""),
+    ("hook_tag", ""),
+)
+
+CONTROL = np.dtype([(name, np.int64) for name, _ in FIELDS])
+RECORD = numba.from_dtype(CONTROL)
+#: numba type of a control block (a one-element array)
+ARRAY = RECORD[::1]
+
+#: step statuses (OK = 0; every other value is a failure the context explains)
+OK, TIMEOUT, MISMATCH, POISONED, RAIL_TIMEOUT, RAIL_FAILED, RAISED = range(7)
+STATUS_NAMES = ("ok", "timeout", "mismatch", "poisoned", "rail timeout", "rail failed", "raised")
+
+
+def offset(name: str) -> int:
+    """Byte offset of a field in the block."""
+    return CONTROL.fields[name][1]
+
+
+#: the mpiprogress hook's words are read at one address (sync.poke)
+HOOK_OFFSET = offset("hook_fn")
+assert [offset(f) - HOOK_OFFSET for f in ("hook_fn", "hook_comm", "hook_source", "hook_tag")] \
+    == [0, 8, 16, 24]
+
+
+def new() -> np.ndarray:
+    """A zeroed control block."""
+    return np.zeros(1, CONTROL)
+
+
+@intrinsic
+def _voidptr(typingctx, addr):
+    sig = types.voidptr(types.intp)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def control_at(addr):
+    """The control block at ``addr`` (for C callers, which pass an address)."""
+    return numba.carray(_voidptr(addr), (1,), CONTROL)

@@ -1,0 +1,59 @@
+"""A Config given to harmpi.init is what the context runs with: the
+environment (HARMPI_*) is read only when no Config is given."""
+
+import dataclasses
+
+import pytest
+
+import harmpi
+from conftest import torch
+
+ENV = {
+    "HARMPI_TIMEOUT_S": "7",
+    "HARMPI_SPIN_COUNT": "3",
+    "HARMPI_SLOT_BYTES": "8192",
+    "HARMPI_SMALL_MAX_BYTES": "128",
+    "HARMPI_HAR_LATENCY_MAX_BYTES": "256",
+    "HARMPI_ALGORITHM": "flat_ring",
+    "HARMPI_TRANSPORT": "mpi",
+    "HARMPI_RANKS_PER_NODE": "2",
+    "HARMPI_STREAM_STORES": "off",
+    "HARMPI_NATIVE": "0",
+}
+GIVEN = harmpi.Config(timeout_s=30.0, spin_count=12345, slot_nbytes=16384, small_max_nbytes=4096,
+                      har_latency_max_nbytes=8192, algorithm="leader", transport="tcp",
+                      ranks_per_node=1, stream_stores=True, native=True)
+
+
+def test_a_config_given_to_init_wins_over_the_environment(world, monkeypatch):
+    for name, value in ENV.items():
+        monkeypatch.setenv(name, value)
+    from_env = harmpi.Config.from_env()
+    for field in dataclasses.fields(harmpi.Config):  # the test covers every field
+        assert getattr(GIVEN, field.name) != getattr(from_env, field.name), field.name
+    comm = world.Dup()
+    ctx = harmpi.init(comm, config=GIVEN)
+    assert ctx.config == GIVEN
+    # what each field drives, as the context runs it
+    c = ctx.ctl[0]
+    assert ctx.spin_count == 12345 and c["spin"] == 12345  # also when oversubscribed
+    assert c["timeout_ns"] == 30 * 10 ** 9
+    assert c["slot_nbytes"] == 16384 and c["small_max_nbytes"] == 4096
+    assert c["stream"] == 1
+    assert ctx.topo.node_count == comm.Get_size()        # ranks_per_node=1
+    info = harmpi.info(comm)
+    assert info["thresholds"]["har_latency_max_nbytes"] == 8192
+    if comm.Get_size() > 1:
+        assert info["transport"] == "tcp"
+        assert ctx.entry.name == "leader"
+    x = torch.full((3000,), float(comm.Get_rank() + 1))
+    harmpi.allreduce(x, comm=comm)
+    n = comm.Get_size()
+    assert torch.all(x == n * (n + 1) / 2)
+
+
+def test_init_refuses_another_config_for_a_set_up_communicator(world):
+    comm = world.Dup()
+    harmpi.init(comm, config=dataclasses.replace(GIVEN, ranks_per_node=None, algorithm="auto"))
+    with pytest.raises(harmpi.HarmpiArgumentError, match="another config"):
+        harmpi.init(comm, config=dataclasses.replace(GIVEN, timeout_s=5.0))
