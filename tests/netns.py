@@ -141,7 +141,8 @@ def find_mpirun() -> str | None:
     return shutil.which("mpirun")
 
 
-def _run(argv: Sequence[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
+def _run(argv: Sequence[str], check: bool = True,
+         timeout: float = 30) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -154,22 +155,25 @@ def _new_base() -> str:
     return f"{_PREFIX}{os.getpid()}n{next(_SEQ) % 1000}"
 
 
-@functools.lru_cache(maxsize=None)
-def _probe(need_mpirun: bool) -> tuple[bool, str]:
+def _missing_prerequisite(need_mpirun: bool) -> str | None:
+    """Why this process cannot make namespaces before trying (None: nothing missing)."""
     if not sys.platform.startswith("linux"):
-        return False, f"network namespaces need Linux, not {sys.platform}"
+        return f"network namespaces need Linux, not {sys.platform}"
     if os.geteuid() != 0:
-        return False, "network namespaces need root (euid is %d)" % os.geteuid()
-    ip = find_tool("ip")
-    if ip is None:
-        return False, "`ip` not found (Debian package iproute2)"
-    unshare = find_tool("unshare")
-    if unshare is None:
-        return False, "`unshare` not found (Debian package util-linux)"
+        return "network namespaces need root (euid is %d)" % os.geteuid()
+    if find_tool("ip") is None:
+        return "`ip` not found (Debian package iproute2)"
+    if find_tool("unshare") is None:
+        return "`unshare` not found (Debian package util-linux)"
     if find_tool("sh") is None:
-        return False, "`sh` not found"
+        return "`sh` not found"
     if need_mpirun and find_mpirun() is None:
-        return False, "mpirun not found next to sys.executable nor on PATH"
+        return "mpirun not found next to sys.executable nor on PATH"
+    return None
+
+
+def _try_namespace(ip: str, unshare: str) -> tuple[bool, str]:
+    """Make a throwaway namespace with a veth pair and a private host name, then delete it."""
     name = _new_base() + "t"
     try:
         proc = _run([ip, "netns", "add", name], check=False)
@@ -179,7 +183,8 @@ def _probe(need_mpirun: bool) -> tuple[bool, str]:
             [ip, "-n", name, "link", "set", "lo", "up"],
             [ip, "-n", name, "link", "add", "tva", "type", "veth", "peer", "name", "tvb"],
             [ip, "netns", "exec", name, unshare, "--uts", "sh", "-c",
-             'echo "$0" > /proc/sys/kernel/hostname && test "$(cat /proc/sys/kernel/hostname)" = "$0"',
+             'echo "$0" > /proc/sys/kernel/hostname'
+             ' && test "$(cat /proc/sys/kernel/hostname)" = "$0"',
              name],
         ]
         for argv in steps:
@@ -191,6 +196,14 @@ def _probe(need_mpirun: bool) -> tuple[bool, str]:
     finally:
         subprocess.run([ip, "netns", "del", name], capture_output=True)
     return True, "ok"
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(need_mpirun: bool) -> tuple[bool, str]:
+    missing = _missing_prerequisite(need_mpirun)
+    if missing is not None:
+        return False, missing
+    return _try_namespace(find_tool("ip"), find_tool("unshare"))
 
 
 def can_make_namespaces(need_mpirun: bool = True) -> tuple[bool, str]:
@@ -492,7 +505,8 @@ class TwoHosts:
         out = {}
         for n in self.names:
             stats = f"/sys/class/net/v{n}/statistics"
-            proc = _run([self._ip, "netns", "exec", n, "cat", f"{stats}/rx_bytes", f"{stats}/tx_bytes"])
+            proc = _run([self._ip, "netns", "exec", n, "cat", f"{stats}/rx_bytes",
+                         f"{stats}/tx_bytes"])
             rx, tx = (int(x) for x in proc.stdout.split())
             out[n] = (rx, tx)
         return out

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +31,8 @@ from bench.impls import IMPL_KINDS, GlooImpl, HarmpiImpl, Impl, MpiImpl, parse_i
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
-_HARMPI_SPEC = importlib.util.find_spec("harmpi")  # finds the package without importing it (numba takes seconds)
+# finds the package without importing it (numba takes seconds)
+_HARMPI_SPEC = importlib.util.find_spec("harmpi")
 HAVE_HARMPI = _HARMPI_SPEC is not None and (Path(_HARMPI_SPEC.origin).parent / "api.py").exists()
 
 
@@ -106,7 +105,8 @@ def test_iteration_cap_for_slow_implementations():
 
 def test_time_op_fences_every_iteration_with_a_barrier():
     calls = []
-    samples = harness.time_op(lambda: calls.append("op"), lambda: calls.append("barrier"), iterations=4, warmup=2)
+    samples = harness.time_op(lambda: calls.append("op"), lambda: calls.append("barrier"),
+                              iterations=4, warmup=2)
     assert calls == ["barrier", "op"] * 6
     assert samples.shape == (4,) and (samples >= 0).all()
 
@@ -136,7 +136,8 @@ def test_bf16_rounding_is_nearest_even():
     one = 1.0
     halfway_down = one + 2.0**-8  # between 1 and 1 + 2^-7: ties to the even 1.0
     halfway_up = one + 3 * 2.0**-8  # between 1 + 2^-7 and 1 + 2^-6: ties to even 1 + 2^-6
-    bits = harness.bf16_bits_from_f32(np.array([one, halfway_down, halfway_up, -2.5], dtype=np.float32))
+    values = np.array([one, halfway_down, halfway_up, -2.5], dtype=np.float32)
+    bits = harness.bf16_bits_from_f32(values)
     back = harness.f32_from_bf16_bits(bits)
     assert back.tolist() == [1.0, 1.0, 1.0 + 2.0**-6, -2.5]
 
@@ -155,7 +156,8 @@ def _bf16_ring_sum(inputs):
     """Sum in bf16 with a rounding after every add (gloo's worst case)."""
     acc = harness.f32_from_bf16_bits(inputs[0])
     for x in inputs[1:]:
-        acc = harness.f32_from_bf16_bits(harness.bf16_bits_from_f32(acc + harness.f32_from_bf16_bits(x)))
+        exact = acc + harness.f32_from_bf16_bits(x)
+        acc = harness.f32_from_bf16_bits(harness.bf16_bits_from_f32(exact))
     return harness.bf16_bits_from_f32(acc)
 
 
@@ -186,7 +188,9 @@ def test_allreduce_check_other_dtypes(name):
 
 def test_allgather_check_is_exact():
     dtype, count, seed, n_ranks = DTYPES["bf16"], 10, 3, 4
-    expected = np.concatenate([ALLGATHER.init_values(seed, r, count, dtype) for r in range(n_ranks)])
+    expected = np.concatenate(
+        [ALLGATHER.init_values(seed, r, count, dtype) for r in range(n_ranks)]
+    )
     assert ALLGATHER.check(expected, seed, n_ranks, count, dtype) == (True, "")
     tampered = expected.copy()
     tampered[25] ^= 1  # one bit, in rank 2's block
@@ -200,7 +204,8 @@ def test_init_data_depends_on_rank_and_seed_only():
     assert (a == ALLREDUCE.init_values(1, 0, 64, dtype)).all()
     assert not (a == ALLREDUCE.init_values(1, 1, 64, dtype)).all()
     assert (ALLREDUCE.timing_values(1, 0, 64, dtype) == 0).all()
-    assert (ALLGATHER.timing_values(1, 2, 64, dtype) == ALLGATHER.init_values(1, 2, 64, dtype)).all()
+    timed = ALLGATHER.timing_values(1, 2, 64, dtype)
+    assert (timed == ALLGATHER.init_values(1, 2, 64, dtype)).all()
 
 
 # --------------------------------------------------------------------------
@@ -210,7 +215,8 @@ def test_init_data_depends_on_rank_and_seed_only():
 
 def _row(impl, size, avg, valid=None):
     return Row(impl=impl, dtype="bf16", size=size, avg_us=avg, min_us=avg * 0.9 if avg else None,
-               max_us=avg * 1.1 if avg else None, iterations=100, valid=valid, busbw_gbps=1.25 if avg else None)
+               max_us=avg * 1.1 if avg else None, iterations=100, valid=valid,
+               busbw_gbps=1.25 if avg else None)
 
 
 def test_single_impl_table_has_osu_columns():
@@ -220,7 +226,8 @@ def test_single_impl_table_has_osu_columns():
     assert lines[1].split() == ["1024", "1.50"]
     full = harness.format_table(rows, ["mpi"], full=True, check=True)
     assert full[0].split("  ")[0] == "# Size"
-    for column in ("Avg Latency(us)", "Min Latency(us)", "Max Latency(us)", "Iterations", "BusBW(GB/s)", "Validation"):
+    for column in ("Avg Latency(us)", "Min Latency(us)", "Max Latency(us)", "Iterations",
+                   "BusBW(GB/s)", "Validation"):
         assert column in full[0]
     assert full[1].split() == ["1024", "1.50", "1.35", "1.65", "100", "1.250", "Pass"]
 
@@ -232,8 +239,9 @@ def test_median_header():
 
 
 def test_multi_impl_table_has_ratio_columns_against_harmpi():
-    rows = [_row("harmpi", 10240, 2.0, True), _row("mpi", 10240, 5.0, True), _row("gloo", 10240, 1000.0, False),
-            _row("harmpi", 20480, 4.0), Row("mpi", "bf16", 20480, None, None, None, 0, None, note="not run")]
+    rows = [_row("harmpi", 10240, 2.0, True), _row("mpi", 10240, 5.0, True),
+            _row("gloo", 10240, 1000.0, False), _row("harmpi", 20480, 4.0),
+            Row("mpi", "bf16", 20480, None, None, None, 0, None, note="not run")]
     lines = harness.format_table(rows, ["harmpi", "mpi", "gloo"], check=True)
     assert "harmpi" in lines[0] and "gloo" in lines[0]  # implementation names above their columns
     assert lines[1].startswith("# Size")
@@ -254,15 +262,18 @@ def test_json_rows_have_the_documented_keys():
     doc = json.loads(harness.rows_to_json([_row("harmpi", 10240, 2.0, True)], {"ranks": 2}))
     assert doc["meta"] == {"ranks": 2}
     row = doc["rows"][0]
-    for key in ("impl", "dtype", "size", "avg_us", "min_us", "max_us", "iterations", "valid", "busbw_gbps", "wire_dtype"):
+    for key in ("impl", "dtype", "size", "avg_us", "min_us", "max_us", "iterations", "valid",
+                "busbw_gbps", "wire_dtype"):
         assert key in row
     assert row["impl"] == "harmpi" and row["size"] == 10240 and row["valid"] is True
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed")
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed")
 def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "lat.png"
-    harness.plot_rows([_row("mpi", 8, 1.0), _row("mpi", 16, 2.0), _row("gloo", 8, 900.0)], ["mpi", "gloo"], str(path), "t")
+    rows = [_row("mpi", 8, 1.0), _row("mpi", 16, 2.0), _row("gloo", 8, 900.0)]
+    harness.plot_rows(rows, ["mpi", "gloo"], str(path), "t")
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -287,7 +298,8 @@ def test_decode_backends_are_the_osu_adapters():
 
 
 def test_shards_partition_heads_ffn_and_vocab():
-    cfg = ModelConfig(hidden=256, layers=1, heads=8, kv_heads=2, ffn=FFN_UNIT * 8, vocab=VOCAB_UNIT * 8)
+    cfg = ModelConfig(hidden=256, layers=1, heads=8, kv_heads=2, ffn=FFN_UNIT * 8,
+                      vocab=VOCAB_UNIT * 8)
     for tp in (1, 2, 4, 8):
         layouts = [shard_layout(cfg, tp, r) for r in range(tp)]
         assert sorted(h for lay in layouts for h in lay.q_heads) == list(range(8))
@@ -310,7 +322,10 @@ def test_model_config_rejects_unshardable_sizes():
 
 def test_unit_seeds_are_stable_and_distinct():
     assert unit_seed(1, 0, "q", 3) == unit_seed(1, 0, "q", 3)
-    seeds = {unit_seed(1, layer, kind, unit) for layer in range(3) for kind in ("q", "k") for unit in range(4)}
+    seeds = {
+        unit_seed(1, layer, kind, unit)
+        for layer in range(3) for kind in ("q", "k") for unit in range(4)
+    }
     assert len(seeds) == 24
     assert all(0 <= s < 2**63 for s in seeds)
 
@@ -345,7 +360,8 @@ def test_collective_latency_excludes_waiting_for_the_last_rank():
     exit_ = np.array([[[12, 25]], [[12, 23]]])
     assert collective_latency_ns(enter, exit_).tolist() == [[2 + 5], [2 + 3]]
     # A rank that leaves before the last one enters (a non-blocking leg) counts 0, never negative.
-    assert collective_latency_ns(np.array([[[0]], [[10]]]), np.array([[[5]], [[11]]])).tolist() == [[0], [1]]
+    early = collective_latency_ns(np.array([[[0]], [[10]]]), np.array([[[5]], [[11]]]))
+    assert early.tolist() == [[0], [1]]
 
 
 def test_summarize_backend_and_table():
@@ -373,12 +389,14 @@ def test_model_weights_do_not_depend_on_the_rank_count():
 
     from bench.decode import TPDecoder
 
-    cfg = ModelConfig(hidden=64, layers=1, heads=4, kv_heads=2, ffn=FFN_UNIT * 4, vocab=VOCAB_UNIT * 4)
+    cfg = ModelConfig(hidden=64, layers=1, heads=4, kv_heads=2, ffn=FFN_UNIT * 4,
+                      vocab=VOCAB_UNIT * 4)
     whole = TPDecoder(cfg, shard_layout(cfg, 1, 0), seed=9, batch=1, max_len=4)
     halves = [TPDecoder(cfg, shard_layout(cfg, 2, r), seed=9, batch=1, max_len=4) for r in range(2)]
     assert torch.equal(torch.cat([h.w_lm for h in halves]), whole.w_lm)
     assert torch.equal(torch.cat([h.layers[0].w_o for h in halves], dim=1), whole.layers[0].w_o)
-    assert torch.equal(torch.cat([h.layers[0].w_down for h in halves], dim=1), whole.layers[0].w_down)
+    w_down = torch.cat([h.layers[0].w_down for h in halves], dim=1)
+    assert torch.equal(w_down, whole.layers[0].w_down)
     gate = torch.cat([h.layers[0].w_gate_up.chunk(2)[0] for h in halves])
     assert torch.equal(gate, whole.layers[0].w_gate_up.chunk(2)[0])
 
@@ -396,7 +414,8 @@ def test_single_rank_decode_is_deterministic():
         def allgather(self, tensor):
             return tensor
 
-    cfg = ModelConfig(hidden=64, layers=2, heads=4, kv_heads=2, ffn=FFN_UNIT * 2, vocab=VOCAB_UNIT * 2)
+    cfg = ModelConfig(hidden=64, layers=2, heads=4, kv_heads=2, ffn=FFN_UNIT * 2,
+                      vocab=VOCAB_UNIT * 2)
     runs = []
     for _ in range(2):
         model = TPDecoder(cfg, shard_layout(cfg, 1, 0), seed=3, batch=2, max_len=8)
@@ -432,20 +451,22 @@ def test_mpirun_env_keeps_callers_values():
 
 def test_summary_lines_from_json_documents():
     rows = [{"impl": impl, "size": size, "avg_us": us} for impl, size, us in
-            [("harmpi", 10240, 4.0), ("mpi", 10240, 8.0), ("gloo", 10240, 1600.0), ("harmpi", 4194304, 1000.0)]]
+            [("harmpi", 10240, 4.0), ("mpi", 10240, 8.0), ("gloo", 10240, 1600.0),
+             ("harmpi", 4194304, 1000.0)]]
     decode = {"meta": {"ranks": 4}, "rows": [
-        {"comm": "harmpi", "tokens_per_s": 80.0, "ms_per_token": 12.5, "comm_share": 0.2, "comm_latency_share": 0.05,
-         "compute_ms_per_token": 9.0,
+        {"comm": "harmpi", "tokens_per_s": 80.0, "ms_per_token": 12.5, "comm_share": 0.2,
+         "comm_latency_share": 0.05, "compute_ms_per_token": 9.0,
          "tokens_agree": True},
-        {"comm": "gloo", "tokens_per_s": 10.0, "ms_per_token": 100.0, "comm_share": 0.8, "comm_latency_share": None,
-         "compute_ms_per_token": 20.0,
+        {"comm": "gloo", "tokens_per_s": 10.0, "ms_per_token": 100.0, "comm_share": 0.8,
+         "comm_latency_share": None, "compute_ms_per_token": 20.0,
          "tokens_agree": False, "first_divergence": 7},
     ]}
     text = "\n".join(summary_lines([("1 node x 2 ranks", {"rows": rows})], decode))
     assert "2.00x" in text and "400.00x" in text  # mpi/harmpi and gloo/harmpi at 10 KB
     assert "harmpi/gloo 8.00x" in text
     assert "gloo no (first divergence at generated token 7)" in text
-    assert "harmpi: compute 9.0 ms/token; 20.0% of the step inside collectives, 5.0% after the last rank arrived" in text
+    assert ("harmpi: compute 9.0 ms/token; 20.0% of the step inside collectives, "
+            "5.0% after the last rank arrived") in text
     # several decode runs, each under its label
     text = "\n".join(summary_lines([], [("MPI on shm", decode), ("MPI on TCP", decode)]))
     assert text.count("harmpi/gloo 8.00x") == 2
@@ -463,7 +484,8 @@ def _mpirun(n_ranks, module, args, env=None, timeout_s=150):
     except FileNotFoundError:
         pytest.skip("no mpirun")
     argv = mpirun_argv(n_ranks, module, args, mpirun=mpirun)
-    return subprocess.run(argv, env=mpirun_env(env), cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(argv, env=mpirun_env(env), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s)
 
 
 def _impls():
@@ -475,12 +497,15 @@ def _impls():
 def test_osu_allreduce_under_mpirun(tmp_path):
     json_path = tmp_path / "ar.json"
     proc = _mpirun(2, "bench.osu_allreduce",
-                   ["-m", "1024:4096", "-i", "5", "-x", "2", "-c", "-f", "--impl", _impls(), "--json", str(json_path)])
+                   ["-m", "1024:4096", "-i", "5", "-x", "2", "-c", "-f", "--impl", _impls(),
+                    "--json", str(json_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert any(line.startswith("# ") and line.endswith(f"Allreduce Latency Test v{_version()}") for line in lines), proc.stdout
+    title = f"Allreduce Latency Test v{_version()}"
+    assert any(line.startswith("# ") and line.endswith(title) for line in lines), proc.stdout
     assert any(line.startswith("# Datatype: bf16") for line in lines)
-    assert any(line.startswith("# Size") and "Avg Latency(us)" in line and "Validation" in line for line in lines)
+    assert any(line.startswith("# Size") and "Avg Latency(us)" in line and "Validation" in line
+               for line in lines)
     assert "mpi: MPI_Allreduce(MPI_IN_PLACE, SUM) float32, same bytes" in proc.stdout
     table = [line.split() for line in lines if line[:1].isdigit()]
     assert [int(row[0]) for row in table] == [1024, 2048, 4096]
@@ -493,7 +518,8 @@ def test_osu_allreduce_under_mpirun(tmp_path):
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_osu_allgather_under_mpirun():
-    proc = _mpirun(2, "bench.osu_allgather", ["-m", "2:64", "-i", "3", "-x", "1", "-c", "--impl", _impls()])
+    proc = _mpirun(2, "bench.osu_allgather",
+                   ["-m", "2:64", "-i", "3", "-x", "1", "-c", "--impl", _impls()])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Allgather Latency Test" in proc.stdout
     table = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
@@ -514,8 +540,9 @@ def test_adapters_on_tensors_under_mpirun():
 def test_decode_under_mpirun(tmp_path):
     json_path = tmp_path / "decode.json"
     comms = "harmpi,gloo,mpi" if HAVE_HARMPI else "gloo,mpi"
-    args = ["--comm", comms, "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "256",
-            "--vocab", "1024", "--batch", "2", "--prompt-len", "4", "--tokens", "4", "--warmup", "1", "--json", str(json_path)]
+    args = ["--comm", comms, "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+            "--ffn", "256", "--vocab", "1024", "--batch", "2", "--prompt-len", "4",
+            "--tokens", "4", "--warmup", "1", "--json", str(json_path)]
     proc = _mpirun(2, "bench.decode", args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Threads per rank:" in proc.stdout

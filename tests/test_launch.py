@@ -556,7 +556,8 @@ def test_cli_help():
 
 @pytest.mark.parametrize("sep", [["--"], []])
 def test_cli_dry_run_prints_env_and_command(fake_machine, sep):
-    result = invoke("-np", "2", "--transport", "mpi", "--dry-run", *sep, "python", "s.py", "-np", "9")
+    result = invoke("-np", "2", "--transport", "mpi", "--dry-run", *sep,
+                    "python", "s.py", "-np", "9")
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0] == "# Open MPI 5.0.11 (/opt/ompi/bin/mpirun)"

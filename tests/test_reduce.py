@@ -31,7 +31,8 @@ JIT = not numba.config.DISABLE_JIT
 DTYPES = ["bf16", "f16", "f16soft", "f32", "f64"] if JIT else ["bf16", "f16", "f32", "f64"]
 HALF = [dt for dt in DTYPES if dt not in ("f32", "f64")]
 F16 = [dt for dt in HALF if dt != "bf16"]
-STORAGE = {"bf16": np.uint16, "f16": np.uint16, "f16soft": np.uint16, "f32": np.float32, "f64": np.float64}
+STORAGE = {"bf16": np.uint16, "f16": np.uint16, "f16soft": np.uint16, "f32": np.float32,
+           "f64": np.float64}
 
 
 @numba.njit(cache=True)
@@ -128,7 +129,9 @@ def assert_same(out, expected, dt):
     a = out.view(uint)[~nan_out]
     b = expected.view(uint)[~nan_out]
     bad = np.nonzero(a != b)[0]
-    assert bad.size == 0, f"{bad.size} values differ, first at {bad[0]}: {a[bad[0]]:#x} != {b[bad[0]]:#x}"
+    assert bad.size == 0, (
+        f"{bad.size} values differ, first at {bad[0]}: {a[bad[0]]:#x} != {b[bad[0]]:#x}"
+    )
 
 
 def random_values(rng, dt, shape, specials=True):
@@ -461,7 +464,9 @@ def float32_patterns(rng, count):
     up = np.nextafter(h.astype(np.float16), np.float16(np.inf)).astype(np.float64)
     mid = ((h + up) / 2)[np.isfinite(up)]
     mid32 = mid.astype(np.float32)  # exact: f16 midpoints need 12 bits
-    for m in (mid32, np.nextafter(mid32, np.float32(np.inf)), np.nextafter(mid32, np.float32(-np.inf))):
+    above = np.nextafter(mid32, np.float32(np.inf))
+    below = np.nextafter(mid32, np.float32(-np.inf))
+    for m in (mid32, above, below):
         parts.append(m.view(np.uint32))
     # f16 overflow threshold 65520 and neighbours, Inf, NaNs, float32
     # subnormals, and 2**-25 (half the smallest f16 subnormal) with neighbours.
@@ -563,7 +568,8 @@ if JIT:
 else:
 
     def _address_to_pointer(address, example):
-        ctype = {np.uint16: ctypes.c_uint16, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
+        ctype = {np.uint16: ctypes.c_uint16, np.float32: ctypes.c_float,
+                 np.float64: ctypes.c_double}
         return ctypes.cast(int(address), ctypes.POINTER(ctype[type(example)]))
 
 
@@ -596,7 +602,8 @@ def test_callable_from_compiled_code(dt):
     src = random_values(rng, dt, (k, ncols))
     out = np.zeros(ncols + 5, src.dtype)
     example = STORAGE[dt](0)
-    _rows_via_carray(ROWS[dt], src.ctypes.data, k, ncols, out.ctypes.data, out.size, 10, 1200, 5, example)
+    _rows_via_carray(ROWS[dt], src.ctypes.data, k, ncols, out.ctypes.data, out.size, 10, 1200, 5,
+                     example)
     assert_same(out[5 : 5 + 1190], reference_rows(src, 10, 1200, dt), dt)
 
     a, b = src[0].copy(), src[1].copy()
@@ -742,7 +749,10 @@ def test_sum_rows_x_in_place(dt):
     is x itself, both at out_lo == lo (and out another row of src)."""
     rng = np.random.default_rng(22)
     ncols = 1537 if JIT else 520
-    ranges = [(0, ncols), (3, ncols - 100), (1, 2), (0, 0), (513, 1026)] if JIT else [(3, 518), (1, 2)]
+    if JIT:
+        ranges = [(0, ncols), (3, ncols - 100), (1, 2), (0, 0), (513, 1026)]
+    else:
+        ranges = [(3, 518), (1, 2)]
     for k in (1, 2, 3, 4, 5):
         for lo, hi in ranges:
             src, x = x_inputs(rng, dt, k, ncols, extra=5)
@@ -819,7 +829,8 @@ def test_sum_rows_x_special_values(dt):
             assert_x_matches_rows(dt, src, 0, n, me, x, out, out2, 0)
             s, xx = src.copy(), x.copy()
             ROWS_X[dt](s, 0, n, me, xx, s[me], xx, 0)
-            assert np.array_equal(s[me], out, equal_nan=True) and np.array_equal(xx, out, equal_nan=True)
+            assert np.array_equal(s[me], out, equal_nan=True)
+            assert np.array_equal(xx, out, equal_nan=True)
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -883,7 +894,8 @@ def test_sum_rows_x_callable_from_compiled_code(dt):
     ROWS[dt](substituted(src, me, x), lo, hi, expected, 0)
     s, xx = src.copy(), x.copy()
     example = STORAGE[dt](0)
-    _rows_x_via_carray(ROWS_X[dt], s.ctypes.data, k, ncols, xx.ctypes.data, xx.size, lo, hi, me, example)
+    _rows_x_via_carray(ROWS_X[dt], s.ctypes.data, k, ncols, xx.ctypes.data, xx.size, lo, hi, me,
+                       example)
     assert_same(s[me, lo:hi], expected, dt)
     assert_same(xx[lo:hi], expected, dt)
 
@@ -895,7 +907,8 @@ def test_pure_python_mode():
     env = dict(os.environ, NUMBA_DISABLE_JIT="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         os.path.abspath(__file__)],
         cwd=root,
         env=env,
         capture_output=True,
