@@ -28,11 +28,16 @@ if not _LAUNCHED and "OMPI_MCA_btl" not in _os.environ and "mpi4py.MPI" not in _
     finally:
         del _os.environ["OMPI_MCA_btl"]
 
-from .api import barrier, finalize, info, init  # noqa: E402
 from . import allgather, allreduce  # noqa: E402  (callable modules, see allreduce.py)
+from .api import barrier, finalize, info, init  # noqa: E402
 from .config import ALGORITHMS, Config  # noqa: E402
-from .errors import (HarmpiArgumentError, HarmpiError, HarmpiMismatchError,  # noqa: E402
-                     HarmpiTimeoutError, HarmpiTransportError)
+from .errors import (  # noqa: E402
+    HarmpiArgumentError,
+    HarmpiError,
+    HarmpiMismatchError,
+    HarmpiTimeoutError,
+    HarmpiTransportError,
+)
 
 __all__ = ["allreduce", "allgather", "barrier", "init", "finalize", "info", "ALGORITHMS",
            "Config", "HarmpiError", "HarmpiArgumentError", "HarmpiMismatchError",

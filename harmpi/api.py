@@ -47,7 +47,8 @@ class _State:
         if comm is None or comm is _COMM_WORLD:
             return self.world or self.create(_COMM_WORLD)
         if not isinstance(comm, MPI.Comm):
-            raise HarmpiArgumentError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+            raise HarmpiArgumentError(
+                f"comm must be an mpi4py communicator, got {type(comm).__name__}")
         return self.by_comm.get(comm.handle) or self.create(comm)
 
     def create(self, comm, config=None):

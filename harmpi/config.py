@@ -98,14 +98,16 @@ class Config:
     def __post_init__(self):
         if self.algorithm != "auto" and self.algorithm not in ALGORITHMS:
             raise HarmpiArgumentError(
-                f"unknown algorithm {self.algorithm!r}; choose auto or one of {', '.join(ALGORITHMS)}")
+                f"unknown algorithm {self.algorithm!r}; choose auto or one of "
+                f"{', '.join(ALGORITHMS)}")
         if self.transport not in TRANSPORTS:
             raise HarmpiArgumentError(
                 f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
         if self.spin_count is not None and self.spin_count < 0:
             raise HarmpiArgumentError(f"spin_count={self.spin_count} must be >= 0 (or None: auto)")
         if self.slot_nbytes % 64:
-            raise HarmpiArgumentError(f"slot size {self.slot_nbytes} must be a multiple of 64 bytes")
+            raise HarmpiArgumentError(
+                f"slot size {self.slot_nbytes} must be a multiple of 64 bytes")
 
     @classmethod
     def from_env(cls, env=None) -> "Config":

@@ -37,8 +37,13 @@ from .algorithms.base import Call
 from .algorithms.har_latency import HAR2_STEP
 from .config import Config
 from .control import MISMATCH, POISONED, RAIL_FAILED, RAIL_TIMEOUT, RAISED, TIMEOUT
-from .errors import (HarmpiArgumentError, HarmpiError, HarmpiMismatchError, HarmpiTimeoutError,
-                     HarmpiTransportError)
+from .errors import (
+    HarmpiArgumentError,
+    HarmpiError,
+    HarmpiMismatchError,
+    HarmpiTimeoutError,
+    HarmpiTransportError,
+)
 from .shm import Arena
 from .topology import discover
 

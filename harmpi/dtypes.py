@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Format", "FORMATS", "BF16", "F16", "F32", "F64", "by_numpy_dtype", "by_name"]
+__all__ = ["Format", "FORMATS", "BF16", "F16", "F32", "F64", "by_numpy_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,6 @@ FORMATS = (
 BF16, F16, F32, F64 = (f.id for f in FORMATS)
 
 _BY_NUMPY = {name: f for f in FORMATS for name in f.numpy_names}
-_BY_NAME = {f.name: f for f in FORMATS}
 
 
 def by_numpy_dtype(dtype: np.dtype) -> Format | None:
@@ -67,6 +66,3 @@ def by_numpy_dtype(dtype: np.dtype) -> Format | None:
     f = _BY_NUMPY.get(dtype.name)
     return f if f is not None and dtype.itemsize == f.itemsize else None
 
-
-def by_name(name: str) -> Format:
-    return _BY_NAME[name]

@@ -29,7 +29,8 @@ import zlib
 import numba
 
 __all__ = ["FIELDS", "POISON", "OP_SUM", "COLL_ALLREDUCE", "COLL_ALLGATHER", "encode", "decode",
-           "with_ring", "without_ring", "allgather_code", "ring_lines_max", "shape_digest", "rail_tag", "MAX_TAG",
+           "with_ring", "without_ring", "allgather_code", "ring_lines_max", "shape_digest",
+           "rail_tag", "MAX_TAG",
            "POISON_TAG"]
 
 #: (name, shift, width) of every field, low bits first

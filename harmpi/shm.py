@@ -75,7 +75,8 @@ class Arena:
 
     def flags(self) -> np.ndarray:
         """(L, 8) int64 view of the flag lines (for diagnostics and tests)."""
-        return self.mem[: self.local_size * FLAG_LINE_NBYTES].view(np.int64).reshape(self.local_size, 8)
+        lines = self.mem[: self.local_size * FLAG_LINE_NBYTES].view(np.int64)
+        return lines.reshape(self.local_size, 8)
 
     @property
     def freed(self) -> bool:

@@ -108,8 +108,8 @@ def gather_table(ctx):
     topo = ctx.topo
     if not topo.uniform:
         return None
-    table = np.array([[topo.node_ranks[g][l] for g in range(topo.node_count)]
-                      for l in range(topo.local_size)], dtype=np.int64)
+    table = np.array([[topo.node_ranks[g][lr] for g in range(topo.node_count)]
+                      for lr in range(topo.local_size)], dtype=np.int64)
     c = ctx.ctl[0]
     c["gather_table"] = table.ctypes.data
     c["gather_nodes"] = topo.node_count

@@ -1,12 +1,12 @@
 """Cross-node transports and their selection (``HARMPI_TRANSPORT``).
 
-``auto`` takes the RDMA verbs transport when pyverbs imports and an RDMA
-device is present; otherwise the TCP transport when every rank of the
-communicator can connect to every other (compiled socket I/O that sleeps
-in poll(2) while it waits), and the portable MPI transport when it cannot.
+``auto`` takes the TCP transport when every rank of the communicator can
+connect to every other (compiled socket I/O that sleeps in poll(2) while it
+waits), and the portable MPI transport when it cannot; its reason also says
+why an RDMA verbs transport could not run (there is none in this build).
 The reason for the choice is logged once and reported by
-``harmpi.info()``. Asking for ``verbs`` where it cannot run is an error,
-never a silent fallback; ``mpi`` keeps MPI's own network path (UCX,
+``harmpi.info()``. Asking for ``verbs`` is an error that says why, never a
+silent fallback; ``mpi`` keeps MPI's own network path (UCX,
 libfabric, ...), which beats TCP on fabrics MPI drives natively.
 """
 
@@ -39,7 +39,8 @@ def verbs_status():
         return False, f"no RDMA device ({type(exc).__name__}: {exc})"
     if not devices:
         return False, "no RDMA device (pyverbs lists none)"
-    names = ", ".join(d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices)
+    names = ", ".join(d.name.decode() if isinstance(d.name, bytes) else str(d.name)
+                      for d in devices)
     return False, (f"RDMA device(s) {names} found, but this build of harmpi has no verbs "
                    "transport yet")
 

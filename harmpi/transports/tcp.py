@@ -31,8 +31,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import HarmpiMismatchError, HarmpiTimeoutError, HarmpiTransportError
 from .. import mpiprogress
+from ..errors import HarmpiMismatchError, HarmpiTimeoutError, HarmpiTransportError
 from . import sockio
 from .base import Pending, Transport
 

@@ -5,9 +5,9 @@ import os
 
 import numpy as np
 import pytest
+from conftest import SMALL, assert_same_everywhere, torch
 
 import harmpi
-from conftest import SMALL, assert_same_everywhere, torch
 
 
 @pytest.mark.parametrize("shape", [(0,), (1,), (7, 3), (SMALL["slot_nbytes"] // 4 + 5,), ()])
@@ -97,7 +97,8 @@ def test_allgather_into_out(small_comm):
         xn = np.full(n, r, np.float32)
         outn = np.empty((n_ranks, n), np.float32)
         assert harmpi.allgather(xn, comm=small_comm, out=outn) is outn
-        assert np.array_equal(outn, np.repeat(np.arange(n_ranks, dtype=np.float32), n).reshape(n_ranks, n))
+        expect = np.repeat(np.arange(n_ranks, dtype=np.float32), n).reshape(n_ranks, n)
+        assert np.array_equal(outn, expect)
     x = torch.ones(4)
     for bad in (torch.empty(4 * n_ranks + 1), torch.empty(4 * n_ranks, dtype=torch.float64),
                 np.empty(4 * n_ranks, np.float32), torch.empty(8 * n_ranks)[::2]):

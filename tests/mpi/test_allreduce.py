@@ -5,10 +5,18 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import (
+    DTYPES,
+    ITEMSIZE,
+    SMALL,
+    as_f64,
+    assert_same_everywhere,
+    error_bound,
+    make_input,
+    torch,
+)
 
 import harmpi
-from conftest import (DTYPES, ITEMSIZE, SMALL, as_f64, assert_same_everywhere, error_bound,
-                      make_input, torch)
 
 SLOT = SMALL["slot_nbytes"]
 

@@ -4,9 +4,9 @@ environment (HARMPI_*) is read only when no Config is given."""
 import dataclasses
 
 import pytest
+from conftest import torch
 
 import harmpi
-from conftest import torch
 
 ENV = {
     "HARMPI_TIMEOUT_S": "7",

@@ -4,10 +4,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import torch
 from mpi4py import MPI
 
 import harmpi
-from conftest import torch
 
 
 def test_unsupported_dtype_is_rejected_locally(small_comm):
