@@ -5,7 +5,8 @@
 
 What runs (every call with default arguments, the path users take):
 
-* a schedule that every rank computes alike from ``--seed``: mostly
+* a schedule that every rank computes alike from ``--seed`` (and that
+  does not depend on ``--window``): mostly
   decode-like 10 KB ``harmpi.allreduce(t)`` on torch tensors, bf16 most of
   the time, also f16/f32/f64; now and then small (0-2 KB), odd (an odd
   element count up to 256 KB), medium (16 KB-1 MB) and, rarely, large
@@ -54,6 +55,7 @@ __all__ = [
     "MAX_NBYTES",
     "Schedule",
     "make_schedule",
+    "schedule_slice",
     "window_bounds",
     "CheckPlan",
     "check_plan",
@@ -94,6 +96,7 @@ MATRIX_P = 0.50  # shape (4, count / 4) when count is a multiple of 4
 _SCHEDULE_TAG = 0x50AC  # keeps schedule streams apart from the checks' streams
 _CHECK_TAG = 0xC4EC
 _WARMUP_BLOCK = 1 << 40  # the warm-up's schedule block, never a window's
+SCHEDULE_BLOCK = 10_000  # calls per seeded block of the schedule
 
 
 # --------------------------------------------------------------------------
@@ -141,7 +144,7 @@ def _counts(rng, size_class: np.ndarray, itemsize: np.ndarray) -> np.ndarray:
 
 
 def make_schedule(seed: int, block: int, length: int) -> Schedule:
-    """Calls ``block * length ...`` of the soak: the same on every rank for one seed."""
+    """One seeded block of ``length`` calls: the same on every rank for one seed."""
     rng = np.random.default_rng([seed, _SCHEDULE_TAG, block])
     op = rng.choice(len(_OP_P), size=length, p=_OP_P)
     dtype = rng.choice(len(DTYPE_NAMES), size=length, p=_DTYPE_P)
@@ -152,6 +155,17 @@ def make_schedule(seed: int, block: int, length: int) -> Schedule:
     matrix = (rng.random(length) < MATRIX_P) & (count % 4 == 0) & (count > 0)
     timed = (op == OP_ALLREDUCE) & (dtype == 0) & (size_class == 0) & ~numpy
     return Schedule(op, dtype, size_class, count, numpy, fresh, matrix, timed)
+
+
+def schedule_slice(seed: int, start: int, length: int) -> Schedule:
+    """Calls ``start .. start + length - 1`` of the soak, cut from blocks of
+    ``SCHEDULE_BLOCK`` calls, so the calls do not depend on ``--window``."""
+    if length <= 0:
+        return make_schedule(seed, 0, 0)
+    first, last = start // SCHEDULE_BLOCK, (start + length - 1) // SCHEDULE_BLOCK
+    blocks = [make_schedule(seed, b, SCHEDULE_BLOCK) for b in range(first, last + 1)]
+    offset = start - first * SCHEDULE_BLOCK
+    return Schedule(*(np.concatenate(field)[offset:offset + length] for field in zip(*blocks)))
 
 
 def window_bounds(calls: int, window: int) -> list[tuple[int, int]]:
@@ -268,6 +282,7 @@ class Window:
     wrong_values: int  # over ranks, checks and buffers of this window
     rank_mismatches: int  # check results whose crc32 differ between ranks
     wall_s: float
+    load_1min: float = 0.0  # the host's 1-minute load average at the end (this job included)
 
 
 def _ratio(last: float | None, first: float | None) -> float | None:
@@ -318,13 +333,13 @@ def format_window_table(windows: Sequence[Window], header: bool = True) -> list[
     if header:
         lines.append(f"{'# Window':<10}{'Calls':>10}{'10K bf16':>10}{'Median(us)':>12}"
                      f"{'P99(us)':>10}{'RSS(MB)':>10}{'FDs':>10}{'Threads':>10}"
-                     f"{'Wrong':>8}{'Wall(s)':>9}")
+                     f"{'Wrong':>8}{'Wall(s)':>9}{'Load':>7}")
     for w in windows:
         wrong = w.wrong_values + w.rank_mismatches
         lines.append(f"{w.index:<10}{w.first_call + w.calls:>10}{w.timed_calls:>10}"
                      f"{_us(w.median_us):>12}{_us(w.p99_us):>10}{w.rss_mb:>10.1f}"
                      f"{_per_rank(w.fds):>10}{_per_rank(w.threads):>10}{wrong:>8}"
-                     f"{w.wall_s:>9.2f}")
+                     f"{w.wall_s:>9.2f}{w.load_1min:>7.2f}")
     return lines
 
 
@@ -540,14 +555,14 @@ def _window_row(comm, index: int, first_call: int, calls: int, timed_ns: np.ndar
         p99_us=float(np.mean(p99s)) if p99s else None,
         rss_mb=max(r[2] for r in every) / 1024, fds=[r[3] for r in every],
         threads=[r[4] for r in every], wrong_values=sum(r[5] for r in every),
-        rank_mismatches=rank_mismatches, wall_s=wall_s)
+        rank_mismatches=rank_mismatches, wall_s=wall_s, load_1min=os.getloadavg()[0])
 
 
 def _run_window(harmpi, comm, plan: _Plan, buffers: _Buffers, checker: _Checker,
                 index: int, bounds: tuple[int, int]) -> Window | None:
     """One window of the schedule, then its checks of buffers and its report row."""
     first_call, length = bounds
-    schedule = make_schedule(plan.seed, index, length)
+    schedule = schedule_slice(plan.seed, first_call, length)
     timed_ns = np.empty(length, dtype=np.int64)
     wrong_before, mismatches_before = checker.wrong_values, checker.rank_mismatches
     t0 = time.perf_counter()
@@ -575,7 +590,8 @@ def _header_lines(comm, plan: _Plan, harmpi_info: dict) -> list[str]:
         f"# Checks: every {plan.check_every} calls an exact, a float64-bounded and an allgather "
         "check (+ crc32 across ranks); reused buffers must stay zero",
         "# Timed: each 10 KB bf16 tensor all-reduce alone, back to back (no barrier); "
-        "per-rank median/p99 averaged over ranks; RSS: max over ranks; FDs, Threads: per rank",
+        "per-rank median/p99 averaged over ranks; RSS: max over ranks; FDs, Threads: per rank; "
+        "Load: the host's 1-min load average (other jobs slow every column)",
     ]
 
 

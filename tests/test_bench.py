@@ -587,6 +587,19 @@ def test_soak_schedule_is_seeded_and_mostly_decode_sized():
     assert len(list(a.rows())) == 20000
 
 
+def test_soak_schedule_does_not_depend_on_the_window():
+    from bench.soak import SCHEDULE_BLOCK, make_schedule, schedule_slice
+
+    whole = schedule_slice(7, 0, 25000)
+    parts = [schedule_slice(7, 0, 12345), schedule_slice(7, 12345, 12655)]
+    for field, first, second in zip(whole, *parts):
+        assert (field == np.concatenate([first, second])).all()
+    block = make_schedule(7, 1, SCHEDULE_BLOCK)
+    assert all((a == b).all() for a, b in zip(schedule_slice(7, SCHEDULE_BLOCK, SCHEDULE_BLOCK),
+                                               block))
+    assert len(schedule_slice(7, 5, 0).count) == 0
+
+
 def test_soak_window_bounds_cover_every_call():
     from bench.soak import window_bounds
 
@@ -667,7 +680,8 @@ def _window(index, median_us, rss_mb, fds=(10, 11), wrong=0):
 
     return Window(index=index, first_call=index * 100, calls=100, timed_calls=50,
                   median_us=median_us, p99_us=2 * median_us, rss_mb=rss_mb, fds=list(fds),
-                  threads=[3, 4], wrong_values=wrong, rank_mismatches=0, wall_s=0.5)
+                  threads=[3, 4], wrong_values=wrong, rank_mismatches=0, wall_s=0.5,
+                  load_1min=1.25)
 
 
 def test_soak_drift_summary_and_report_lines():
@@ -683,7 +697,8 @@ def test_soak_drift_summary_and_report_lines():
     table = format_window_table(windows)
     assert table[0].startswith("# Window") and "Median(us)" in table[0] and "RSS(MB)" in table[0]
     assert table[1].split() == ["0", "100", "50", "3.00", "6.00", "100.0", "10/11", "3/4", "0",
-                                "0.50"]
+                                "0.50", "1.25"]
+    assert table[0].split()[-2:] == ["Wall(s)", "Load"]
     assert format_window_table(windows[:1], header=False) == table[1:2]
     lines = format_summary(summary)
     assert lines[0].startswith("# Drift: median latency last/first window 1.20 (3.00 -> 3.60 us)")
