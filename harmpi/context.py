@@ -36,7 +36,19 @@ from .algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
 from .algorithms.base import Call
 from .algorithms.har_latency import HAR2_STEP
 from .config import Config
-from .control import MISMATCH, POISONED, RAIL_FAILED, RAIL_TIMEOUT, RAISED, TIMEOUT
+from .control import (
+    ABANDONED,
+    BUSY,
+    INTERRUPTED,
+    MISMATCH,
+    OK,
+    POISONED,
+    RAIL_FAILED,
+    RAIL_LATE,
+    RAIL_TIMEOUT,
+    RAISED,
+    TIMEOUT,
+)
 from .errors import (
     HarmpiArgumentError,
     HarmpiError,
@@ -44,8 +56,8 @@ from .errors import (
     HarmpiTimeoutError,
     HarmpiTransportError,
 )
-from .shm import Arena
-from .topology import discover
+from .shm import W_META, Arena
+from .topology import arrive, discover
 
 __all__ = ["Context", "AUTO_CODE"]
 
@@ -119,9 +131,10 @@ class SizeSwitch:
 class Context:
     """Everything harmpi keeps for one communicator."""
 
-    def __init__(self, comm, config: Config | None = None):
+    def __init__(self, comm, config: Config | None = None, sigfd: int = -1):
         self.config = config or Config.from_env()
         self.comm = comm
+        arrive(comm, self.config.timeout_s, "setting up harmpi on this communicator")
         self.topo, self.node_comm, self.rail_comm = discover(comm, self.config.ranks_per_node)
         self.oversubscribed = _oversubscribed(comm)
         spin = self.config.spin_count
@@ -134,7 +147,12 @@ class Context:
         self.arena = Arena(self.node_comm, self.config.slot_nbytes)
         self.ctl = control.new()
         node.init_control(self.ctl, self.arena, spin, self.config.timeout_s, AUTO_CODE,
-                          self.config.small_max_nbytes, self.config.stream_stores)
+                          self.config.small_max_nbytes, self.config.stream_stores, sigfd)
+        self.sigfd = sigfd
+        # the compiled waits name late ranks by communicator rank
+        self._local_ranks = np.array(self.topo.node_ranks[self.topo.node_index], np.int64)
+        self.ctl[0]["local_ranks"] = self._local_ranks.ctypes.data
+        self.ctl[0]["rail_peer"] = -1
         self._broken = None
         #: the exception a Python entry caught, until fail() raises it
         self.pending_error = None
@@ -151,6 +169,8 @@ class Context:
                 self.config.timeout_s)
             self.log_once(f"cross-node transport: {self._rail_transport.name} "
                           f"({self.transport_reason})")
+            if isinstance(self._rail_transport, transports.TcpTransport):
+                self._rail_transport.watch_signals(sigfd)
         self._har2 = None
         self.entry, self.entry_cfunc = self._default_entry()
         self.gather = self._gather_entry()
@@ -198,14 +218,20 @@ class Context:
         return HierAllgather(self)
 
     def run_python(self, fn, *args):
-        """Run a Python algorithm as an entry: its HarmpiError becomes the
-        status RAISED (fail() raises it again)."""
+        """Run a Python algorithm as an entry: refused like a compiled entry
+        (node.enter), and its HarmpiError becomes the status RAISED (fail()
+        raises it again)."""
+        rc = node.enter(self.ctl)
+        if rc != OK:
+            return rc
         try:
             fn(*args)
         except HarmpiError as exc:
             self.pending_error = exc
             return RAISED
-        return 0
+        finally:
+            node.leave(self.ctl)
+        return OK
 
     @property
     def broken(self):
@@ -229,6 +255,8 @@ class Context:
             self._world_transport, _ = transports.select(self.config.transport, self.comm,
                                                          self.transport_spin_count,
                                                          self.config.timeout_s)
+            if isinstance(self._world_transport, transports.TcpTransport):
+                self._world_transport.watch_signals(self.sigfd)
         return self._world_transport
 
     def rail_recv_buffer(self):
@@ -294,7 +322,7 @@ class Context:
             rc = node.stage(self.ctl, addr, m, call.nbytes, call.code, call.w)
         else:
             rc = node.stage_meta(self.ctl, m, call.nbytes, call.code, call.w)
-        if rc == TIMEOUT:
+        if rc not in (OK, MISMATCH):  # timed out, or a peer gave up: no going on
             self.fail(rc, call)
         return self.error_state() if rc else None
 
@@ -302,6 +330,14 @@ class Context:
         """Post whether this rank's cross-node step failed, flag round, and
         raise on every rank if any rank of the node failed."""
         rc = node.publish_wait_status(self.ctl, 1 if poisoned else 0)
+        self.settle_status(rc, call, local)
+
+    def settle_status(self, rc, call, local):
+        """Raise for the last flag round of a step: its own failure first (a
+        wait that failed leaves no step to report on), then the node's
+        disagreement found earlier (``local``), then a peer's posted failure."""
+        if rc not in (OK, POISONED):
+            self.fail(rc, call)
         if local is not None:
             self.fail(MISMATCH, call, state=local)
         if rc:
@@ -315,49 +351,130 @@ class Context:
     # -- failures -----------------------------------------------------------
 
     def fail(self, rc, call, state=None):
-        """Raise the exception for a step's status ``rc``; a timeout or a
-        transport error also marks this context unusable (peers may have
-        been left mid-collective). ``state``: an earlier :meth:`error_state`,
-        when the algorithm went on (poisoned) after the failing step so its
-        peers fail too."""
+        """Raise the exception for a step's status ``rc``. ``state``: an
+        earlier :meth:`error_state`, when the algorithm went on (poisoned)
+        after the failing step so its peers fail too.
+
+        What the failure leaves behind decides what happens to the context:
+        a timeout, a transport error, an interruption or a peer that gave up
+        leave peers mid-collective, so this rank gives up on the node's
+        flags too (node.abandon: every peer then fails at once) and the
+        context is unusable. A disagreement is only survivable where every
+        rank stops at the same flag round (see :meth:`_mismatch_is_clean`);
+        anywhere else the step counters may now differ between ranks, so
+        the context is unusable on every rank that raises."""
         try:
             self._raise(rc, call, state)
-        except (HarmpiTimeoutError, HarmpiTransportError) as exc:
-            self.broken = self.broken or str(exc)
+        except HarmpiMismatchError as exc:
+            if not self._mismatch_is_clean(rc):
+                self._give_up(f"{exc} (after a disagreement across nodes or between "
+                              "algorithms, the ranks' step counters may differ)")
             raise
+        except (HarmpiTimeoutError, HarmpiTransportError, KeyboardInterrupt) as exc:
+            self._give_up(str(exc) or type(exc).__name__)
+            raise
+        except HarmpiError as exc:
+            if rc == ABANDONED:
+                self._give_up(str(exc))
+            raise
+
+    def _give_up(self, why):
+        node.abandon(self.ctl, -1)
+        self.broken = self.broken or why
+        # a rail peer blocked on this rank's socket learns at once
+        self.close_transports()
+
+    def close_transports(self):
+        """Close the tcp rails (a local act, no collective); the mpi
+        transport's communicator is left to MPI_Finalize."""
+        for t in (self._rail_transport, self._world_transport):
+            if isinstance(t, transports.TcpTransport):
+                t.close()
+
+    def _mismatch_is_clean(self, rc):
+        """After a disagreement: may this context go on? Yes if every rank
+        of this node ran the same collective with the same algorithm in the
+        failed step (sizes or dtypes differed): then every one of them took
+        the same failure path through the same flag rounds, and the node's
+        step counters still agree. Ranks that ran different algorithms or
+        collectives may have left after different rounds: the counters may
+        differ, and only an unusable context is safe. (A disagreement a
+        Python algorithm raised itself, RAISED, comes from exchanges every
+        rank finishes: the flat ring, or uneven nodes' allgather check.)"""
+        if rc == RAISED:
+            return True
+        parity = (int(self.ctl[0]["steps"]) - 1) & 1
+        kinds = {int(line[W_META + 2 * parity + 1]) for line in self.arena.flags()}
+        runs = {(f["coll"], f["algo"]) if f else None for f in map(kind.decode, kinds)}
+        return len(runs) == 1
 
     def raise_status(self, rc, x_addr, n, fmt, code, op):
         """fail() for a status returned by an entry (the API's one error path)."""
         self.fail(rc, Call(x_addr, n, fmt, code, op))
 
+    def _who(self):
+        topo = self.topo
+        return f"rank {topo.rank} (node {topo.node_index}, local rank {topo.local_rank})"
+
     def _raise(self, rc, call, state):
         if rc == RAISED:
             exc, self.pending_error = self.pending_error, None
             raise exc
-        if rc in (RAIL_TIMEOUT, RAIL_FAILED) and self._har2 is not None:
+        if rc in (RAIL_TIMEOUT, RAIL_FAILED, RAIL_LATE) and self._har2 is not None:
             self._har2.raise_rail(rc, call)
-        topo = self.topo
-        who = f"rank {topo.rank} (node {topo.node_index}, local rank {topo.local_rank})"
+        if rc == BUSY:
+            raise HarmpiError(
+                f"{self._who()}: {call}: another thread is inside a collective on this "
+                "communicator; call harmpi's collectives on one communicator from one thread "
+                "at a time (or give each thread its own communicator)")
+        if rc == INTERRUPTED:
+            raise KeyboardInterrupt(f"{self._who()}: {call}: interrupted while waiting; this "
+                                    "context is unusable now")
         peer, a, b = state or self.error_state()
-        peer_rank = topo.node_ranks[topo.node_index][peer]
+        if rc == ABANDONED:
+            raise self._abandoned_error(call, peer, a, b)
         if rc == TIMEOUT:
             raise HarmpiTimeoutError(
-                f"{who}: {call}: local rank {peer} (rank {peer_rank}) did not publish step {a} "
-                f"within {self.config.timeout_s:g} s; its flag shows {b}. It crashed, hangs, or "
-                "never called this collective (HARMPI_TIMEOUT_S sets the deadline); this "
-                "context is unusable now.")
+                f"{self._who()}: {call}: local rank {peer} (rank {self._rank_of(peer)}) did not "
+                f"publish step {a} within {self.config.timeout_s:g} s; its flag shows {b}. It "
+                "crashed, hangs, or never called this collective (HARMPI_TIMEOUT_S sets the "
+                "deadline); this context is unusable now.")
         if rc in (MISMATCH, POISONED):
-            if rc == POISONED or b == kind.POISON:
-                detail = ("the cross-node exchange saw a peer node pass a different size, dtype, "
-                          "op or algorithm")
-            else:
-                detail = (f"this rank passes {call.nbytes} bytes (kind {call.describe_code()}), "
-                          f"local rank {peer} (rank {peer_rank}) passes {a} bytes "
-                          f"(kind {call.describe_code(b)})")
-            raise HarmpiMismatchError(
-                f"{who}: {call}: ranks disagree: {detail}. Every rank must pass a tensor of the "
-                "same size and dtype, with the same op and algorithm, in the same order.")
-        raise HarmpiError(f"{who}: {call}: unexpected step status {rc}")
+            raise self._mismatch_error(call, rc, peer, a, b)
+        raise HarmpiError(f"{self._who()}: {call}: unexpected step status {rc}")
+
+    def _rank_of(self, local_rank):
+        return self.topo.node_ranks[self.topo.node_index][local_rank]
+
+    def _abandoned_error(self, call, peer, epoch, culprit):
+        if self.broken is not None:  # refused at the entry: an earlier failure
+            return HarmpiError(f"harmpi context is unusable: {self.broken}")
+        gave_up = f"local rank {peer} (rank {self._rank_of(peer)})"
+        if culprit == node.CULPRIT_INTERRUPTED:
+            why = ("this rank was interrupted (SIGINT) while it waited" if peer ==
+                   self.topo.local_rank else f"{gave_up} was interrupted (SIGINT) while it waited")
+        elif culprit == self.topo.rank:
+            why = f"{gave_up} gave up waiting for this rank: it arrived after the deadline"
+        elif culprit == self._rank_of(peer):
+            why = f"{gave_up} did not arrive in time, and a peer gave up on it"
+        elif culprit >= 0:
+            why = f"{gave_up} gave up waiting for rank {culprit}"
+        else:
+            why = f"{gave_up} gave up (its transport failed, it timed out or was interrupted)"
+        return HarmpiTimeoutError(f"{self._who()}: {call}: step {epoch}: {why}. No rank "
+                                  "completes this collective; this context is unusable now.")
+
+    def _mismatch_error(self, call, rc, peer, a, b):
+        if rc == POISONED or b == kind.POISON:
+            detail = ("the cross-node exchange saw a peer node pass a different size, dtype, "
+                      "op or algorithm")
+        else:
+            detail = (f"this rank passes {call.nbytes} bytes (kind {call.describe_code()}), "
+                      f"local rank {peer} (rank {self._rank_of(peer)}) passes {a} bytes "
+                      f"(kind {call.describe_code(b)})")
+        return HarmpiMismatchError(
+            f"{self._who()}: {call}: ranks disagree: {detail}. Every rank must pass a tensor "
+            "of the same size and dtype, with the same op and algorithm, in the same order.")
 
     # -- teardown -----------------------------------------------------------
 

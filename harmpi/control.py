@@ -19,7 +19,8 @@ from numba import types
 from numba.extending import intrinsic
 
 __all__ = ["FIELDS", "CONTROL", "RECORD", "ARRAY", "new", "offset", "control_at", "STATUS_NAMES",
-           "OK", "TIMEOUT", "MISMATCH", "POISONED", "RAIL_TIMEOUT", "RAIL_FAILED", "RAISED"]
+           "OK", "TIMEOUT", "MISMATCH", "POISONED", "RAIL_TIMEOUT", "RAIL_FAILED", "RAISED",
+           "ABANDONED", "BUSY", "INTERRUPTED", "RAIL_LATE"]
 
 #: (field, meaning); every field is an int64
 FIELDS = (
@@ -43,6 +44,10 @@ FIELDS = (
     ("stream", "1: slot data other ranks read next goes out with streaming stores"),
     ("ring", "slot byte position of the next small step (the same on every local rank)"),
     ("gate", "1 while the native entry point may run this context"),
+    ("abandoned", "non-zero once this rank gave up on a collective (every entry refuses)"),
+    ("busy", "1 while an entry runs (a second thread's call is refused)"),
+    ("local_ranks", "address of int64[L]: communicator rank of each local rank"),
+    ("rail_peer", "two-node step: communicator rank of the rail peer"),
     ("rail_fd", "two-node step: socket to the rail peer"),
     ("rail_recv", "two-node step: receive buffer address"),
     ("rail_recv_cap", "two-node step: its size"),
@@ -57,6 +62,7 @@ FIELDS = (
     ("hook_comm", ""),
     ("hook_source", ""),
     ("hook_tag", ""),
+    ("hook_sigfd", "Python's signal wakeup fd that harmpi reads (-1: none)"),
 )
 
 CONTROL = np.dtype([(name, np.int64) for name, _ in FIELDS])
@@ -65,8 +71,10 @@ RECORD = numba.from_dtype(CONTROL)
 ARRAY = RECORD[::1]
 
 #: step statuses (OK = 0; every other value is a failure the context explains)
-OK, TIMEOUT, MISMATCH, POISONED, RAIL_TIMEOUT, RAIL_FAILED, RAISED = range(7)
-STATUS_NAMES = ("ok", "timeout", "mismatch", "poisoned", "rail timeout", "rail failed", "raised")
+(OK, TIMEOUT, MISMATCH, POISONED, RAIL_TIMEOUT, RAIL_FAILED, RAISED, ABANDONED, BUSY,
+ INTERRUPTED, RAIL_LATE) = range(11)
+STATUS_NAMES = ("ok", "timeout", "mismatch", "poisoned", "rail timeout", "rail failed", "raised",
+                "abandoned", "busy", "interrupted", "rail late")
 
 
 def offset(name: str) -> int:
@@ -76,8 +84,9 @@ def offset(name: str) -> int:
 
 #: the mpiprogress hook's words are read at one address (sync.poke)
 HOOK_OFFSET = offset("hook_fn")
-assert [offset(f) - HOOK_OFFSET for f in ("hook_fn", "hook_comm", "hook_source", "hook_tag")] \
-    == [0, 8, 16, 24]
+assert [offset(f) - HOOK_OFFSET
+        for f in ("hook_fn", "hook_comm", "hook_source", "hook_tag", "hook_sigfd")] \
+    == [0, 8, 16, 24, 32]
 
 
 def new() -> np.ndarray:

@@ -67,9 +67,10 @@ def hook_values():
     return (iprobe_address(), MPI._handleof(MPI.COMM_SELF), MPI.ANY_SOURCE, MPI.ANY_TAG)
 
 
-def new_hook():
-    """A standalone hook (four int64 words) for waits outside a control block."""
-    return np.array(hook_values(), np.int64)
+def new_hook(sigfd=-1):
+    """A standalone hook for waits outside a control block: the four words
+    of hook_values(), then the signal wakeup fd the waits read (-1: none)."""
+    return np.array(hook_values() + (sigfd,), np.int64)
 
 
 @intrinsic

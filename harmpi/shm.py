@@ -12,11 +12,12 @@ of one parity are contiguous, so a step sees them as one C-contiguous
 
 Flag line of rank l, int64 words:
 
-    0      EPOCH    last published phase number (monotonic, starts at 0)
+    0      EPOCH    last published phase number (monotonic, starts at 0);
+                    ABANDONED (-1) once a rank gave up on the node's collective
     1, 2   meta of parity 0: total bytes of the collective, kind code
     3, 4   meta of parity 1
     5, 6   step status of parity 0, 1 (non-zero: this rank's part failed)
-    7      unused
+    7      CULPRIT  after giving up: the rank it waited for (-1: unknown)
 
 The meta words are double-buffered like the slots: a rank may write the
 next step's meta while a slow peer still checks this step's.
@@ -31,12 +32,13 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Arena", "FLAG_LINE_NBYTES", "W_EPOCH", "W_META", "W_STATUS"]
+__all__ = ["Arena", "FLAG_LINE_NBYTES", "W_EPOCH", "W_META", "W_STATUS", "W_CULPRIT"]
 
 FLAG_LINE_NBYTES = 64
 W_EPOCH = 0   # word index of the epoch in a flag line
 W_META = 1    # first meta word; parity p uses words W_META + 2p, W_META + 2p + 1
 W_STATUS = 5  # parity p uses word W_STATUS + p
+W_CULPRIT = 7  # written before the epoch word turns ABANDONED
 _PAGE = 4096
 
 

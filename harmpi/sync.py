@@ -36,9 +36,13 @@ from numba.extending import intrinsic
 
 from .mpiprogress import iprobe
 
-__all__ = ["load_acquire", "store_release", "cpu_relax", "sched_yield", "monotonic_ns",
-           "sleep_us", "wait_flags_ge", "poke", "SLEEP_AFTER_NS", "POKE_AFTER_NS"]
+__all__ = ["load_acquire", "store_release", "compare_exchange", "ABANDONED", "cpu_relax",
+           "sched_yield", "monotonic_ns", "realtime_ns", "sleep_us", "wait_flags_ge", "poke",
+           "sigint_arrived", "WAIT_INTERRUPTED", "SLEEP_AFTER_NS", "POKE_AFTER_NS"]
 
+#: the flag value of a rank that gave up on a collective (flags are epochs >= 0
+#: otherwise): every wait on it, and every later publish over it, fails at once
+ABANDONED = -1
 #: after this long yielding, a waiter sleeps between polls
 SLEEP_AFTER_NS = 20_000_000
 #: after this long waiting, a waiter also lets MPI progress (mpiprogress);
@@ -57,6 +61,21 @@ def load_acquire(typingctx, addr):
     def codegen(context, builder, signature, args):
         ptr = builder.inttoptr(args[0], _I64.as_pointer())
         return builder.load_atomic(ptr, "acquire", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def compare_exchange(typingctx, addr, expected, value):
+    """Atomically: if the int64 at ``addr`` equals ``expected``, store ``value``
+    (acquire-release). Returns the value found, so the exchange happened iff
+    it equals ``expected``."""
+    sig = types.int64(types.intp, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _I64.as_pointer())
+        pair = builder.cmpxchg(ptr, args[1], args[2], "acq_rel", "acquire")
+        return builder.extract_value(pair, 0)
 
     return sig, codegen
 
@@ -147,6 +166,68 @@ def monotonic_ns(typingctx):
     return sig, codegen
 
 
+@intrinsic
+def _read_byte(typingctx, fd):
+    """libc ``read(fd, &b, 1)``: the byte read, or -1 (nothing to read, or an error)."""
+    sig = types.int64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        byte = cgutils.alloca_once(builder, ir.IntType(8))
+        fnty = ir.FunctionType(_I64, [_I32, ir.IntType(8).as_pointer(), _I64])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "read")
+        n = builder.call(fn, [builder.trunc(args[0], _I32), byte, ir.Constant(_I64, 1)])
+        got = builder.zext(builder.load(byte), _I64)
+        return builder.select(builder.icmp_signed("==", n, ir.Constant(_I64, 1)), got,
+                              ir.Constant(_I64, -1))
+
+    return sig, codegen
+
+
+#: signal number of SIGINT (Ctrl-C) as Python's wakeup fd reports it
+_SIGINT = 2
+#: wait_flags_ge's return value when a SIGINT arrived while it waited
+WAIT_INTERRUPTED = -(1 << 40)
+
+
+@numba.njit(types.boolean(types.int64), cache=True, nogil=True)
+def sigint_arrived(hook_addr):
+    """Whether a SIGINT arrived since the last look: Python's signal
+    handler writes each signal's number to the wakeup fd harmpi installed
+    (hook word 4, -1 for none; see harmpi.api), which is drained here.
+    Python still raises KeyboardInterrupt itself once the wait returns."""
+    if hook_addr == 0:
+        return False
+    fd = load_acquire(hook_addr + 32)
+    if fd < 0:
+        return False
+    hit = False
+    while True:
+        b = _read_byte(fd)
+        if b < 0:
+            return hit
+        if b == _SIGINT:
+            hit = True
+
+
+@intrinsic
+def realtime_ns(typingctx):
+    """CLOCK_REALTIME in nanoseconds: comparable across hosts (to NTP's
+    accuracy), for deadlines that travel in messages."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        ts_ty = ir.ArrayType(_I64, 2)
+        ts = cgutils.alloca_once(builder, ts_ty)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_I32, [_I32, ts_ty.as_pointer()]), "clock_gettime")
+        builder.call(fn, [ir.Constant(_I32, 0), ts])  # 0 == CLOCK_REALTIME
+        sec = builder.load(cgutils.gep(builder, ts, 0, 0))
+        nsec = builder.load(cgutils.gep(builder, ts, 0, 1))
+        return builder.add(builder.mul(sec, ir.Constant(_I64, 1_000_000_000)), nsec)
+
+    return sig, codegen
+
+
 @numba.njit(types.void(types.int64), cache=True, nogil=True)
 def poke(hook_addr):
     """Run MPI's progress engine once through the mpiprogress hook at
@@ -162,17 +243,25 @@ def poke(hook_addr):
                         types.int64), cache=True, nogil=True)
 def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook_addr):
     """Wait until the int64 at ``base_addr + j*stride`` is >= ``target`` for
-    every j in [0, count). Returns -1 once all are, or the first j still
-    below ``target`` when ``timeout_ns`` elapsed since the wait started
-    yielding (spinning is bounded, so the deadline is exact to ~spin time).
-    After POKE_AFTER_NS it lets MPI progress every 32 polls (``hook_addr``:
-    an mpiprogress hook, 0 for none).
+    every j in [0, count). Returns -1 once all are; ``-2 - j`` as soon as
+    flag j is negative (ABANDONED: that rank gave up on the collective);
+    WAIT_INTERRUPTED when a SIGINT arrives (looked at every 32 polls once
+    the wait yields: within ~1 ms); or the first j still below ``target``
+    when ``timeout_ns`` elapsed since the wait started yielding (spinning is
+    bounded, so the deadline is exact to ~spin time). After POKE_AFTER_NS it
+    lets MPI progress every 32 polls (``hook_addr``: an mpiprogress hook and
+    the wakeup fd, 0 for none).
     """
     polls = 0
     started = 0
     for j in range(count):
         addr = base_addr + j * stride
-        while load_acquire(addr) < target:
+        while True:
+            v = load_acquire(addr)
+            if v >= target:
+                break
+            if v < 0:
+                return -2 - j
             polls += 1
             if polls <= spin_count:
                 cpu_relax()
@@ -181,6 +270,8 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
                 started = monotonic_ns()
             sched_yield()
             if (polls & 31) == 0:
+                if sigint_arrived(hook_addr):
+                    return WAIT_INTERRUPTED
                 waited = monotonic_ns() - started
                 if waited > POKE_AFTER_NS:
                     poke(hook_addr)

@@ -15,12 +15,32 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 from mpi4py import MPI
 
-from .errors import HarmpiArgumentError
+from .errors import HarmpiArgumentError, HarmpiTimeoutError
 
-__all__ = ["Topology", "discover"]
+__all__ = ["Topology", "discover", "arrive"]
+
+
+def arrive(comm, timeout_s, what):
+    """Wait, with a deadline, until every rank of ``comm`` has reached this
+    point (MPI_Ibarrier, polled), so that the blocking collectives of a
+    set-up that follow cannot hang on a rank that never comes: that rank is
+    reported as a HarmpiTimeoutError instead."""
+    req = comm.Ibarrier()
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-5
+    while not req.Test():
+        if time.monotonic() > deadline:
+            raise HarmpiTimeoutError(
+                f"rank {comm.Get_rank()} of a communicator of {comm.Get_size()}: {what}: the "
+                f"other ranks did not arrive within {timeout_s:g} s (a rank never called the "
+                "same harmpi collective, or called it with another algorithm; "
+                "HARMPI_TIMEOUT_S sets the deadline)")
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,9 @@ import harmpi
 from harmpi.transports import sockio
 from harmpi.transports.tcp import TcpTransport, host_key, local_ipv4_addresses
 
-HDR = struct.Struct("<qq")
+HDR = struct.Struct("<qqq")  # payload bytes, tag, give-up time
+#: a give-up time far in the future (the sender waits long)
+LATER = 2 ** 62
 MiB = 1 << 20
 
 
@@ -73,8 +75,8 @@ class Side:
         self.pollfds = sockio.new_pollfds(rows)
         self.scratch = sockio.new_scratch()
 
-    def send(self, i, sock, buf, tag):
-        sockio.set_send(self.ops, i, sock.fileno(), buf.ctypes.data, buf.nbytes, tag)
+    def send(self, i, sock, buf, tag, give_up_ns=LATER):
+        sockio.set_send(self.ops, i, sock.fileno(), buf.ctypes.data, buf.nbytes, tag, give_up_ns)
 
     def recv(self, i, sock, buf):
         sockio.set_recv(self.ops, i, sock.fileno(), buf.ctypes.data, buf.nbytes)
@@ -146,9 +148,19 @@ def pending_bytes(sock):
         out += chunk
 
 
+def unframe(raw):
+    """[(payload, tag)] of the frames in ``raw`` (give-up times aside)."""
+    out = []
+    while raw:
+        n, tag, _ = HDR.unpack(raw[:HDR.size])
+        out.append((raw[HDR.size:HDR.size + n], tag))
+        raw = raw[HDR.size + n:]
+    return out
+
+
 def frame(data, tag):
     data = bytes(data)
-    return HDR.pack(len(data), tag) + data
+    return HDR.pack(len(data), tag, LATER) + data
 
 
 # -- sockio: framing and round trips ----------------------------------------------------------
@@ -184,7 +196,7 @@ def test_wire_format_is_header_then_payload(make_pair):
     side = Side()
     side.send(0, a, data, 77)
     assert side.progress(1) == sockio.IO_OK
-    assert recv_raw(b, 16 + 40) == HDR.pack(40, 77) + bytes(data)
+    assert recv_raw(b, HDR.size + 40) == HDR.pack(40, 77, LATER) + bytes(data)
 
     # and a frame written by hand is understood by the receiver
     b.sendall(frame(b"hello world", -5))
@@ -209,7 +221,8 @@ def test_zero_byte_message_into_zero_capacity(make_pair):
     r.recv(0, b, out0)
     r.recv(1, b, out1)
     assert r.progress(2) == sockio.IO_OK
-    assert [r.row(0, f) for f in (sockio.OP_HDR_N, sockio.OP_HDR_TAG, sockio.OP_DONE)] == [0, 9, 16]
+    assert [r.row(0, f) for f in (sockio.OP_HDR_N, sockio.OP_HDR_TAG, sockio.OP_DONE)] == \
+        [0, 9, HDR.size]
     assert [r.row(1, f) for f in (sockio.OP_HDR_N, sockio.OP_HDR_TAG)] == [4, 10]
     assert bytes(out1) == b"next"
 
@@ -273,7 +286,7 @@ def test_queued_messages_arrive_in_order_without_over_reading(make_pair):
     r.recv(0, b, big)
     assert r.progress(1) == sockio.IO_OK
     assert (r.row(0, sockio.OP_HDR_N), r.row(0, sockio.OP_HDR_TAG)) == (5, 500)
-    assert r.row(0, sockio.OP_DONE) == 16 + 5
+    assert r.row(0, sockio.OP_DONE) == HDR.size + 5
     assert bytes(big[:5]) == bytes(msgs[0])
     assert (big[5:] == 0).all()
 
@@ -320,7 +333,7 @@ def test_oversized_message_is_truncated_and_stream_stays_aligned(make_pair, anno
     assert r.row(0, sockio.OP_STATE) == sockio.ST_DONE
     assert r.row(0, sockio.OP_HDR_N) == announced
     assert r.row(0, sockio.OP_HDR_TAG) == 7
-    assert r.row(0, sockio.OP_DONE) == 16 + announced
+    assert r.row(0, sockio.OP_DONE) == HDR.size + announced
     assert bytes(buf[:cap]) == bytes(big[:cap])
     assert (buf[cap:] == 0xEE).all()              # nothing written past the capacity
     assert (r.row(1, sockio.OP_HDR_N), r.row(1, sockio.OP_HDR_TAG)) == (33, 8)
@@ -350,7 +363,7 @@ def test_peer_close_fails_receive_with_err_closed(make_pair):
 
 def test_peer_close_mid_message_fails(make_pair):
     a, b = make_pair()
-    a.sendall(frame(b"0123456789", 4)[:20])       # header and 4 of 10 payload bytes
+    a.sendall(frame(b"0123456789", 4)[:HDR.size + 4])  # header and 4 of 10 payload bytes
     r = Side()
     out = np.zeros(10, np.uint8)
     r.recv(0, b, out)
@@ -359,12 +372,12 @@ def test_peer_close_mid_message_fails(make_pair):
     a.close()
     assert w.finish() == sockio.IO_FAILED
     assert r.row(0, sockio.OP_ERRNO) == sockio.ERR_CLOSED
-    assert r.row(0, sockio.OP_DONE) == 20
+    assert r.row(0, sockio.OP_DONE) == HDR.size + 4
 
 
 def test_negative_size_header_is_rejected(make_pair):
     a, b = make_pair()
-    a.sendall(HDR.pack(-1, 0))
+    a.sendall(HDR.pack(-1, 0, LATER))
     r = Side()
     out = np.zeros(8, np.uint8)
     r.recv(0, b, out)
@@ -427,7 +440,7 @@ def test_kick_sends_what_fits_without_blocking(make_pair):
     assert s.kick(1) == sockio.IO_OK
     assert time.monotonic() - t0 < 1.0
     done = s.row(0, sockio.OP_DONE)
-    assert 0 < done < 16 + n                      # some, not all: nobody is reading yet
+    assert 0 < done < HDR.size + n                # some, not all: nobody is reading yet
     assert s.row(0, sockio.OP_STATE) == sockio.ST_PENDING
     assert s.kick(1) == sockio.IO_OK              # a second kick on a full socket: no block
     assert s.row(0, sockio.OP_DONE) == done
@@ -492,7 +505,7 @@ def test_local_ipv4_addresses_exclude_loopback():
 # -- TcpTransport over socket pairs, without MPI ----------------------------------------------
 
 
-def fake_transport(rank, world, peer_socks, spin_count=1):
+def fake_transport(rank, world, peer_socks, spin_count=1, timeout_s=60.0):
     """A TcpTransport of local rank ``rank`` (world ranks ``world``) whose peers are
     already connected: peer_socks maps a local peer rank to its socket."""
     t = object.__new__(TcpTransport)
@@ -500,6 +513,7 @@ def fake_transport(rank, world, peer_socks, spin_count=1):
     t.rank, t.size, t.comm = rank, size, None
     t._world = list(world)
     t.spin_count = spin_count
+    t.timeout_ns = int(timeout_s * 1e9)
     t.socks = [None] * size
     t.fds = np.full(size, -1, np.int64)
     for peer, sock in peer_socks.items():
@@ -508,7 +522,7 @@ def fake_transport(rank, world, peer_socks, spin_count=1):
     t.ops = sockio.new_ops(max(4, 2 * size))
     t.pollfds = sockio.new_pollfds(t.ops.shape[0])
     t.scratch = sockio.new_scratch()
-    t.hook = np.zeros(4, np.int64)      # no MPI progress hook
+    t.hook = np.array([0, 0, 0, 0, -1], np.int64)  # no MPI progress hook, no wakeup fd
     return t
 
 
@@ -546,8 +560,8 @@ def test_transport_post_many_peers_grows_the_table(make_pair):
     assert bytes(outs[0][:8]) == b"from-1-a" and bytes(outs[2][:9]) == b"from-1-bb"
     assert bytes(outs[1][:6]) == b"from-2"
     assert t0.ops.shape[0] >= 8
-    assert pending_bytes(b01) == frame(bufs[0], 10) + frame(bufs[2], 30)
-    assert pending_bytes(b02) == frame(bufs[1], 20) + frame(bufs[3], 40)
+    assert unframe(pending_bytes(b01)) == [(bytes(bufs[0]), 10), (bytes(bufs[2]), 30)]
+    assert unframe(pending_bytes(b02)) == [(bytes(bufs[1]), 20), (bytes(bufs[3]), 40)]
 
 
 def test_transport_too_large_message_raises_mismatch_then_recovers(make_pair):
@@ -634,6 +648,12 @@ def test_transport_close_releases_sockets():
 # -- TcpTransport connection set-up with a stand-in communicator ------------------------------
 
 
+class _Done:
+    @staticmethod
+    def Test():
+        return True
+
+
 class FakeComm:
     """The few collectives _connect_all uses, for ranks that are threads of this process.
     ``hook(rank, everyone)`` may edit the allgather result (e.g. to fake an absent rank)."""
@@ -673,6 +693,11 @@ class FakeComm:
 
     def allreduce(self, value, op=None):
         return min(self._gather(value))
+
+    def Ibarrier(self):
+        """A request that completes when every thread-rank has asked for one."""
+        self._gather(None)
+        return _Done()
 
     def Barrier(self):
         self.shared.barrier.wait()
@@ -776,3 +801,29 @@ def test_transport_set_up_rejects_a_stranger(hello, match):
     finally:
         for s in strangers:
             s.close()
+
+
+def test_the_senders_give_up_time_travels_in_the_header(make_pair):
+    a, b = make_pair()
+    s = Side()
+    s.send(0, a, payload(10, 1), 3, give_up_ns=123456789)
+    assert s.progress(1) == sockio.IO_OK
+    r = Side()
+    out = np.zeros(10, np.uint8)
+    r.recv(0, b, out)
+    assert r.progress(1) == sockio.IO_OK
+    assert r.row(0, sockio.OP_HDR_DL) == 123456789
+
+
+def test_a_message_older_than_its_senders_deadline_is_refused(make_pair):
+    """The sender gave up on the exchange before this rank completed it: the
+    receiver must fail too, not complete a step its peer abandoned."""
+    a, b = make_pair()
+    t0 = fake_transport(0, WORLD, {1: a}, timeout_s=0.2)
+    t1 = fake_transport(1, WORLD, {0: b})
+    r1 = np.zeros(8, np.uint8)
+    t0.post_exchange(1, payload(8, 1), 5, np.zeros(8, np.uint8))   # rank 0 sends, then...
+    time.sleep(0.4)                                                 # ...is past its deadline
+    p1 = t1.post_exchange(0, payload(8, 2), 5, r1)
+    with pytest.raises(harmpi.HarmpiTimeoutError, match="given up on this collective"):
+        t1.complete(p1, 5, "test")

@@ -33,6 +33,7 @@ import numpy as np
 from .. import kind, node
 from ..control import POISONED
 from ..kind import rail_tag
+from ..topology import arrive
 from .base import Call, chunks, mismatch_error, recv_check
 
 __all__ = ["HierAllgather"]
@@ -65,7 +66,9 @@ class HierAllgather:
         isz = call.itemsize
         if not self.uniform:
             # one small object allgather first: MPI_Allgather itself cannot
-            # tell that ranks passed different shapes
+            # tell that ranks passed different shapes; and before it a bounded
+            # wait, so a rank that called another collective is a timeout
+            arrive(ctx.comm, ctx.config.timeout_s, f"{call} (MPI_Allgather for uneven nodes)")
             kinds = ctx.comm.allgather((call.nbytes, call.code))
             if any(k != kinds[0] for k in kinds):
                 raise mismatch_error(ctx.topo.rank, call,

@@ -43,7 +43,8 @@ import numba
 import numpy as np
 
 from .. import control, dtypes, kind, node
-from ..control import MISMATCH, OK, RAIL_FAILED, RAIL_TIMEOUT, TIMEOUT
+from ..control import MISMATCH, OK, POISONED, RAIL_FAILED, RAIL_LATE, RAIL_TIMEOUT
+from ..errors import HarmpiTimeoutError
 from ..transports import TcpTransport, sockio
 from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
 
@@ -68,24 +69,33 @@ def _har2_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
     c = ctl[0]
     nbytes = m * w.itemsize
     sockio.set_recv(ops, 0, c.rail_fd, c.rail_recv, c.rail_recv_cap)
-    sockio.set_send(ops, 1, c.rail_fd, addr, nbytes, tag)
+    sockio.set_send(ops, 1, c.rail_fd, addr, nbytes, tag, sockio.realtime_ns() + c.timeout_ns)
     if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
+        node.abandon(ctl, c.rail_peer)
         return RAIL_FAILED
     rc = node.stage_meta(ctl, m, total, code, w)
-    if rc == TIMEOUT:
-        return TIMEOUT
+    if rc != OK and rc != MISMATCH:
+        return rc
     local_bad = rc == MISMATCH
     if local_bad:  # keep the node's verdict while the step ends poisoned
         c.saved_peer, c.saved_a, c.saved_b = c.err_peer, c.err_a, c.err_b
     io = sockio.progress(ops, _RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
                          node.hook_addr(ctl))
-    if io == sockio.IO_TIMEOUT:
-        return RAIL_TIMEOUT
+    if io == sockio.IO_INTERRUPTED:
+        return node.interrupted(ctl)
     if io != sockio.IO_OK:
-        return RAIL_FAILED
+        node.abandon(ctl, c.rail_peer)
+        return RAIL_TIMEOUT if io == sockio.IO_TIMEOUT else RAIL_FAILED
+    if sockio.realtime_ns() > ops[0, sockio.OP_HDR_DL]:
+        # the peer's message is older than its deadline: it gave up on this
+        # step (or is about to), so this rank must not complete it
+        node.abandon(ctl, c.rail_peer)
+        return RAIL_LATE
     rail_bad = ops[0, sockio.OP_HDR_N] != nbytes or ops[0, sockio.OP_HDR_TAG] != tag
     status = 1 if (local_bad or rail_bad) else 0
     rc = node.add_publish_sum(ctl, addr, c.rail_recv, m, status, fmt, w)
+    if rc != OK and rc != POISONED:
+        return rc
     if local_bad:
         c.err_peer, c.err_a, c.err_b = c.saved_peer, c.saved_a, c.saved_b
         return MISMATCH
@@ -131,7 +141,12 @@ def har2_run(ctl, x_addr, n, code, fmt):
 @numba.njit(node.STEP_SIG, cache=True, nogil=True)
 def har2_step(ctl, x_addr, n, fmt):
     """The entry of auto on two equal nodes over tcp (up to har_latency_max)."""
-    return har2_run(ctl, x_addr, n, ctl[0].auto_code | fmt, fmt)
+    rc = node.enter(ctl)
+    if rc != OK:
+        return rc
+    rc = har2_run(ctl, x_addr, n, ctl[0].auto_code | fmt, fmt)
+    node.leave(ctl)
+    return rc
 
 
 #: compiled entry points: f(ctl, x_addr, n, fmt) and f(ctl, x_addr, n, code, fmt)
@@ -154,6 +169,7 @@ class HarLatencyAllreduce(RailAlgorithm):
             self.scratch = sockio.new_scratch()
             c = ctx.ctl[0]
             c["rail_fd"] = t.fd(1 - self.g)
+            c["rail_peer"] = ctx.topo.node_ranks[1 - self.g][self.me]
             c["rail_recv"] = self.recv_addr
             c["rail_recv_cap"] = self.recv_buf.nbytes
             c["rail_spin"] = t.spin_count
@@ -195,15 +211,18 @@ class HarLatencyAllreduce(RailAlgorithm):
             # add the peer's tensor, flag round, sum: one compiled call
             rc2 = node.add_publish_sum(ctl, addr, r_addr, m, 1 if poisoned else 0, call.fmt,
                                        call.w)
-            if local is not None:
-                ctx.fail(MISMATCH, call, state=local)
-            if rc2:
-                ctx.fail(rc2, call)
+            ctx.settle_status(rc2, call, local)
 
     def raise_rail(self, rc, call):
-        """The exception for a compiled step's RAIL_TIMEOUT or RAIL_FAILED."""
+        """The exception for a compiled step's RAIL_TIMEOUT, RAIL_FAILED or RAIL_LATE."""
         peer = 1 - self.g
         t = self.transport
+        if rc == RAIL_LATE:
+            raise HarmpiTimeoutError(
+                f"rank {self.ctx.topo.rank}: {call}: rail peer rank "
+                f"{self.ctx.topo.node_ranks[peer][self.me]} sent its part more than "
+                f"{self.ctx.config.timeout_s:g} s ago and has given up on this collective: this "
+                "rank arrived after its deadline (HARMPI_TIMEOUT_S sets it)")
         if rc == RAIL_TIMEOUT:
             t.raise_timeout(_RAIL_ROWS, 1, (peer, peer), self.ctx.config.timeout_s, call,
                             ops=self.ops)

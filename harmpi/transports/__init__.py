@@ -17,6 +17,7 @@ import logging
 from mpi4py import MPI
 
 from ..errors import HarmpiTransportError
+from ..topology import arrive
 from .base import MAX_TAG, POISON_TAG, Pending, Transport
 from .mpi import MpiTransport
 from .tcp import TcpTransport
@@ -47,7 +48,8 @@ def verbs_status():
 
 def select(requested: str, comm, spin_count: int, timeout_s: float = 30.0):
     """Return ``(transport, reason)`` for ``requested`` in auto|tcp|mpi|verbs
-    (collective over ``comm``)."""
+    (collective over ``comm``; a rank that never comes is a timeout)."""
+    arrive(comm, timeout_s, f"setting up the {requested} transport")
     if requested == "mpi":
         return MpiTransport(comm, spin_count), "HARMPI_TRANSPORT=mpi"
     if requested == "tcp":

@@ -1,8 +1,12 @@
 """Compiled socket I/O for the TCP transport: framed messages, a progress
 engine over many sockets, and a deadline — no Python and no GIL inside.
 
-Wire format: each message is a 16-byte header (int64 payload bytes, int64
-tag) followed by the payload. Messages on one socket arrive in the order
+Wire format: each message is a 24-byte header (int64 payload bytes, int64
+tag, int64 give-up time) followed by the payload. The give-up time is when
+the sender's wait for this exchange reaches its deadline (CLOCK_REALTIME,
+ns): a receiver that gets the message after it knows the sender has given
+up on the collective (or is about to), and must fail instead of completing
+a step its peer abandoned. Messages on one socket arrive in the order
 they were sent, so a receiver reads the header, then exactly that many
 payload bytes, and never touches the next message.
 
@@ -16,6 +20,7 @@ An *op table* (int64 array, one row per send or receive) drives the engine:
     OP_HDR_N   header word 0: payload bytes (send: set by the caller;
                receive: as read from the wire)
     OP_HDR_TAG header word 1: tag
+    OP_HDR_DL  header word 2: the sender's give-up time
     OP_STATE   ST_PENDING, ST_DONE, or ST_FAILED (OP_ERRNO says why)
 
 A receive whose header announces more than OP_CAP bytes fills the buffer
@@ -41,20 +46,22 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..sync import POKE_AFTER_NS, monotonic_ns, poke
+from ..sync import POKE_AFTER_NS, monotonic_ns, poke, realtime_ns, sigint_arrived
 
 __all__ = ["OP_FD", "OP_KIND", "OP_ADDR", "OP_CAP", "OP_DONE", "OP_HDR_N", "OP_HDR_TAG",
-           "OP_STATE", "OP_ERRNO", "OP_WORDS", "KIND_SEND", "KIND_RECV", "ST_PENDING",
+           "OP_HDR_DL", "OP_STATE", "OP_ERRNO", "OP_WORDS", "KIND_SEND", "KIND_RECV", "ST_PENDING",
            "ST_DONE", "ST_FAILED", "HEADER_NBYTES", "IO_OK", "IO_TIMEOUT", "IO_FAILED",
+           "IO_INTERRUPTED",
            "ERR_CLOSED", "progress", "set_send", "set_recv", "new_ops", "new_pollfds",
-           "new_scratch"]
+           "new_scratch", "realtime_ns"]
 
-OP_FD, OP_KIND, OP_ADDR, OP_CAP, OP_DONE, OP_HDR_N, OP_HDR_TAG, OP_STATE, OP_ERRNO = range(9)
-OP_WORDS = 10          # (the header words must be adjacent: OP_HDR_N, OP_HDR_TAG)
+(OP_FD, OP_KIND, OP_ADDR, OP_CAP, OP_DONE, OP_HDR_N, OP_HDR_TAG, OP_HDR_DL, OP_STATE,
+ OP_ERRNO) = range(10)
+OP_WORDS = 10          # (the header words must be adjacent: OP_HDR_N, OP_HDR_TAG, OP_HDR_DL)
 KIND_SEND, KIND_RECV = 0, 1
 ST_PENDING, ST_DONE, ST_FAILED = 0, 1, 2
-HEADER_NBYTES = 16
-IO_OK, IO_TIMEOUT, IO_FAILED = 0, 1, 2
+HEADER_NBYTES = 24
+IO_OK, IO_TIMEOUT, IO_FAILED, IO_INTERRUPTED = 0, 1, 2, 3
 #: OP_ERRNO of a receive whose peer closed the connection
 ERR_CLOSED = -1
 
@@ -146,7 +153,7 @@ def new_scratch():
 
 
 @numba.njit(cache=True, nogil=True)
-def set_send(ops, i, fd, addr, nbytes, tag):
+def set_send(ops, i, fd, addr, nbytes, tag, give_up_ns):
     ops[i, OP_FD] = fd
     ops[i, OP_KIND] = KIND_SEND
     ops[i, OP_ADDR] = addr
@@ -154,6 +161,7 @@ def set_send(ops, i, fd, addr, nbytes, tag):
     ops[i, OP_DONE] = 0
     ops[i, OP_HDR_N] = nbytes
     ops[i, OP_HDR_TAG] = tag
+    ops[i, OP_HDR_DL] = give_up_ns
     ops[i, OP_STATE] = ST_PENDING
     ops[i, OP_ERRNO] = 0
 
@@ -167,6 +175,7 @@ def set_recv(ops, i, fd, addr, cap):
     ops[i, OP_DONE] = 0
     ops[i, OP_HDR_N] = 0
     ops[i, OP_HDR_TAG] = 0
+    ops[i, OP_HDR_DL] = 0
     ops[i, OP_STATE] = ST_PENDING
     ops[i, OP_ERRNO] = 0
 
@@ -294,9 +303,11 @@ def kick(ops, k, scratch):
 @numba.njit(cache=True, nogil=True)
 def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):
     """Complete ops [0, k). Returns IO_OK, IO_FAILED (a row is ST_FAILED),
-    or IO_TIMEOUT (rows still ST_PENDING) after ``timeout_ns`` of waiting.
+    IO_TIMEOUT (rows still ST_PENDING) after ``timeout_ns`` of waiting, or
+    IO_INTERRUPTED when a SIGINT arrived while it slept (sync.sigint_arrived).
     Once it has waited POKE_AFTER_NS, it lets MPI progress before each sleep
-    in poll(2) (``hook_addr``: an mpiprogress hook, 0 for none)."""
+    in poll(2) (``hook_addr``: an mpiprogress hook and the wakeup fd, 0 for
+    none)."""
     idle = 0
     started = 0
     last_poke = 0
@@ -336,6 +347,8 @@ def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):
         left_ms = (timeout_ns - (now - started)) // 1_000_000
         if now - started > timeout_ns:
             return IO_TIMEOUT
+        if sigint_arrived(hook_addr):
+            return IO_INTERRUPTED
         if now - last_poke > POKE_AFTER_NS:
             poke(hook_addr)
             last_poke = now

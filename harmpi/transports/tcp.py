@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 from .. import mpiprogress
 from ..errors import HarmpiMismatchError, HarmpiTimeoutError, HarmpiTransportError
+from ..topology import arrive
 from . import sockio
 from .base import Pending, Transport
 
@@ -101,6 +102,10 @@ class TcpTransport(Transport):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.spin_count = spin_count
+        #: how long this rank waits for an exchange; its messages say when
+        #: it gives up (sockio's header), so a receiver never completes a
+        #: step this rank abandoned
+        self.timeout_ns = int(connect_timeout_s * 1e9)
         self._world = self._world_ranks(comm)
         self.socks = [None] * self.size
         self.fds = np.full(self.size, -1, np.int64)
@@ -132,6 +137,7 @@ class TcpTransport(Transport):
             listener.bind(("0.0.0.0", 0))
             listener.listen(max(8, self.size))
             me = (host_key(), local_ipv4_addresses(), listener.getsockname()[1])
+            arrive(self.comm, timeout_s, "tcp transport set-up")
             everyone = self.comm.allgather(me)
             deadline = time.monotonic() + timeout_s
             failures = []
@@ -232,9 +238,10 @@ class TcpTransport(Transport):
             sockio.set_recv(ops, i, self.fds[peer], addr, nbytes)
             peers.append(peer)
             i += 1
+        give_up = time.time_ns() + self.timeout_ns  # CLOCK_REALTIME, as sync.realtime_ns
         for peer, buf, tag in sends:
             addr, nbytes = self._addr(buf)
-            sockio.set_send(ops, i, self.fds[peer], addr, nbytes, tag)
+            sockio.set_send(ops, i, self.fds[peer], addr, nbytes, tag, give_up)
             peers.append(peer)
             i += 1
         if sockio.kick(ops, i, self.scratch) != sockio.IO_OK:
@@ -247,7 +254,7 @@ class TcpTransport(Transport):
         addr, nbytes = self._addr(recv_buf)
         sockio.set_recv(ops, 0, fd, addr, nbytes)
         addr, nbytes = self._addr(send_buf)
-        sockio.set_send(ops, 1, fd, addr, nbytes, tag)
+        sockio.set_send(ops, 1, fd, addr, nbytes, tag, time.time_ns() + self.timeout_ns)
         if sockio.kick(ops, 2, self.scratch) != sockio.IO_OK:
             self.raise_failed((peer, peer), "post")
         return _TcpPending(2, 1, (peer, peer))
@@ -258,10 +265,22 @@ class TcpTransport(Transport):
                              self.pollfds, self.scratch, self.hook.ctypes.data)
         if rc == sockio.IO_TIMEOUT:
             self.raise_timeout(pending.k, pending.recv_rows, pending.peers, timeout_s, what)
+        elif rc == sockio.IO_INTERRUPTED:
+            raise KeyboardInterrupt(f"rank {self._world[self.rank]}: {what}: interrupted while "
+                                    "waiting on the tcp transport")
         elif rc != sockio.IO_OK:
             self.raise_failed(pending.peers, what)
         got = []
+        now = time.time_ns()
         for i in range(pending.recv_rows):
+            if now > ops[i, sockio.OP_HDR_DL]:
+                self.close()  # the sender gave up: so does this rank, visibly
+                raise HarmpiTimeoutError(
+                    f"rank {self._world[self.rank]}: {what}: rank "
+                    f"{self._world[pending.peers[i]]} sent its part "
+                    f"{(now - ops[i, sockio.OP_HDR_DL]) / 1e9 + timeout_s:.3g} s ago and has "
+                    "given up on this collective by now: this rank arrived after its deadline "
+                    "(HARMPI_TIMEOUT_S sets it)")
             n, tag = int(ops[i, sockio.OP_HDR_N]), int(ops[i, sockio.OP_HDR_TAG])
             if n > ops[i, sockio.OP_CAP]:
                 raise HarmpiMismatchError(
@@ -273,6 +292,10 @@ class TcpTransport(Transport):
 
     def world_rank(self, peer):
         return self._world[peer]
+
+    def watch_signals(self, sigfd):
+        """Let this transport's waits notice a SIGINT on Python's wakeup fd."""
+        self.hook[4] = sigfd
 
     def raise_failed(self, peers, what, ops=None):
         """Raise for the op rows that failed (row i talks to peers[i]; ``ops``:

@@ -1,0 +1,163 @@
+"""Faults and misuse inside one job (every rank runs every test): each ends
+in a clear error on every rank concerned, or in correct results, never in a
+silent wrong result. Jobs that lose a rank, exit after a failure or get a
+Ctrl-C are started as separate mpirun jobs by tests/test_faults.py."""
+
+import dataclasses
+import os
+import threading
+import time
+
+import pytest
+from conftest import torch
+
+import harmpi
+
+
+def _short(comm, timeout_s=2.0, **kw):
+    """Set ``comm`` up with a short deadline (faults are timed in seconds)."""
+    cfg = dataclasses.replace(harmpi.Config.from_env(), timeout_s=timeout_s, **kw)
+    return harmpi.init(comm, config=cfg)
+
+
+def _closed_form(comm, n=3000, dtype=torch.float32):
+    r, size = comm.Get_rank(), comm.Get_size()
+    x = torch.full((n,), float(r + 1), dtype=dtype)
+    harmpi.allreduce(x, comm=comm)
+    return bool(torch.all(x == size * (size + 1) / 2))
+
+
+def test_a_freed_communicators_handle_does_not_bring_its_context_back(world):
+    """Open MPI hands a freed communicator's handle to the next one: the new
+    communicator (another group) must get a context of its own."""
+    from harmpi import api
+    r, size = world.Get_rank(), world.Get_size()
+    a = world.Dup()
+    old = harmpi.init(a)
+    assert _closed_form(a)
+    handle = a.handle
+    a.Free()                                      # frees the context with it
+    assert old.broken == "finalized" and old.arena.freed
+    b = world.Split(r % 2, key=r)                 # another group, maybe the same handle
+    x = torch.full((500,), float(r), dtype=torch.float32)
+    harmpi.allreduce(x, comm=b)
+    expect = sum(q for q in range(size) if q % 2 == r % 2)
+    assert torch.all(x == expect), (b.handle == handle, x[:3])
+    assert api._STATE.lookup(b) is not old
+    b.Free()
+
+
+def test_a_late_rank_fails_instead_of_completing_an_abandoned_step(world):
+    """Rank 0 gives up waiting for the last rank, which then arrives: it must
+    raise too (the step is abandoned), and so must every other rank."""
+    r, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    comm = world.Dup()
+    _short(comm, timeout_s=1.0)
+    late = size - 1
+    x = torch.full((100,), 1.0)
+    t0 = time.monotonic()
+    if r == late:
+        time.sleep(2.5)                           # past everyone's deadline
+    with pytest.raises(harmpi.HarmpiError) as info:
+        harmpi.allreduce(x, comm=comm)
+    took = time.monotonic() - t0
+    assert torch.all(x == 1.0), "the caller's tensor must not be touched"
+    msg = str(info.value)
+    if r == late:
+        assert took < 4.0, took                   # fails on arrival, no deadline of its own
+        assert "deadline" in msg or "gave up" in msg or "did not" in msg, msg
+    else:
+        assert took < 3.5, took
+    with pytest.raises(harmpi.HarmpiError, match="unusable"):
+        harmpi.allreduce(x, comm=comm)           # every rank refuses afterwards
+    world.Barrier()
+
+
+def test_two_threads_on_one_communicator_are_refused_not_mixed(world):
+    """While one thread waits inside a collective, a second thread's call on
+    the same communicator raises at once; the first completes correctly."""
+    r, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    comm = world.Dup()
+    _short(comm, timeout_s=10.0)
+    results = {}
+    if r == 0:
+        def first():
+            results["sum_ok"] = _closed_form(comm, n=1000)
+        t = threading.Thread(target=first)
+        t.start()
+        time.sleep(0.3)                           # the first call waits for the others
+        with pytest.raises(harmpi.HarmpiError, match="another thread"):
+            harmpi.allreduce(torch.ones(1000), comm=comm)
+        t.join()
+        assert results["sum_ok"]
+    else:
+        time.sleep(0.8)
+        assert _closed_form(comm, n=1000)
+    assert _closed_form(comm, n=10)               # the context is fine afterwards
+
+
+def test_a_forked_child_is_not_its_parents_rank(world):
+    comm = world.Dup()
+    harmpi.init(comm)
+    harmpi.allreduce(torch.ones(4), comm=comm)
+    pid = os.fork()
+    if pid == 0:                                  # the child: no MPI, no collectives
+        code = 3
+        try:
+            harmpi.allreduce(torch.ones(4), comm=comm)
+        except harmpi.HarmpiError as exc:
+            code = 0 if "forked" in str(exc) else 2
+        except BaseException:
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _closed_form(comm)                     # the parent is unaffected
+
+
+def test_a_rank_alone_in_forcing_flat_ring_gets_a_deadline(world):
+    """Its transport set-up waits for ranks that never come: a timeout on it,
+    and an error on the others, within the deadline (not a hang)."""
+    r, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    comm = world.Dup()
+    _short(comm, timeout_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(harmpi.HarmpiError):
+        harmpi.allreduce(torch.ones(64), comm=comm, algorithm="flat_ring" if r == 0 else None)
+    assert time.monotonic() - t0 < 6.0
+    world.Barrier()
+
+
+def test_after_a_mixed_call_no_rank_returns_wrong_data(world, topo):
+    """One rank calls allgather while the others call allreduce (and, next,
+    one rank forces leader): every rank raises; afterwards a valid call
+    either gives the right sum everywhere or raises on every rank that makes
+    it. Run on virtual nodes too, where it once desynchronised step counters."""
+    r, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    for odd_one in ("allgather", "leader"):
+        comm = world.Dup()
+        _short(comm, timeout_s=2.0)
+        x = torch.full((40,), float(r + 1))
+        with pytest.raises(harmpi.HarmpiError):
+            if r == size - 1 and odd_one == "allgather":
+                harmpi.allgather(x, comm=comm)
+            else:
+                harmpi.allreduce(x, comm=comm,
+                                 algorithm="leader" if r == size - 1 else None)
+        for _ in range(3):
+            y = torch.full((40,), float(r + 1))
+            try:
+                harmpi.allreduce(y, comm=comm)
+            except harmpi.HarmpiError:
+                continue
+            assert torch.all(y == size * (size + 1) / 2), (odd_one, y[:4])
+        world.Barrier()
+
