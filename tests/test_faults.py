@@ -1,0 +1,182 @@
+"""Faults that end or interrupt ranks, as whole mpirun jobs: the job ends in
+bounded time, every rank says what happened, and nothing is left in the
+shared-memory backing directory. (Faults inside a live job: tests/mpi/test_faults.py.)"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _mpirun():
+    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return here if os.path.exists(here) else shutil.which("mpirun")
+
+
+def _env(tmp_path, extra=None):
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=REPO, OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_osc="^ucx", OMPI_MCA_pml="ob1",
+               OMPI_MCA_btl_sm_backing_directory=str(shm),
+               OMPI_MCA_osc_sm_backing_directory=str(shm))
+    env.update(extra or {})
+    return env, shm
+
+
+def _job(tmp_path, body, np=2, mpi4py_main=False, extra_env=None):
+    """(argv, env, shm dir) of an mpirun job running ``body`` on ``np`` ranks."""
+    mpirun = _mpirun()
+    if mpirun is None:
+        pytest.skip("no mpirun")
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    env, shm = _env(tmp_path, extra_env)
+    names = ["OMPI_MCA_btl_sm_backing_directory", "OMPI_MCA_osc_sm_backing_directory",
+             "PYTHONPATH", *(extra_env or {})]
+    argv = [mpirun, "-np", str(np), "--map-by", ":OVERSUBSCRIBE", "--bind-to", "none"]
+    for name in names:
+        argv += ["-x", name]
+    argv += [sys.executable] + (["-m", "mpi4py"] if mpi4py_main else []) + [str(script),
+                                                                             str(tmp_path)]
+    return argv, env, shm
+
+
+def _run(tmp_path, body, limit_s, **kw):
+    argv, env, shm = _job(tmp_path, body, **kw)
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=limit_s + 60)
+    took = time.monotonic() - t0
+    assert took < limit_s, (took, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert os.listdir(shm) == [], "shared memory left behind"
+    return proc
+
+
+LATE_RANK = """
+    import sys, time, harmpi, torch
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    harmpi.init(config=harmpi.Config(timeout_s=1.0))
+    harmpi.allreduce(torch.ones(10))
+    if comm.rank == 0:
+        {catch}
+    else:
+        time.sleep(3)          # skips the collective: rank 0 gives up on it
+    print(f"rank {{comm.rank}} exits", flush=True)
+"""
+CAUGHT = """try:
+            harmpi.allreduce(torch.ones(10))
+        except harmpi.HarmpiTimeoutError as exc:
+            print("rank 0 caught:", exc, flush=True)"""
+UNCAUGHT = "harmpi.allreduce(torch.ones(10))"
+
+
+def test_the_job_ends_after_a_caught_timeout(tmp_path):
+    """The timed-out rank goes on and exits normally, so does its peer: no
+    rank may hang in an exit-time collective (it once did, in MPI_Win_free)."""
+    proc = _run(tmp_path, LATE_RANK.format(catch=CAUGHT), limit_s=30)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rank 0 caught:" in proc.stdout and "HARMPI_TIMEOUT_S" in proc.stdout
+    assert "rank 0 exits" in proc.stdout and "rank 1 exits" in proc.stdout
+
+
+def test_the_job_ends_after_an_uncaught_timeout_under_plain_python(tmp_path):
+    proc = _run(tmp_path, LATE_RANK.format(catch=UNCAUGHT), limit_s=30)
+    assert proc.returncode != 0
+    assert "HarmpiTimeoutError" in proc.stderr
+
+
+def test_a_killed_rank_ends_the_job(tmp_path):
+    body = """
+        import os, signal, harmpi, torch
+        from mpi4py import MPI
+        harmpi.init(config=harmpi.Config(timeout_s=2.0))
+        harmpi.allreduce(torch.ones(10))
+        if MPI.COMM_WORLD.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        harmpi.allreduce(torch.ones(10))
+    """
+    proc = _run(tmp_path, body, limit_s=40, mpi4py_main=True)
+    assert proc.returncode != 0
+
+
+SIGINT_JOB = """
+    import os, sys, time, harmpi, torch
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    harmpi.init(config=harmpi.Config(timeout_s=30.0))
+    harmpi.allreduce(torch.ones(5120, dtype=torch.bfloat16))
+    if comm.rank == 0:
+        with open(os.path.join(sys.argv[1], "pid"), "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            harmpi.allreduce(torch.ones(5120, dtype=torch.bfloat16))
+            print("rank 0 completed", flush=True)
+        except KeyboardInterrupt:
+            print(f"rank 0 interrupted at {time.time():.6f}", flush=True)
+    else:
+        time.sleep(4)          # arrives long after rank 0 was interrupted
+        t0 = time.monotonic()
+        try:
+            harmpi.allreduce(torch.ones(5120, dtype=torch.bfloat16))
+            print("rank 1 completed", flush=True)
+        except harmpi.HarmpiError as exc:
+            print(f"rank 1 failed after {time.monotonic() - t0:.3f} s: {exc}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("virtual", [None, "1"], ids=["one-node", "two-nodes-tcp"])
+def test_ctrl_c_ends_a_wait_at_once_and_its_peer_fails(tmp_path, virtual):
+    extra = {"HARMPI_RANKS_PER_NODE": virtual} if virtual else {}
+    argv, env, shm = _job(tmp_path, SIGINT_JOB, extra_env=extra)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    pid_file = tmp_path / "pid"
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(1.0)            # rank 0 is inside its wait by now
+    sent = time.time()
+    os.kill(int(pid_file.read_text()), signal.SIGINT)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err[-2000:]
+    line = next(ln for ln in out.splitlines() if ln.startswith("rank 0"))
+    assert "interrupted" in line, out
+    assert float(line.split()[-1]) - sent < 0.1, "Ctrl-C must end the wait within ~100 ms"
+    failed = next(ln for ln in out.splitlines() if ln.startswith("rank 1"))
+    assert "failed after" in failed and "interrupted" in failed, out
+    assert float(failed.split()[4]) < 1.0, failed
+    assert os.listdir(shm) == []
+
+
+def test_calls_after_mpi_finalize_raise(tmp_path):
+    code = textwrap.dedent("""
+        import numpy as np, torch, harmpi
+        from mpi4py import MPI
+        harmpi.allreduce(torch.ones(4))
+        MPI.Finalize()
+        for call in (lambda: harmpi.allreduce(torch.ones(4)),
+                     lambda: harmpi.allreduce(np.ones(4, np.float32)),
+                     lambda: harmpi.allgather(torch.ones(4))):
+            try:
+                call()
+                print("no error")
+            except harmpi.HarmpiError as exc:
+                assert "finalized" in str(exc), exc
+        print("ok")
+    """)
+    env, _ = _env(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["ok"], (proc.stdout,
+                                                                    proc.stderr[-2000:])
