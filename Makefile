@@ -65,8 +65,8 @@ mpi-test: setup
 	  timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIRUN) -np $$n $(MPI_FLAGS) \
 	    $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi || exit 1; \
 	done
-	@# plain slot stores (the default streams from 4 KiB)
-	@for cfg in "2 off" "3 off"; do set -- $$cfg; \
+	@# the slot-store modes the tuner may pick, forced (auto picks by timing)
+	@for cfg in "2 on" "3 flush"; do set -- $$cfg; \
 	  echo "== mpirun -np $$1 with HARMPI_STREAM_STORES=$$2"; \
 	  HARMPI_STREAM_STORES=$$2 timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIRUN) -np $$1 $(MPI_FLAGS) \
 	    -x HARMPI_STREAM_STORES $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi \

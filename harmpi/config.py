@@ -19,9 +19,11 @@ HARMPI_ALGORITHM           auto       force an all-reduce algorithm by name
 HARMPI_TRANSPORT           auto       cross-node transport: auto, tcp, mpi or verbs
 HARMPI_RANKS_PER_NODE      (unset)    split each host into virtual nodes of k
                                       consecutive ranks (testing multi-node paths)
-HARMPI_STREAM_STORES       on         slot data that other ranks read next
-                                      goes out with streaming stores from 4 KiB
-                                      ("on") or plain stores ("off")
+HARMPI_STREAM_STORES       auto       how data moves through the shared slots:
+                                      "on" (streaming stores), "off" (plain),
+                                      "flush" (plain, readers flush what they
+                                      read), "auto" (measured per size, see
+                                      copytune)
 HARMPI_NATIVE              1          0: harmpi.allreduce(t) never takes the
                                       native entry point (harmpi.native)
 =========================  =========  ==========================================
@@ -39,6 +41,7 @@ __all__ = ["Config", "ALGORITHMS", "TRANSPORTS"]
 #: All-reduce algorithms by name. "auto" picks among them by size and topology.
 ALGORITHMS = ("shm", "shm_rsag", "har_latency", "har_bandwidth", "leader", "flat_ring")
 TRANSPORTS = ("auto", "tcp", "mpi", "verbs")
+STREAM_STORES = ("auto", "on", "off", "flush")
 _SWITCH = {"on": True, "1": True, "yes": True, "true": True,
            "off": False, "0": False, "no": False, "false": False}
 
@@ -92,7 +95,7 @@ class Config:
     algorithm: str = "auto"
     transport: str = "auto"
     ranks_per_node: int | None = None
-    stream_stores: bool = True
+    stream_stores: str = "auto"
     native: bool = True
 
     def __post_init__(self):
@@ -103,6 +106,10 @@ class Config:
         if self.transport not in TRANSPORTS:
             raise HarmpiArgumentError(
                 f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if self.stream_stores not in STREAM_STORES:
+            raise HarmpiArgumentError(
+                f"HARMPI_STREAM_STORES={self.stream_stores!r}: choose one of "
+                f"{', '.join(STREAM_STORES)}")
         if self.spin_count is not None and self.spin_count < 0:
             raise HarmpiArgumentError(f"spin_count={self.spin_count} must be >= 0 (or None: auto)")
         if self.slot_nbytes % 64:
@@ -123,6 +130,6 @@ class Config:
             algorithm=(env.get("HARMPI_ALGORITHM") or "auto").strip().lower(),
             transport=(env.get("HARMPI_TRANSPORT") or "auto").strip().lower(),
             ranks_per_node=None if rpn in (None, "") else _int(env, "HARMPI_RANKS_PER_NODE", 0, 1),
-            stream_stores=_switch(env, "HARMPI_STREAM_STORES", cls.stream_stores),
+            stream_stores=(env.get("HARMPI_STREAM_STORES") or "auto").strip().lower(),
             native=_switch(env, "HARMPI_NATIVE", cls.native),
         )

@@ -31,7 +31,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from . import control, dtypes, kind, node, transports
+from . import control, copytune, dtypes, kind, node, transports
 from .algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
 from .algorithms.base import Call
 from .algorithms.har_latency import HAR2_STEP
@@ -146,8 +146,10 @@ class Context:
         self.transport_spin_count = max(1, spin // 64)
         self.arena = Arena(self.node_comm, self.config.slot_nbytes)
         self.ctl = control.new()
+        self._tune_state = np.zeros(copytune.STATE_WORDS, np.int64)  # read by local rank 0
         node.init_control(self.ctl, self.arena, spin, self.config.timeout_s, AUTO_CODE,
-                          self.config.small_max_nbytes, self.config.stream_stores, sigfd)
+                          self.config.small_max_nbytes, self.config.stream_stores, sigfd,
+                          self._tune_state)
         self.sigfd = sigfd
         # the compiled waits name late ranks by communicator rank
         self._local_ranks = np.array(self.topo.node_ranks[self.topo.node_index], np.int64)
@@ -381,8 +383,11 @@ class Context:
     def _give_up(self, why):
         node.abandon(self.ctl, -1)
         self.broken = self.broken or why
-        # a rail peer blocked on this rank's socket learns at once
+        # the rail peers learn at once: a closed socket, or an MPI notice
         self.close_transports()
+        for t in (self._rail_transport, self._world_transport):
+            if isinstance(t, transports.MpiTransport):
+                t.give_up()
 
     def close_transports(self):
         """Close the tcp rails (a local act, no collective); the mpi
@@ -405,7 +410,10 @@ class Context:
             return True
         parity = (int(self.ctl[0]["steps"]) - 1) & 1
         kinds = {int(line[W_META + 2 * parity + 1]) for line in self.arena.flags()}
-        runs = {(f["coll"], f["algo"]) if f else None for f in map(kind.decode, kinds)}
+        # (the kind POISON is posted only by an allgather whose rail exchange
+        # disagreed: its rank ran an allgather)
+        runs = {(f["coll"], f["algo"]) if f else (kind.COLL_ALLGATHER, 0)
+                for f in map(kind.decode, kinds)}
         return len(runs) == 1
 
     def raise_status(self, rc, x_addr, n, fmt, code, op):
@@ -462,7 +470,8 @@ class Context:
         else:
             why = f"{gave_up} gave up (its transport failed, it timed out or was interrupted)"
         return HarmpiTimeoutError(f"{self._who()}: {call}: step {epoch}: {why}. No rank "
-                                  "completes this collective; this context is unusable now.")
+                                  "completes this collective (HARMPI_TIMEOUT_S sets the "
+                                  "deadline); this context is unusable now.")
 
     def _mismatch_error(self, call, rc, peer, a, b):
         if rc == POISONED or b == kind.POISON:

@@ -30,7 +30,7 @@ import numba
 
 __all__ = ["FIELDS", "POISON", "OP_SUM", "COLL_ALLREDUCE", "COLL_ALLGATHER", "encode", "decode",
            "with_ring", "without_ring", "allgather_code", "ring_lines_max", "shape_digest",
-           "rail_tag", "MAX_TAG",
+           "rail_tag", "MAX_TAG", "ABANDON_TAG",
            "POISON_TAG"]
 
 #: (name, shift, width) of every field, low bits first
@@ -55,6 +55,8 @@ _RING_MASK = ((1 << _WIDTH["ring"]) - 1) << RING_SHIFT
 #: rail tags: MPI guarantees tags up to 32767
 MAX_TAG = 32000
 POISON_TAG = MAX_TAG + 1
+#: the message a rank sends its rail peers when it gives up on a collective
+ABANDON_TAG = MAX_TAG + 2
 
 
 def encode(**fields) -> int:

@@ -51,7 +51,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from . import control, dtypes, kind, mpiprogress
+from . import control, copytune, dtypes, kind, mpiprogress
 from . import reduce as _reduce
 from .control import ABANDONED, BUSY, INTERRUPTED, MISMATCH, OK, POISONED, TIMEOUT
 from .shm import FLAG_LINE_NBYTES, W_CULPRIT, W_EPOCH, W_META, W_STATUS
@@ -70,7 +70,7 @@ __all__ = ["init_control", "stage", "stage_meta", "publish_wait", "publish_wait_
            "part_bounds", "add_into", "copy_slot", "copy_blocks", "copy_bytes", "slot_addr",
            "next_slot_addr", "entry_point", "one_node_step", "solo_step",
            "gather_step", "ONE_NODE_STEP", "ONE_NODE_CFUNC", "SOLO_STEP", "GATHER_STEP",
-           "STREAM_MIN_NBYTES", "STREAM_MAX_NBYTES", "NEVER_RSAG", "enter", "leave", "abandon",
+           "STREAM_MIN_NBYTES", "NEVER_RSAG", "enter", "leave", "abandon",
            "interrupted"]
 
 _LINE = FLAG_LINE_NBYTES
@@ -87,8 +87,12 @@ _voidptr = control._voidptr
 
 
 def init_control(ctl, arena, spin_count: int, timeout_s: float, auto_code: int,
-                 small_max_nbytes: int, stream: bool, sigfd: int = -1) -> None:
-    """Fill the node part of a control block (the rail part: har_latency)."""
+                 small_max_nbytes: int, stream_stores: str, sigfd: int = -1,
+                 tune_state=None) -> None:
+    """Fill the node part of a control block (the rail part: har_latency).
+    ``stream_stores``: "auto" (local rank 0 times the slot modes per size
+    and picks, see copytune; ``tune_state`` is its int64[STATE_WORDS]
+    array), "on", "off" or "flush"."""
     c = ctl[0]
     c["flags"] = arena.flags_addr
     c["slots"] = arena.slots_addr
@@ -99,7 +103,16 @@ def init_control(ctl, arena, spin_count: int, timeout_s: float, auto_code: int,
     c["timeout_ns"] = int(timeout_s * 1e9)
     c["auto_code"] = auto_code
     c["small_max_nbytes"] = small_max_nbytes
-    c["stream"] = 1 if stream else 0
+    # auto starts plain: paths that do not run the tuner (the hierarchical
+    # ones) keep plain stores, and the tuner probes the others from there
+    mode = {"on": copytune.MODE_STREAM, "flush": copytune.MODE_FLUSH}.get(stream_stores,
+                                                                          copytune.MODE_PLAIN)
+    c["mode"] = mode
+    c["tune_table"] = arena.tune_addr
+    c["tuning"] = 1 if stream_stores == "auto" and arena.local_size > 1 else 0
+    if arena.local_rank == 0:
+        c["tune_state"] = tune_state.ctypes.data
+        copytune.init_state(tune_state, arena.tune_table(), mode)
     for name, value in zip(("hook_fn", "hook_comm", "hook_source", "hook_tag"),
                            mpiprogress.hook_values()):
         c[name] = value
@@ -125,17 +138,6 @@ def _memcpy(typingctx, dst_addr, src_addr, nbytes):
 #: below this many bytes a streaming copy is a plain copy (the fence and
 #: the trip through memory cost more than they save)
 STREAM_MIN_NBYTES = 4096
-#: above this many bytes per copy plain stores win again: the lines then
-#: stay in the shared cache for the reader (2 ranks, same run: a 1 MB
-#: all-reduce, whose copies are 512 KB, 55 us plain vs 71 us streaming)
-STREAM_MAX_NBYTES = 256 << 10
-
-
-@numba.njit(cache=True, nogil=True)
-def _streams(c, nbytes):
-    """Whether a copy of ``nbytes`` that other local ranks read next goes out
-    with streaming stores."""
-    return c.stream != 0 and STREAM_MIN_NBYTES <= nbytes <= STREAM_MAX_NBYTES
 
 _STREAM_FENCE = "llvm.x86.sse.sfence" if _X86 else None
 
@@ -196,10 +198,57 @@ def _stream_copy(typingctx, dst_addr, src_addr, nbytes):
     return sig, codegen
 
 
+_FLUSH_LINE = "llvm.x86.clflushopt" if _X86 else None
+
+
+@intrinsic
+def _flush_lines(typingctx, addr, nbytes):
+    """clflushopt every cache line of [addr, addr + nbytes): drop this
+    rank's copies of lines another rank will write next (see _done_reading).
+    A no-op where the instruction is unknown."""
+    sig = types.void(types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        if _FLUSH_LINE is None:
+            return context.get_dummy_value()
+        i64 = ir.IntType(64)
+        i8p = ir.IntType(8).as_pointer()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p]),
+                                            _FLUSH_LINE)
+        start = builder.and_(args[0], ir.Constant(i64, ~63))
+        end = builder.add(args[0], args[1])
+        count = builder.udiv(builder.add(builder.sub(end, start), ir.Constant(i64, 63)),
+                             ir.Constant(i64, 64))
+        with cgutils.for_range(builder, count) as loop:
+            line = builder.add(start, builder.mul(loop.index, ir.Constant(i64, 64)))
+            builder.call(fn, [builder.inttoptr(line, i8p)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, nogil=True)
+def _done_reading(c, addr, nbytes):
+    """A rank has read another rank's slot bytes. In MODE_FLUSH it drops its
+    cached copies now: when the owner rewrites those lines two steps later,
+    each store would otherwise have to invalidate this core's copy first
+    (measured here in a slow phase: rewriting 512 KB a peer had read took
+    233 us instead of 13 us; with the reader's flush, 42 us plus 25 us of
+    flushing)."""
+    if c.mode == copytune.MODE_FLUSH and nbytes > 0:
+        _flush_lines(addr, nbytes)
+
+
+@numba.njit(cache=True, nogil=True)
+def _streams(c, nbytes):
+    """Whether nbytes for other local ranks go out with streaming stores."""
+    return c.mode == copytune.MODE_STREAM and nbytes >= STREAM_MIN_NBYTES
+
+
 @numba.njit(cache=True, nogil=True)
 def _publish_copy(c, dst_addr, src_addr, nbytes):
-    """Copy data that other local ranks will read next: streaming stores
-    when ``c.stream`` is set and the copy is large enough, else plain."""
+    """Copy data that other local ranks will read next: streaming or plain
+    stores, as ``c.mode`` says (see _stream_copy and copytune)."""
     if _streams(c, nbytes):
         _stream_copy(dst_addr, src_addr, nbytes)
     elif nbytes > 0:
@@ -490,9 +539,13 @@ def sum_slots(ctl, out_addr, lo, hi, fmt, w):
     """out[0:hi-lo] = sum over local ranks, in rank order, of slot[lo:hi] (current step)."""
     if hi <= lo:
         return
-    slots = _slots2d(ctl[0], _parity(ctl[0]), w)
+    c = ctl[0]
+    slots = _slots2d(c, _parity(c), w)
     out = numba.carray(_voidptr(out_addr), (hi - lo,), w.dtype)
     _sum_rows(slots, lo, hi, out, 0, fmt)
+    for j in range(c.local_size):
+        if j != c.local_rank:
+            _done_reading(c, slots[j, lo:hi].ctypes.data, (hi - lo) * w.itemsize)
 
 
 @numba.njit(_sigs(types.void, _ctl, _i64, _i64, _i64, "W"), cache=True, nogil=True)
@@ -537,6 +590,9 @@ def _reduce_scatter_allgather(ctl, x_addr, m, fmt, w):
         # (Not x alone and then a streaming copy to the slot: with out and
         # out2 both x the kernel cannot rule out aliasing and runs ~6x slower.)
         _sum_rows_x(slots, lo, hi, me, x, slots[me], x, lo, fmt)
+        for j in range(L):
+            if j != me:
+                _done_reading(c, slots[j, lo:hi].ctypes.data, (hi - lo) * isz)
     status = publish_wait(ctl)
     if status != OK:
         return status
@@ -545,6 +601,7 @@ def _reduce_scatter_allgather(ctl, x_addr, m, fmt, w):
             jlo, jhi = part_bounds(m, L, j, isz)
             if jhi > jlo:
                 _memcpy(x_addr + jlo * isz, slots[j, jlo:jhi].ctypes.data, (jhi - jlo) * isz)
+                _done_reading(c, slots[j, jlo:jhi].ctypes.data, (jhi - jlo) * isz)
     return OK
 
 
@@ -570,6 +627,13 @@ def _shm_chunk(ctl, addr, m, total, code, fmt, small, w):
     return _reduce_scatter_allgather(ctl, addr, m, fmt, w)
 
 
+@numba.njit(cache=True, nogil=True)
+def _tune_state(c):
+    """Local rank 0's tuner state (an empty view elsewhere)."""
+    n = copytune.STATE_WORDS if c.tune_state != 0 else 0
+    return numba.carray(_voidptr(c.tune_state), (n,), np.int64)
+
+
 @numba.njit(_sigs(_i64, _ctl, types.intp, _i64, _i64, _i64, _i64, "W"), cache=True, nogil=True)
 def shm_allreduce(ctl, x_addr, n, code, fmt, small_max_nbytes, w):
     """Whole single-node all-reduce of x[:n] in place, chunk by chunk.
@@ -587,6 +651,13 @@ def shm_allreduce(ctl, x_addr, n, code, fmt, small_max_nbytes, w):
     isz = w.itemsize
     chunk = c.slot_nbytes // isz
     total = n * isz
+    # the copy-mode tuner (copytune): every rank reads this size's mode,
+    # local rank 0 also decides it and times its whole call
+    leader = c.local_rank == 0
+    if c.tuning != 0:
+        c.mode = copytune.choose(_tune_state(c), c.tune_table, leader, True, total)
+    timed = c.tuning != 0 and leader
+    t0 = copytune.read_ticks() if timed else 0
     start = 0
     while True:
         m = min(chunk, n - start)
@@ -596,6 +667,8 @@ def shm_allreduce(ctl, x_addr, n, code, fmt, small_max_nbytes, w):
             return status
         start += m
         if start >= n:
+            if timed:
+                copytune.record(_tune_state(c), total, copytune.read_ticks() - t0)
             return OK
 
 

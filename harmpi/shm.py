@@ -3,6 +3,8 @@
 Layout (offsets from the window base; L ranks on the node)::
 
     [0, L*64)                 flag lines, one 64-byte line per local rank
+    [L*64, L*64 + 512)        copy-mode table (copytune: one word per size
+                              bucket, written by local rank 0)
     [F, F + 2*L*S)            payload slots, F = flags rounded up to 4 KiB,
                               slot(p, l) = F + (p*L + l) * S
 
@@ -32,6 +34,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from .copytune import TABLE_NBYTES
+
 __all__ = ["Arena", "FLAG_LINE_NBYTES", "W_EPOCH", "W_META", "W_STATUS", "W_CULPRIT"]
 
 FLAG_LINE_NBYTES = 64
@@ -49,7 +53,8 @@ class Arena:
         self.local_size = node_comm.Get_size()
         self.local_rank = node_comm.Get_rank()
         self.slot_nbytes = int(slot_nbytes)
-        self.flags_nbytes = -(-(self.local_size * FLAG_LINE_NBYTES) // _PAGE) * _PAGE
+        self.tune_offset = self.local_size * FLAG_LINE_NBYTES
+        self.flags_nbytes = -(-(self.tune_offset + TABLE_NBYTES) // _PAGE) * _PAGE
         self.nbytes = self.flags_nbytes + 2 * self.local_size * self.slot_nbytes
         self._win = MPI.Win.Allocate_shared(
             self.nbytes if self.local_rank == 0 else 0, 1, comm=node_comm)
@@ -58,6 +63,7 @@ class Arena:
         self.base_addr = self.mem.ctypes.data
         self.flags_addr = self.base_addr
         self.slots_addr = self.base_addr + self.flags_nbytes
+        self.tune_addr = self.base_addr + self.tune_offset
         # The window is not guaranteed zeroed: the owner clears the flags and
         # the barrier orders that before any rank's first wait.
         self._win.Lock_all()
@@ -74,6 +80,10 @@ class Arena:
     def slot(self, parity: int, local_rank: int, dtype=np.uint8) -> np.ndarray:
         off = self.slot_offset(parity, local_rank)
         return self.mem[off: off + self.slot_nbytes].view(dtype)
+
+    def tune_table(self) -> np.ndarray:
+        """int64 view of the copy-mode table (see copytune)."""
+        return self.mem[self.tune_offset: self.tune_offset + TABLE_NBYTES].view(np.int64)
 
     def flags(self) -> np.ndarray:
         """(L, 8) int64 view of the flag lines (for diagnostics and tests)."""

@@ -76,18 +76,28 @@ class _FakeArena:
         self.slots_addr = self.flags_addr + 4096
         self.slot_nbytes = slot_nbytes
         self.local_size, self.local_rank = 1, 0
+        self.tune_addr = self.flags_addr + 64
+
+    def tune_table(self):
+        return self.mem[64:64 + 512].view(np.int64)
 
 
-def _control(arena, small_max_nbytes=1 << 40, stream=True):
+_TUNE_STATES = []  # kept alive while the control blocks point at them
+
+
+def _control(arena, small_max_nbytes=1 << 40, stream_stores="auto"):
+    from harmpi import copytune
     ctl = control.new()
-    node.init_control(ctl, arena, 10, 1.0, 0, small_max_nbytes, stream)
+    _TUNE_STATES.append(np.zeros(copytune.STATE_WORDS, np.int64))
+    node.init_control(ctl, arena, 10, 1.0, 0, small_max_nbytes, stream_stores,
+                      tune_state=_TUNE_STATES[-1])
     return ctl
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_node_steps_single_rank_roundtrip(stream):
+@pytest.mark.parametrize("stream_stores", ["auto", "on", "off", "flush"])
+def test_node_steps_single_rank_roundtrip(stream_stores):
     arena = _FakeArena()
-    ctl = _control(arena, stream=stream)
+    ctl = _control(arena, stream_stores=stream_stores)
     w = np.empty(0, np.float32)
     x = np.arange(2500, dtype=np.float32)     # 10000 bytes: three 4 KiB chunks
     assert node.shm_allreduce(ctl, x.ctypes.data, x.size, 3, F32, 1 << 40, w) == OK

@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 from ..errors import HarmpiMismatchError, HarmpiTimeoutError
+from ..kind import ABANDON_TAG
 from .base import Pending, Transport
+
+_EMPTY = np.empty(0, np.uint8)
 
 __all__ = ["MpiTransport"]
 
@@ -39,6 +43,7 @@ class MpiTransport(Transport):
         self.rank = self.comm.Get_rank()
         self.spin_count = spin_count
         self._status_pool = []   # reused: one exchange is in flight at a time
+        self._gave_up = []       # ABANDON_TAG sends, left to MPI_Finalize
 
     def _statuses(self, n):
         pool = self._status_pool
@@ -81,7 +86,32 @@ class MpiTransport(Transport):
                     f"rank {self.rank}: {what}: a peer sent more bytes than this rank expects; "
                     "ranks passed tensors of different sizes") from None
             raise
+        self._check_abandoned(pending, statuses, what)
         return [(st.Get_count(MPI.BYTE), st.Get_tag()) for st in statuses[: pending.nrecv]]
+
+    def give_up(self):
+        """This rank gave up on the collective in progress: tell every peer
+        (a message with ABANDON_TAG), so that a peer completing its exchange
+        with this rank later fails instead of completing a step this rank
+        abandoned (MPI delivers in order, so the notice is seen right after
+        any data this rank had sent)."""
+        if self.comm is None:
+            return
+        for peer in range(self.comm.Get_size()):
+            if peer != self.rank:
+                self._gave_up.append(self.comm.Isend(_EMPTY, dest=peer, tag=ABANDON_TAG))
+
+    def _check_abandoned(self, pending, statuses, what):
+        """Raise if a peer of this exchange has given up on it (its notice
+        came instead of, or right after, its data)."""
+        for i, peer in enumerate(pending.recv_peers):
+            if statuses[i].Get_tag() == ABANDON_TAG or self.comm.Iprobe(source=peer,
+                                                                         tag=ABANDON_TAG):
+                raise HarmpiTimeoutError(
+                    f"rank {self._world_rank(self.rank)}: {what}: rank "
+                    f"{self._world_rank(peer)} gave up on this collective before this rank "
+                    "completed it (it timed out, failed or was interrupted; HARMPI_TIMEOUT_S "
+                    "sets the deadline)")
 
     def _world_rank(self, peer):
         """The COMM_WORLD rank of ``peer`` (errors should name ranks users know)."""

@@ -307,7 +307,9 @@ class TcpTransport(Transport):
                 why = "closed the connection" if err == sockio.ERR_CLOSED else os.strerror(err)
                 raise HarmpiTransportError(
                     f"rank {self._world[self.rank]}: {what}: tcp connection to rank "
-                    f"{self._world[peer]}: {why} (that rank probably exited or crashed)")
+                    f"{self._world[peer]}: {why} (that rank gave up on this collective - it "
+                    "timed out, failed or was interrupted, and closed its connections - or it "
+                    "exited or crashed)")
         raise HarmpiTransportError(f"rank {self._world[self.rank]}: {what}: tcp I/O failed")
 
     def raise_timeout(self, k, recv_rows, peers, timeout_s, what, ops=None):

@@ -7,6 +7,7 @@ import pytest
 from conftest import torch
 
 import harmpi
+from harmpi import copytune
 
 ENV = {
     "HARMPI_TIMEOUT_S": "7",
@@ -17,12 +18,12 @@ ENV = {
     "HARMPI_ALGORITHM": "flat_ring",
     "HARMPI_TRANSPORT": "mpi",
     "HARMPI_RANKS_PER_NODE": "2",
-    "HARMPI_STREAM_STORES": "off",
+    "HARMPI_STREAM_STORES": "on",
     "HARMPI_NATIVE": "0",
 }
 GIVEN = harmpi.Config(timeout_s=30.0, spin_count=12345, slot_nbytes=16384, small_max_nbytes=4096,
                       har_latency_max_nbytes=8192, algorithm="leader", transport="tcp",
-                      ranks_per_node=1, stream_stores=True, native=True)
+                      ranks_per_node=1, stream_stores="flush", native=True)
 
 
 def test_a_config_given_to_init_wins_over_the_environment(world, monkeypatch):
@@ -39,7 +40,7 @@ def test_a_config_given_to_init_wins_over_the_environment(world, monkeypatch):
     assert ctx.spin_count == 12345 and c["spin"] == 12345  # also when oversubscribed
     assert c["timeout_ns"] == 30 * 10 ** 9
     assert c["slot_nbytes"] == 16384 and c["small_max_nbytes"] == 4096
-    assert c["stream"] == 1
+    assert c["mode"] == copytune.MODE_FLUSH and c["tuning"] == 0
     assert ctx.topo.node_count == comm.Get_size()        # ranks_per_node=1
     info = harmpi.info(comm)
     assert info["thresholds"]["har_latency_max_nbytes"] == 8192

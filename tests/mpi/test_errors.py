@@ -83,10 +83,13 @@ def test_a_rank_that_never_arrives_times_out(world):
     comm = world.Dup()
     cfg = dataclasses.replace(harmpi.Config.from_env(), timeout_s=1.0)
     ctx = harmpi.init(comm, config=cfg)
+    # (several nodes over tcp: a rail peer that gave up closes its sockets,
+    # which its peers see as a transport error naming it)
+    expected = harmpi.HarmpiTimeoutError if ctx.topo.node_count == 1 else harmpi.HarmpiError
     if comm.Get_rank() != 0:
-        with pytest.raises(harmpi.HarmpiTimeoutError, match=r"rank \d+") as info:
+        with pytest.raises(expected, match=r"rank \d+") as info:
             harmpi.allreduce(torch.ones(100), comm=comm)
-        assert "HARMPI_TIMEOUT_S" in str(info.value)
+        assert "HARMPI_TIMEOUT_S" in str(info.value) or "gave up" in str(info.value)
         if ctx.topo.node_count == 1:  # one node: everyone waits on rank 0's flag
             assert "local rank 0 (rank 0)" in str(info.value)
         with pytest.raises(harmpi.HarmpiError, match="unusable"):
