@@ -1,0 +1,194 @@
+"""Which context serves which communicator, and the process events that end them.
+
+harmpi keeps one :class:`~harmpi.context.Context` per communicator. This
+module is the one piece of module state that tracks them (STATE), and the
+hooks that retire them: a communicator's free (an MPI attribute's delete
+callback), MPI_Finalize (an attribute on COMM_SELF), fork() (a child is
+not its parent's rank) and interpreter exit (no collective then). It also
+installs the signal wakeup fd through which compiled waits see Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import sys
+import threading
+
+from mpi4py import MPI
+
+from .config import Config
+from .context import Context
+from .errors import HarmpiArgumentError, HarmpiError
+
+__all__ = ["STATE"]
+
+log = logging.getLogger("harmpi")
+
+_COMM_WORLD = MPI.COMM_WORLD
+
+
+class Registry:
+    """The one explicit piece of module state: the contexts, and the native
+    entry point while it serves the world context.
+
+    A context hangs on its communicator as an MPI attribute (MPI's own
+    answer for per-communicator state): freeing the communicator runs the
+    attribute's delete callback, which frees the context, and a later
+    communicator that reuses the freed handle starts without one. The world
+    context is also kept here for the hot path. An attribute on COMM_SELF
+    tells when MPI_Finalize starts (MPI deletes COMM_SELF's attributes
+    first); a fork handler tells a child that it is not its parent's rank.
+    """
+
+    def __init__(self):
+        self.contexts = []          # every live context, in creation order
+        self.world = None
+        self.torch = None           # harmpi.torch, once a tensor has been seen
+        self.native = None          # harmpi.native's allreduce(t), while it serves
+        self.keyval = None
+        self.closed = None          # why no collective may run any more (finalize, fork)
+        self.sigfd = -1             # read end of Python's signal wakeup fd, if harmpi set it
+
+    def get(self, comm):
+        if comm is None or comm is _COMM_WORLD:
+            return self.world or self.create(_COMM_WORLD)
+        if not isinstance(comm, MPI.Comm):
+            raise HarmpiArgumentError(
+                f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+        ctx = comm.Get_attr(self.keyval) if self.keyval is not None else None
+        return ctx or self.create(comm)
+
+    def lookup(self, comm):
+        """The live context of ``comm`` (None if it has none)."""
+        if comm is _COMM_WORLD:
+            return self.world
+        return comm.Get_attr(self.keyval) if self.keyval is not None else None
+
+    def create(self, comm, config=None):
+        if self.closed is not None:
+            raise HarmpiError(f"harmpi cannot start a collective: {self.closed}")
+        if not MPI.Is_initialized() or MPI.Is_finalized():
+            raise HarmpiError("MPI is not initialised (or already finalised); import mpi4py's MPI "
+                              "and run under mpirun")
+        if self.keyval is None:
+            self._install_hooks()
+        ctx = Context(comm, config or Config.from_env(), self.sigfd)
+        self.contexts.append(ctx)
+        if comm == _COMM_WORLD:
+            self.world = ctx
+            self.attach_native()
+        else:
+            comm.Set_attr(self.keyval, ctx)
+        return ctx
+
+    def _install_hooks(self):
+        self.keyval = MPI.Comm.Create_keyval(delete_fn=self._on_comm_free)
+        finalize_key = MPI.Comm.Create_keyval(delete_fn=self._on_mpi_finalize)
+        MPI.COMM_SELF.Set_attr(finalize_key, True)
+        os.register_at_fork(after_in_child=self._after_fork)
+        self.sigfd = _watch_sigint()
+        # runs before mpi4py's own MPI_Finalize (atexit is last-in, first-out)
+        atexit.register(self.at_exit)
+
+    def _on_comm_free(self, comm, keyval, ctx):
+        """MPI_Comm_free of a communicator with a context, or harmpi.finalize()
+        (collective, like the context's own free)."""
+        self.forget(ctx)
+        if ctx.broken is None and not MPI.Is_finalized():
+            ctx.free()
+
+    def _on_mpi_finalize(self, comm, keyval, value):
+        self.close("MPI has been finalized (MPI.Finalize() or interpreter exit)")
+
+    def _after_fork(self):
+        self.close(f"this process was forked (pid {os.getpid()}) from a rank after harmpi "
+                   "was set up; a child is not its parent's rank and cannot take part in its "
+                   "collectives")
+
+    def close(self, why):
+        """No collective may run any more: every context refuses (its gate
+        closes, so the native entry point declines too)."""
+        self.closed = why
+        self.native = None
+        for ctx in self.contexts:
+            ctx.broken = ctx.broken or why
+        native = sys.modules.get("harmpi.native")
+        if native is not None:
+            native.detach()
+
+    def forget(self, ctx):
+        if ctx in self.contexts:
+            self.contexts.remove(ctx)
+        if ctx is self.world:
+            self.world = None
+            self.native = None
+            native = sys.modules.get("harmpi.native")
+            if native is not None:
+                native.detach()
+
+    def at_exit(self):
+        """Interpreter exit: no collective. A peer may be gone, stuck, or
+        exiting on a failure this rank never saw; a collective free would
+        then hang the job. MPI_Finalize reclaims the windows (nothing stays
+        in /dev/shm); the sockets close with the process."""
+        for ctx in self.contexts:
+            ctx.close_transports()
+        self.close("the interpreter is exiting")
+
+    def attach_native(self):
+        """Let harmpi.native serve harmpi.allreduce(t) for the world context,
+        once torch is in use and the context's default entry is compiled."""
+        ctx = self.world
+        if self.torch is None or ctx is None or ctx.broken is not None:
+            return
+        if not ctx.entry_cfunc or not ctx.config.native:
+            return
+        from . import native  # noqa: PLC0415 - imports torch's C++ side
+
+        self.native = native.attach(ctx)
+
+    def free_all(self):
+        """harmpi.finalize(): free every healthy context (collective)."""
+        contexts, self.contexts = self.contexts, []
+        world, self.world = self.world, None
+        self.native = None
+        native = sys.modules.get("harmpi.native")
+        if native is not None:  # also for a broken world context, which is not freed
+            native.detach()
+        if MPI.Is_finalized():
+            return
+        for ctx in contexts:
+            if ctx is not world:
+                # the attribute's delete callback frees the context
+                ctx.comm.Delete_attr(self.keyval)
+            elif ctx.broken is None:
+                # A context whose peers failed cannot free collectively (a
+                # peer may be gone); MPI_Finalize reclaims its window.
+                ctx.free()
+
+
+def _watch_sigint():
+    """Make Python's signal handler also write each signal's number to a
+    pipe that harmpi's compiled waits read (sync.sigint_arrived), so Ctrl-C
+    ends a wait within ~1 ms instead of at its deadline. Only from the main
+    thread, and only if nobody else (asyncio, say) uses the wakeup fd;
+    otherwise -1, and a wait notices Ctrl-C at its deadline."""
+    if threading.current_thread() is not threading.main_thread():
+        return -1
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    if old != -1:  # someone else's: give it back
+        signal.set_wakeup_fd(old)
+        os.close(r)
+        os.close(w)
+        log.debug("signal wakeup fd in use: Ctrl-C ends a harmpi wait at its deadline")
+        return -1
+    return r
+
+
+STATE = Registry()
