@@ -373,15 +373,15 @@ class Context:
                               "algorithms, the ranks' step counters may differ)")
             raise
         except (HarmpiTimeoutError, HarmpiTransportError, KeyboardInterrupt) as exc:
-            self._give_up(str(exc) or type(exc).__name__)
+            self._give_up(str(exc) or type(exc).__name__, getattr(exc, "culprit", -1))
             raise
         except HarmpiError as exc:
             if rc == ABANDONED:
                 self._give_up(str(exc))
             raise
 
-    def _give_up(self, why):
-        node.abandon(self.ctl, -1)
+    def _give_up(self, why, culprit=-1):
+        node.abandon(self.ctl, culprit)
         self.broken = self.broken or why
         # the rail peers learn at once: a closed socket, or an MPI notice
         self.close_transports()

@@ -49,6 +49,7 @@ FIELDS = (
     ("gate", "1 while the native entry point may run this context"),
     ("abandoned", "non-zero once this rank gave up on a collective (every entry refuses)"),
     ("busy", "1 while an entry runs (a second thread's call is refused)"),
+    ("coll_epoch", "epoch when the running collective started (a peer past it is inside it)"),
     ("local_ranks", "address of int64[L]: communicator rank of each local rank"),
     ("rail_peer", "two-node step: communicator rank of the rail peer"),
     ("rail_fd", "two-node step: socket to the rail peer"),

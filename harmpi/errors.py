@@ -14,7 +14,13 @@ __all__ = [
 
 
 class HarmpiError(RuntimeError):
-    """Base class of every error raised by harmpi."""
+    """Base class of every error raised by harmpi. ``culprit``: the rank
+    (in COMM_WORLD) a failed wait was waiting for, when one is known (-1
+    otherwise); the giving-up rank posts it for its peers' messages."""
+
+    def __init__(self, *args, culprit=-1):
+        super().__init__(*args)
+        self.culprit = culprit
 
 
 class HarmpiArgumentError(HarmpiError, ValueError):

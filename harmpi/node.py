@@ -441,6 +441,7 @@ def publish_wait(ctl):
     if compare_exchange(_flag_addr(c, c.local_rank), c.epoch, epoch) != c.epoch:
         return _abandoned_by(ctl, _who_abandoned(c), epoch)  # a peer gave up on this rank
     c.epoch = epoch
+    extended = False
     while True:
         j = wait_flags_ge(c.flags + W_EPOCH * _WORD, _LINE, c.local_size, epoch, c.spin,
                           c.timeout_ns, hook_addr(ctl))
@@ -454,6 +455,12 @@ def publish_wait(ctl):
         if seen < 0:
             return _abandoned_by(ctl, j, epoch)
         if seen >= epoch:
+            continue
+        if seen > c.coll_epoch and not extended:
+            # it is inside this collective, stuck on something else (a rail
+            # peer, say): give it one more deadline to give up itself and
+            # name the rank it waited for
+            extended = True
             continue
         # blame the late rank (its culprit word), then take its flag from it
         late = _local_rank_of(c, j)
@@ -789,6 +796,7 @@ def enter(ctl):
         return ABANDONED
     if compare_exchange(ctl.ctypes.data + _BUSY_OFFSET, 0, 1) != 0:
         return BUSY
+    ctl[0].coll_epoch = ctl[0].epoch
     return OK
 
 

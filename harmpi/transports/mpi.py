@@ -123,12 +123,13 @@ class MpiTransport(Transport):
             return peer
 
     def _timeout(self, pending, timeout_s, what):
-        waiting = []
+        waiting, late = [], []
         for i, req in enumerate(pending.reqs):
             if not req.Test():
                 kind, peer = (("a message from", pending.recv_peers[i]) if i < pending.nrecv
                               else ("delivery to", pending.send_peers[i - pending.nrecv]))
                 waiting.append(f"{kind} rank {self._world_rank(peer)}")
+                late.append(self._world_rank(peer))
         if not waiting:  # everything completed just now: not a timeout after all
             return
         for req in pending.reqs:
@@ -140,7 +141,7 @@ class MpiTransport(Transport):
         raise HarmpiTimeoutError(
             f"rank {self._world_rank(self.rank)}: {what}: waited {timeout_s:g} s for "
             f"{', '.join(waiting)} over the {self.name} transport; that rank crashed, hangs, or "
-            "called a different collective (HARMPI_TIMEOUT_S sets the deadline)")
+            "called a different collective (HARMPI_TIMEOUT_S sets the deadline)", culprit=late[0])
 
     def close(self):
         if self.comm is not None and self.comm != MPI.COMM_NULL:

@@ -315,15 +315,17 @@ class TcpTransport(Transport):
     def raise_timeout(self, k, recv_rows, peers, timeout_s, what, ops=None):
         """Raise for op rows [0, k) still pending (rows < recv_rows receive)."""
         ops = self.ops if ops is None else ops
-        waiting = []
+        waiting, late = [], []
         for i in range(k):
             if ops[i, sockio.OP_STATE] == sockio.ST_PENDING:
                 kind = "a message from" if i < recv_rows else "delivery to"
                 waiting.append(f"{kind} rank {self._world[peers[i]]}")
+                late.append(self._world[peers[i]])
         raise HarmpiTimeoutError(
             f"rank {self._world[self.rank]}: {what}: waited {timeout_s:g} s for "
             f"{', '.join(waiting)} over the {self.name} transport; that rank crashed, hangs, or "
-            "called a different collective (HARMPI_TIMEOUT_S sets the deadline)")
+            "called a different collective (HARMPI_TIMEOUT_S sets the deadline)",
+            culprit=late[0] if late else -1)
 
     def close(self):
         for i, s in enumerate(self.socks):

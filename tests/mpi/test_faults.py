@@ -161,3 +161,27 @@ def test_after_a_mixed_call_no_rank_returns_wrong_data(world, topo):
             assert torch.all(y == size * (size + 1) / 2), (odd_one, y[:4])
         world.Barrier()
 
+
+
+def test_every_waiting_rank_names_the_rank_that_never_arrived(world, topo):
+    """On one node and on two (equal) nodes, every rank that gives up names
+    the missing rank, also those that waited on a live peer which was itself
+    waiting for it (across the rail)."""
+    r, size = world.Get_rank(), world.Get_size()
+    if size == 1 or topo.node_count > 2 or not topo.uniform:  # the same on every rank
+        pytest.skip("one node, or two equal nodes")
+    comm = world.Dup()
+    _short(comm, timeout_s=1.0)
+    missing = size - 1
+    if r == missing:
+        time.sleep(4.0)
+    else:
+        with pytest.raises(harmpi.HarmpiTimeoutError) as info:
+            harmpi.allreduce(torch.ones(10), comm=comm)
+        assert f"rank {missing}" in str(info.value), str(info.value)
+    world.Barrier()
+
+
+def test_a_sparse_tensor_is_called_sparse(world):
+    with pytest.raises(harmpi.HarmpiArgumentError, match="sparse"):
+        harmpi.allreduce(torch.ones(4).to_sparse())
