@@ -167,7 +167,8 @@ class HarmpiImpl(Impl):
             import harmpi
         except ImportError as exc:  # the library is optional while benchmarking rivals
             raise SystemExit(
-                f"harmpi is not importable ({exc}); run with --impl mpi,gloo"
+                f"harmpi is not importable ({exc}); leave harmpi out of the implementations "
+                "to compare (--impl, or --comm for the decode benchmark)"
             ) from exc
         self._harmpi = harmpi
         self._comm = comm
