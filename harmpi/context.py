@@ -401,9 +401,10 @@ class Context:
         of this node ran the same collective with the same algorithm in the
         failed step (sizes or dtypes differed): then every one of them took
         the same failure path through the same flag rounds, and the node's
-        step counters still agree. Ranks that ran different algorithms or
-        collectives may have left after different rounds: the counters may
-        differ, and only an unusable context is safe. (A disagreement a
+        step counters still agree; likewise on one node for any mix of the
+        steps that stop at their first round. Otherwise ranks that ran
+        different algorithms or collectives may have left after different
+        rounds: the counters may differ, and only an unusable context is safe. (A disagreement a
         Python algorithm raised itself, RAISED, comes from exchanges every
         rank finishes: the flat ring, or uneven nodes' allgather check.)"""
         if rc == RAISED:
@@ -414,7 +415,17 @@ class Context:
         # disagreed: its rank ran an allgather)
         runs = {(f["coll"], f["algo"]) if f else (kind.COLL_ALLGATHER, 0)
                 for f in map(kind.decode, kinds)}
-        return len(runs) == 1
+        if len(runs) == 1:
+            return True
+        # On one node, the compiled steps (an auto, shm or shm_rsag
+        # all-reduce, an allgather) all leave at the first flag round of a
+        # disagreement: a mix of them still stops every rank in that round.
+        return self.topo.node_count == 1 and runs <= self._first_round_exits
+
+    @property
+    def _first_round_exits(self):
+        ids = [ALGORITHM_IDS[n] for n in ("auto", "shm", "shm_rsag")]
+        return {(kind.COLL_ALLREDUCE, i) for i in ids} | {(kind.COLL_ALLGATHER, 0)}
 
     def raise_status(self, rc, x_addr, n, fmt, code, op):
         """fail() for a status returned by an entry (the API's one error path)."""

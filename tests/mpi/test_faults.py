@@ -157,6 +157,9 @@ def test_after_a_mixed_call_no_rank_returns_wrong_data(world, topo):
             try:
                 harmpi.allreduce(y, comm=comm)
             except harmpi.HarmpiError:
+                # on one node a mix of allgather and allreduce stops every
+                # rank at the same flag round: the context must stay usable
+                assert not (topo.node_count == 1 and odd_one == "allgather")
                 continue
             assert torch.all(y == size * (size + 1) / 2), (odd_one, y[:4])
         world.Barrier()
