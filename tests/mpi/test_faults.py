@@ -54,22 +54,22 @@ def test_a_late_rank_fails_instead_of_completing_an_abandoned_step(world):
     if size == 1:
         pytest.skip("needs two ranks")
     comm = world.Dup()
-    _short(comm, timeout_s=1.0)
+    _short(comm, timeout_s=2.0)
     late = size - 1
     x = torch.full((100,), 1.0)
-    t0 = time.monotonic()
     if r == late:
-        time.sleep(2.5)                           # past everyone's deadline
+        time.sleep(5.0)       # past every deadline (2 s, and 2 more for a peer stuck behind)
+    t0 = time.monotonic()
     with pytest.raises(harmpi.HarmpiError) as info:
         harmpi.allreduce(x, comm=comm)
     took = time.monotonic() - t0
     assert torch.all(x == 1.0), "the caller's tensor must not be touched"
     msg = str(info.value)
     if r == late:
-        assert took < 4.0, took                   # fails on arrival, no deadline of its own
+        assert took < 1.5, (took, msg)            # fails on arrival, no deadline of its own
         assert "deadline" in msg or "gave up" in msg or "did not" in msg, msg
     else:
-        assert took < 3.5, took
+        assert took < 8.0, (took, msg)
     with pytest.raises(harmpi.HarmpiError, match="unusable"):
         harmpi.allreduce(x, comm=comm)           # every rank refuses afterwards
     world.Barrier()
