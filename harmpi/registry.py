@@ -58,8 +58,7 @@ class Registry:
         if not isinstance(comm, MPI.Comm):
             raise HarmpiArgumentError(
                 f"comm must be an mpi4py communicator, got {type(comm).__name__}")
-        ctx = comm.Get_attr(self.keyval) if self.keyval is not None else None
-        return ctx or self.create(comm)
+        return self.lookup(comm) or self.create(comm)
 
     def lookup(self, comm):
         """The live context of ``comm`` (None if it has none)."""

@@ -148,22 +148,32 @@ def sleep_us(typingctx, usec):
     return sig, codegen
 
 
-@intrinsic
-def monotonic_ns(typingctx):
-    """CLOCK_MONOTONIC in nanoseconds (libc ``clock_gettime``)."""
-    sig = types.int64()
+def _clock_ns(clock_id, doc):
+    """An intrinsic f() -> int64: libc ``clock_gettime(clock_id)`` in nanoseconds."""
+    @intrinsic
+    def clock(typingctx):
+        sig = types.int64()
 
-    def codegen(context, builder, signature, args):
-        ts_ty = ir.ArrayType(_I64, 2)  # struct timespec on 64-bit Linux
-        ts = cgutils.alloca_once(builder, ts_ty)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_I32, [_I32, ts_ty.as_pointer()]), "clock_gettime")
-        builder.call(fn, [ir.Constant(_I32, 1), ts])  # 1 == CLOCK_MONOTONIC
-        sec = builder.load(cgutils.gep(builder, ts, 0, 0))
-        nsec = builder.load(cgutils.gep(builder, ts, 0, 1))
-        return builder.add(builder.mul(sec, ir.Constant(_I64, 1_000_000_000)), nsec)
+        def codegen(context, builder, signature, args):
+            ts_ty = ir.ArrayType(_I64, 2)  # struct timespec on 64-bit Linux
+            ts = cgutils.alloca_once(builder, ts_ty)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_I32, [_I32, ts_ty.as_pointer()]),
+                "clock_gettime")
+            builder.call(fn, [ir.Constant(_I32, clock_id), ts])
+            sec = builder.load(cgutils.gep(builder, ts, 0, 0))
+            nsec = builder.load(cgutils.gep(builder, ts, 0, 1))
+            return builder.add(builder.mul(sec, ir.Constant(_I64, 1_000_000_000)), nsec)
 
-    return sig, codegen
+        return sig, codegen
+
+    clock.__doc__ = doc
+    return clock
+
+
+monotonic_ns = _clock_ns(1, "CLOCK_MONOTONIC in nanoseconds.")
+#: comparable across hosts (to NTP's accuracy), for deadlines that travel in messages
+realtime_ns = _clock_ns(0, "CLOCK_REALTIME in nanoseconds.")
 
 
 @intrinsic
@@ -207,25 +217,6 @@ def sigint_arrived(hook_addr):
             return hit
         if b == _SIGINT:
             hit = True
-
-
-@intrinsic
-def realtime_ns(typingctx):
-    """CLOCK_REALTIME in nanoseconds: comparable across hosts (to NTP's
-    accuracy), for deadlines that travel in messages."""
-    sig = types.int64()
-
-    def codegen(context, builder, signature, args):
-        ts_ty = ir.ArrayType(_I64, 2)
-        ts = cgutils.alloca_once(builder, ts_ty)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_I32, [_I32, ts_ty.as_pointer()]), "clock_gettime")
-        builder.call(fn, [ir.Constant(_I32, 0), ts])  # 0 == CLOCK_REALTIME
-        sec = builder.load(cgutils.gep(builder, ts, 0, 0))
-        nsec = builder.load(cgutils.gep(builder, ts, 0, 1))
-        return builder.add(builder.mul(sec, ir.Constant(_I64, 1_000_000_000)), nsec)
-
-    return sig, codegen
 
 
 @numba.njit(types.void(types.int64), cache=True, nogil=True)

@@ -229,6 +229,11 @@ class TcpTransport(Transport):
         a = np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else buf
         return a.ctypes.data, a.nbytes
 
+    def _give_up_ns(self):
+        """When this rank's wait for an exchange posted now reaches its
+        deadline (CLOCK_REALTIME, as sync.realtime_ns): sockio's header."""
+        return time.time_ns() + self.timeout_ns
+
     def post(self, sends, recvs):
         ops = self._rows(len(sends) + len(recvs))
         peers = []
@@ -238,7 +243,7 @@ class TcpTransport(Transport):
             sockio.set_recv(ops, i, self.fds[peer], addr, nbytes)
             peers.append(peer)
             i += 1
-        give_up = time.time_ns() + self.timeout_ns  # CLOCK_REALTIME, as sync.realtime_ns
+        give_up = self._give_up_ns()
         for peer, buf, tag in sends:
             addr, nbytes = self._addr(buf)
             sockio.set_send(ops, i, self.fds[peer], addr, nbytes, tag, give_up)
@@ -254,7 +259,7 @@ class TcpTransport(Transport):
         addr, nbytes = self._addr(recv_buf)
         sockio.set_recv(ops, 0, fd, addr, nbytes)
         addr, nbytes = self._addr(send_buf)
-        sockio.set_send(ops, 1, fd, addr, nbytes, tag, time.time_ns() + self.timeout_ns)
+        sockio.set_send(ops, 1, fd, addr, nbytes, tag, self._give_up_ns())
         if sockio.kick(ops, 2, self.scratch) != sockio.IO_OK:
             self.raise_failed((peer, peer), "post")
         return _TcpPending(2, 1, (peer, peer))
