@@ -2,7 +2,8 @@
 
     import harmpi
     harmpi.allreduce(t)          # in place, every rank of MPI.COMM_WORLD
-    g = harmpi.allgather(shard)  # concatenation along dim 0
+    g = harmpi.allgather(shard)  # concatenation along dim 0 (dim= for others)
+    logits = harmpi.gather_logits(vocab_shard)  # uneven vocabulary shards, last dim
 
 Shared memory (an MPI shared window) inside each node, one cross-node
 exchange per collective between nodes. See README.md.
@@ -29,7 +30,7 @@ if not _LAUNCHED and "OMPI_MCA_btl" not in _os.environ and "mpi4py.MPI" not in _
         del _os.environ["OMPI_MCA_btl"]
 
 from . import allgather, allreduce  # noqa: E402  (callable modules, see allreduce.py)
-from .api import barrier, finalize, info, init  # noqa: E402
+from .api import barrier, finalize, gather_logits, info, init  # noqa: E402
 from .config import ALGORITHMS, Config  # noqa: E402
 from .errors import (  # noqa: E402
     HarmpiArgumentError,
@@ -39,6 +40,20 @@ from .errors import (  # noqa: E402
     HarmpiTransportError,
 )
 
-__all__ = ["allreduce", "allgather", "barrier", "init", "finalize", "info", "ALGORITHMS",
+
+def _register_torch_backend():
+    """torch.distributed backend "harmpi" (harmpi.distributed), when torch is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return
+    from . import distributed
+
+    distributed.register()
+
+
+_register_torch_backend()
+
+__all__ = ["allreduce", "allgather", "gather_logits", "barrier", "init", "finalize", "info", "ALGORITHMS",
            "Config", "HarmpiError", "HarmpiArgumentError", "HarmpiMismatchError",
            "HarmpiTimeoutError", "HarmpiTransportError", "__version__"]

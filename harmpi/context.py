@@ -158,6 +158,8 @@ class Context:
         self._broken = None
         #: the exception a Python entry caught, until fail() raises it
         self.pending_error = None
+        #: a started split-phase all-reduce (harmpi.distributed's async work)
+        self.split_pending = None
         self._logged = set()
         self._algorithms = {}
         self._entries = {}
@@ -441,6 +443,11 @@ class Context:
             raise exc
         if rc in (RAIL_TIMEOUT, RAIL_FAILED, RAIL_LATE) and self._har2 is not None:
             self._har2.raise_rail(rc, call)
+        if rc == BUSY and self.split_pending is not None:
+            raise HarmpiError(
+                f"{self._who()}: {call}: an async torch.distributed collective on this "
+                "communicator was started and not yet waited for; call its work's wait() "
+                "first (collectives on one communicator complete in order)")
         if rc == BUSY:
             raise HarmpiError(
                 f"{self._who()}: {call}: another thread is inside a collective on this "

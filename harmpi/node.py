@@ -71,7 +71,8 @@ __all__ = ["init_control", "stage", "stage_meta", "publish_wait", "publish_wait_
            "next_slot_addr", "entry_point", "one_node_step", "solo_step",
            "gather_step", "ONE_NODE_STEP", "ONE_NODE_CFUNC", "SOLO_STEP", "GATHER_STEP",
            "STREAM_MIN_NBYTES", "NEVER_RSAG", "enter", "leave", "abandon",
-           "interrupted"]
+           "interrupted", "one_node_start", "one_node_finish", "ONE_NODE_START",
+           "ONE_NODE_FINISH"]
 
 _LINE = FLAG_LINE_NBYTES
 _WORD = 8
@@ -425,15 +426,10 @@ def _who_abandoned(c):
     return c.local_rank
 
 
-@numba.njit(_i64(_ctl), cache=True, nogil=True)
-def publish_wait(ctl):
-    """Publish the next epoch and wait until every local rank has published it.
-
-    A wait that reaches the deadline turns the late rank's flag to ABANDONED
-    with a compare-exchange, and a rank publishes with a compare-exchange
-    too: whichever comes first wins, so either the late rank arrived in time
-    (the step completes everywhere) or it finds its flag abandoned and fails
-    (never completing a step its peers gave up on)."""
+@numba.njit(cache=True, nogil=True)
+def _publish(ctl):
+    """Publish the next epoch (the first half of publish_wait): OK, or
+    ABANDONED if this context or a peer gave up on this rank."""
     c = ctl[0]
     if c.abandoned != 0:
         return ABANDONED
@@ -441,6 +437,15 @@ def publish_wait(ctl):
     if compare_exchange(_flag_addr(c, c.local_rank), c.epoch, epoch) != c.epoch:
         return _abandoned_by(ctl, _who_abandoned(c), epoch)  # a peer gave up on this rank
     c.epoch = epoch
+    return OK
+
+
+@numba.njit(cache=True, nogil=True)
+def _await(ctl):
+    """Wait until every local rank has published this rank's epoch (the
+    second half of publish_wait)."""
+    c = ctl[0]
+    epoch = c.epoch
     extended = False
     while True:
         j = wait_flags_ge(c.flags + W_EPOCH * _WORD, _LINE, c.local_size, epoch, c.spin,
@@ -474,12 +479,24 @@ def publish_wait(ctl):
         # the late rank published meanwhile: wait for it again
 
 
+@numba.njit(_i64(_ctl), cache=True, nogil=True)
+def publish_wait(ctl):
+    """Publish the next epoch and wait until every local rank has published it.
+
+    A wait that reaches the deadline turns the late rank's flag to ABANDONED
+    with a compare-exchange, and a rank publishes with a compare-exchange
+    too: whichever comes first wins, so either the late rank arrived in time
+    (the step completes everywhere) or it finds its flag abandoned and fails
+    (never completing a step its peers gave up on)."""
+    status = _publish(ctl)
+    if status != OK:
+        return status
+    return _await(ctl)
+
+
 @numba.njit(cache=True, nogil=True)
-def _stage_at(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos):
-    """stage(), except that x[:m] goes to slot(p, me) from byte ``pos`` (a
-    multiple of 64, the same on every rank: it is posted in the kind word and
-    checked with it) and x[skip_lo:skip_hi] is not copied (a share only this
-    rank reads, straight from x)."""
+def _stage_post(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos):
+    """The first half of _stage_at: fill my slot, post the meta, publish."""
     c = ctl[0]
     parity = c.steps & 1
     c.steps += 1
@@ -494,9 +511,18 @@ def _stage_at(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos):
     meta = c.flags + me * _LINE + (W_META + 2 * parity) * _WORD
     store_release(meta, total_nbytes)
     store_release(meta + _WORD, code)
-    status = publish_wait(ctl)
+    return _publish(ctl)
+
+
+@numba.njit(cache=True, nogil=True)
+def _stage_check(ctl, total_nbytes, code, pos):
+    """The second half of _stage_at: wait for every local rank, compare metas."""
+    status = _await(ctl)
     if status != OK:
         return status
+    c = ctl[0]
+    parity = _parity(c)
+    code = kind.with_ring(code, pos)
     for j in range(c.local_size):
         peer_meta = c.flags + j * _LINE + (W_META + 2 * parity) * _WORD
         a = load_acquire(peer_meta)
@@ -510,6 +536,18 @@ def _stage_at(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos):
             c.ring = 0
             return MISMATCH
     return OK
+
+
+@numba.njit(cache=True, nogil=True)
+def _stage_at(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos):
+    """stage(), except that x[:m] goes to slot(p, me) from byte ``pos`` (a
+    multiple of 64, the same on every rank: it is posted in the kind word and
+    checked with it) and x[skip_lo:skip_hi] is not copied (a share only this
+    rank reads, straight from x)."""
+    status = _stage_post(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos)
+    if status != OK:
+        return status
+    return _stage_check(ctl, total_nbytes, code, pos)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -887,6 +925,97 @@ def _one_node_cfunc(ctl_addr, x_addr, n, fmt):
     return one_node_step(control.control_at(ctl_addr), x_addr, n, fmt)
 
 
+# -- split-phase one-node all-reduce: start publishes, finish completes ------
+#
+# An async all-reduce (torch's async_op=True) starts with one_node_start:
+# this rank's data goes into its slot and its flag is published, so the
+# peers can proceed, and the call returns while the caller computes.
+# one_node_finish then waits for the peers, checks the metas and sums. The
+# two halves are _stage_at split at its wait (the same steps, flag rounds
+# and checks as one_node_step, so a rank taking the blocking path meets a
+# rank taking the split one). The context stays "busy" in between: another
+# entry on it is refused until the finish. A call of more than one slot
+# runs whole in the start (its later steps need the peers).
+
+#: what a started split-phase all-reduce's finish does (control field "split")
+SPLIT_NONE, SPLIT_DONE, SPLIT_SMALL, SPLIT_RSAG = 0, 1, 2, 3
+
+
+@numba.njit(cache=True, nogil=True)
+def _one_node_start(ctl, x_addr, n, fmt, w):
+    c = ctl[0]
+    isz = w.itemsize
+    total = n * isz
+    if total > c.slot_nbytes:
+        c.split = SPLIT_DONE
+        return _one_node(ctl, x_addr, n, fmt)
+    code = c.auto_code | fmt
+    if c.tuning != 0:  # read the tuner's mode; only blocking calls tune
+        c.mode = copytune.choose(_tune_state(c), c.tune_table, False, False, total)
+    if total <= c.small_max_nbytes or c.local_size == 1:
+        pos = _ring_pos(c, total)
+        c.split = SPLIT_SMALL
+        c.split_pos = pos
+        return _stage_post(ctl, x_addr, n, 0, 0, total, code, w, pos)
+    lo, hi = part_bounds(n, c.local_size, c.local_rank, isz)
+    c.split = SPLIT_RSAG
+    c.split_pos = 0
+    return _stage_post(ctl, x_addr, n, lo, hi, total, code, w, 0)
+
+
+@numba.njit(cache=True, nogil=True)
+def _one_node_finish(ctl, x_addr, n, fmt, w):
+    c = ctl[0]
+    split = c.split
+    c.split = SPLIT_NONE
+    if split == SPLIT_DONE:
+        return OK
+    isz = w.itemsize
+    total = n * isz
+    pos = c.split_pos
+    status = _stage_check(ctl, total, c.auto_code | fmt, pos)
+    if status != OK:
+        return status
+    if split == SPLIT_SMALL:
+        lo = pos // isz
+        sum_slots(ctl, x_addr, lo, lo + n, fmt, w)
+        c.ring = pos + ((total + 63) & ~63)
+        return OK
+    return _reduce_scatter_allgather(ctl, x_addr, n, fmt, w)
+
+
+@numba.njit(STEP_SIG, cache=True, nogil=True)
+def one_node_start(ctl, x_addr, n, fmt):
+    """Start a split-phase auto all-reduce on one node (see above). On OK the
+    context stays entered until one_node_finish; on failure it is left."""
+    rc = enter(ctl)
+    if rc != OK:
+        return rc
+    if fmt == _BF16 or fmt == _F16:
+        rc = _one_node_start(ctl, x_addr, n, fmt, np.empty(0, np.uint16))
+    elif fmt == _F32:
+        rc = _one_node_start(ctl, x_addr, n, fmt, np.empty(0, np.float32))
+    else:
+        rc = _one_node_start(ctl, x_addr, n, fmt, np.empty(0, np.float64))
+    if rc != OK:
+        ctl[0].split = SPLIT_NONE
+        leave(ctl)
+    return rc
+
+
+@numba.njit(STEP_SIG, cache=True, nogil=True)
+def one_node_finish(ctl, x_addr, n, fmt):
+    """Complete the all-reduce one_node_start started (same arguments)."""
+    if fmt == _BF16 or fmt == _F16:
+        rc = _one_node_finish(ctl, x_addr, n, fmt, np.empty(0, np.uint16))
+    elif fmt == _F32:
+        rc = _one_node_finish(ctl, x_addr, n, fmt, np.empty(0, np.float32))
+    else:
+        rc = _one_node_finish(ctl, x_addr, n, fmt, np.empty(0, np.float64))
+    leave(ctl)
+    return rc
+
+
 @numba.njit(STEP_SIG, cache=True, nogil=True)
 def solo_step(ctl, x_addr, n, fmt):
     """A communicator of one rank: the sum is x itself."""
@@ -917,3 +1046,5 @@ ONE_NODE_CFUNC = _cfunc_address(_one_node_cfunc)
 SOLO_STEP = entry_point(solo_step, STEP_SIG)
 SOLO_CFUNC = _cfunc_address(_solo_cfunc)
 GATHER_STEP = entry_point(gather_step, _GATHER_SIG)
+ONE_NODE_START = entry_point(one_node_start, STEP_SIG)
+ONE_NODE_FINISH = entry_point(one_node_finish, STEP_SIG)
