@@ -34,7 +34,7 @@ from mpi4py import MPI
 from . import control, copytune, dtypes, kind, node, transports
 from .algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
 from .algorithms.base import Call
-from .algorithms.har_latency import HAR2_STEP
+from .algorithms.har_latency import HAR2_FINISH, HAR2_START, HAR2_STEP
 from .config import Config
 from .control import (
     ABANDONED,
@@ -187,19 +187,26 @@ class Context:
         self._entries["auto"] = auto
         if self.config.algorithm == "auto":
             return auto, auto_cfunc
+        self.split = None
         return self.entry_for(self.config.algorithm), 0
 
     def _auto_entry(self):
         """(entry, C address or 0) of algorithm "auto" on this topology."""
         topo = self.topo
+        #: (start, finish, max bytes) of the split-phase all-reduce (async
+        #: calls, harmpi.node), or None: this topology has none
+        self.split = None
         if topo.size == 1:
             return node.SOLO_STEP, node.SOLO_CFUNC
         if topo.node_count == 1:
+            self.split = (node.ONE_NODE_START, node.ONE_NODE_FINISH, 1 << 62)
             return node.ONE_NODE_STEP, node.ONE_NODE_CFUNC
         python = PyStep(self, "auto")
         if (topo.node_count == 2 and topo.uniform
                 and isinstance(self._rail_transport, transports.TcpTransport)):
             self._har2 = self._algorithm("har_latency")
+            self.split = (HAR2_START, HAR2_FINISH,
+                          min(self.config.har_latency_max_nbytes, self.config.slot_nbytes))
             return SizeSwitch(HAR2_STEP, self.config.har_latency_max_nbytes, python), 0
         return python, 0
 

@@ -41,12 +41,15 @@ barrier                    harmpi's barrier
 Every other op, dtype or reduction raises ``HarmpiArgumentError`` naming
 what is supported, before any data moves.
 
-Async. ``async_op=True`` all-reduce (SUM or AVG) on one node is split in
-two compiled halves (harmpi.node.one_node_start / one_node_finish): the
-call copies this rank's tensor into its slot, publishes it and returns;
-``wait()`` (or ``get_future()``) waits for the peers and sums. The peers
-need nothing more from this rank in between, so the caller's compute
-overlaps every rank's arrival. A group holds at most one started
+Async. ``async_op=True`` all-reduce (SUM or AVG) is split in two compiled
+halves where the context's default all-reduce has them (Context.split): on
+one node (harmpi.node.one_node_start / one_node_finish) the call copies
+this rank's tensor into its slot, publishes it and returns; on two nodes
+over tcp up to har_latency_max (har_latency.har2_start / har2_finish) it
+also posts the rail exchange, so the network carries the tensor while the
+caller computes. ``wait()`` (or ``get_future()``) waits for the peers and
+sums. The peers need nothing more from this rank in between, so the
+caller's compute overlaps every rank's arrival and the exchange. A group holds at most one started
 collective: any later call on the group completes it first, in order, as
 MPI orders collectives on one communicator. Other async calls complete
 before they return (their work object is already done). While a torch
@@ -71,7 +74,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.futures import Future
 
-from . import api, node
+from . import api
 from .context import AUTO_CODE
 from .errors import HarmpiArgumentError, HarmpiError
 from .registry import STATE
@@ -134,9 +137,10 @@ _DONE = _DoneWork()
 class _SplitWork(dist._Work):
     """A started split-phase all-reduce; wait() completes it (once)."""
 
-    def __init__(self, pg, tensor, addr, n, fmt, scale):
+    def __init__(self, pg, finish, tensor, addr, n, fmt, scale):
         super().__init__()
         self._pg = pg
+        self._finish = finish
         self._tensor = tensor      # keeps the memory alive until the finish
         self._args = (addr, n, fmt)
         self._scale = scale
@@ -155,7 +159,7 @@ class _SplitWork(dist._Work):
         ctx = pg._ctx
         ctx.split_pending = None
         addr, n, fmt = self._args
-        rc = node.ONE_NODE_FINISH(ctx.ctl, addr, n, fmt)
+        rc = self._finish(ctx.ctl, addr, n, fmt)
         if rc:
             try:
                 ctx.raise_status(rc, addr, n, fmt, AUTO_CODE | fmt, "allreduce (async)")
@@ -240,9 +244,8 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         self._pending = None
         self._group_name = ""
         self._group_desc = ""
-        ctx = self._ctx
-        #: split-phase halves, when this context's auto all-reduce has them
-        self._split = ctx.entry is node.ONE_NODE_STEP and ctx.config.algorithm == "auto"
+        #: (start, finish, max bytes) of the context's split-phase all-reduce, or None
+        self._split = self._ctx.split
 
     # -- identity ------------------------------------------------------------
 
@@ -314,7 +317,9 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
 
     def _allreduce_async(self, t, opts):
         op = opts.reduceOp
-        if self._split and (op == _SUM or op == _AVG):
+        split = self._split
+        if split is not None and (op == _SUM or op == _AVG) \
+                and t.numel() * t.element_size() <= split[2]:
             return self._start(t, None if op == _SUM else self.size())
         if op == _SUM:
             api.allreduce(_float_tensor(t, "all_reduce"), comm=self._harmpi_comm)
@@ -346,10 +351,11 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         ctx = self._ctx
         if ctx.broken is not None:
             raise HarmpiError(f"harmpi context is unusable: {ctx.broken}")
-        rc = node.ONE_NODE_START(ctx.ctl, addr, n, fmt)
+        start, finish, _ = self._split
+        rc = start(ctx.ctl, addr, n, fmt)
         if rc:
             ctx.raise_status(rc, addr, n, fmt, AUTO_CODE | fmt, "allreduce (async)")
-        work = _SplitWork(self, t, addr, n, fmt, scale)
+        work = _SplitWork(self, finish, t, addr, n, fmt, scale)
         self._pending = work
         ctx.split_pending = work
         return work

@@ -48,7 +48,7 @@ from ..errors import HarmpiTimeoutError
 from ..transports import TcpTransport, sockio
 from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
 
-__all__ = ["HarLatencyAllreduce", "HAR2_STEP"]
+__all__ = ["HarLatencyAllreduce", "HAR2_STEP", "HAR2_START", "HAR2_FINISH"]
 
 # -- two nodes over the tcp transport: the whole step in one compiled call ----
 #
@@ -64,8 +64,8 @@ _RAIL_ROWS = 2
 
 
 @numba.njit(cache=True, nogil=True)
-def _har2_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
-    """One step of the two-node exchange over x[:m] at ``addr``."""
+def _har2_post(ctl, ops, scratch, addr, m, total, code, tag, w):
+    """First half of a step: post the exchange, post the meta, publish."""
     c = ctl[0]
     nbytes = m * w.itemsize
     sockio.set_recv(ops, 0, c.rail_fd, c.rail_recv, c.rail_recv_cap)
@@ -73,7 +73,15 @@ def _har2_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
     if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
         node.abandon(ctl, c.rail_peer)
         return RAIL_FAILED
-    rc = node.stage_meta(ctl, m, total, code, w)
+    return node._stage_post(ctl, 0, m, 0, m, total, code, w, 0)
+
+
+@numba.njit(cache=True, nogil=True)
+def _har2_complete(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
+    """Second half: wait for the node and the exchange, add, publish, sum."""
+    c = ctl[0]
+    nbytes = m * w.itemsize
+    rc = node._stage_check(ctl, total, code, 0)
     if rc != OK and rc != MISMATCH:
         return rc
     local_bad = rc == MISMATCH
@@ -100,6 +108,15 @@ def _har2_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
         c.err_peer, c.err_a, c.err_b = c.saved_peer, c.saved_a, c.saved_b
         return MISMATCH
     return rc
+
+
+@numba.njit(cache=True, nogil=True)
+def _har2_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
+    """One step of the two-node exchange over x[:m] at ``addr``."""
+    rc = _har2_post(ctl, ops, scratch, addr, m, total, code, tag, w)
+    if rc != OK:
+        return rc
+    return _har2_complete(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -149,8 +166,70 @@ def har2_step(ctl, x_addr, n, fmt):
     return rc
 
 
+@numba.njit(cache=True, nogil=True)
+def _rail_views(c):
+    ops = numba.carray(_voidptr(c.rail_ops), (_RAIL_ROWS, sockio.OP_WORDS), np.int64)
+    pollfds = numba.carray(_voidptr(c.rail_pollfds), (_RAIL_ROWS, 2), np.int32)
+    scratch = numba.carray(_voidptr(c.rail_scratch), (c.rail_scratch_len,), np.int64)
+    return ops, pollfds, scratch
+
+
+@numba.njit(cache=True, nogil=True)
+def _har2_start(ctl, x_addr, n, fmt, w):
+    c = ctl[0]
+    total = n * w.itemsize
+    code = c.auto_code | fmt
+    ops, _pollfds, scratch = _rail_views(c)
+    return _har2_post(ctl, ops, scratch, x_addr, n, total, code, kind.rail_tag(total, code), w)
+
+
+@numba.njit(cache=True, nogil=True)
+def _har2_finish(ctl, x_addr, n, fmt, w):
+    c = ctl[0]
+    total = n * w.itemsize
+    code = c.auto_code | fmt
+    ops, pollfds, scratch = _rail_views(c)
+    return _har2_complete(ctl, ops, pollfds, scratch, x_addr, n, total, code,
+                          kind.rail_tag(total, code), fmt, w)
+
+
+@numba.njit(node.STEP_SIG, cache=True, nogil=True)
+def har2_start(ctl, x_addr, n, fmt):
+    """Split-phase two-node step, first half (harmpi.node's split-phase
+    comment): post the rail exchange, post the meta, publish, return. Only
+    for a call of one slot at most (the caller checks). On OK the context
+    stays entered until har2_finish; on failure it is left."""
+    rc = node.enter(ctl)
+    if rc != OK:
+        return rc
+    if fmt == dtypes.BF16 or fmt == dtypes.F16:
+        rc = _har2_start(ctl, x_addr, n, fmt, np.empty(0, np.uint16))
+    elif fmt == dtypes.F32:
+        rc = _har2_start(ctl, x_addr, n, fmt, np.empty(0, np.float32))
+    else:
+        rc = _har2_start(ctl, x_addr, n, fmt, np.empty(0, np.float64))
+    if rc != OK:
+        node.leave(ctl)
+    return rc
+
+
+@numba.njit(node.STEP_SIG, cache=True, nogil=True)
+def har2_finish(ctl, x_addr, n, fmt):
+    """Second half of har2_start's step: the node wait, the exchange, the sum."""
+    if fmt == dtypes.BF16 or fmt == dtypes.F16:
+        rc = _har2_finish(ctl, x_addr, n, fmt, np.empty(0, np.uint16))
+    elif fmt == dtypes.F32:
+        rc = _har2_finish(ctl, x_addr, n, fmt, np.empty(0, np.float32))
+    else:
+        rc = _har2_finish(ctl, x_addr, n, fmt, np.empty(0, np.float64))
+    node.leave(ctl)
+    return rc
+
+
 #: compiled entry points: f(ctl, x_addr, n, fmt) and f(ctl, x_addr, n, code, fmt)
 HAR2_STEP = node.entry_point(har2_step, node.STEP_SIG)
+HAR2_START = node.entry_point(har2_start, node.STEP_SIG)
+HAR2_FINISH = node.entry_point(har2_finish, node.STEP_SIG)
 _HAR2_RUN = node.entry_point(har2_run, _RUN_SIG)
 
 
