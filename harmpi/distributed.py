@@ -595,6 +595,9 @@ def _mpi_rendezvous(url, timeout=datetime.timedelta(minutes=30), **kwargs):
     else:
         where = _WORLD.bcast(None, root=0)
         store = dist.TCPStore(where[0], where[1], size, False, timeout=timeout)
+    # every rank is connected before any goes on (a rank that fails right
+    # after must not close the store under one still connecting)
+    _WORLD.Barrier()
     log.debug("torch.distributed rendezvous over MPI: store at %s:%d", *where)
     yield (store, rank, size)
     raise RuntimeError("harmpi's MPI rendezvous cannot re-rendezvous")
