@@ -2,6 +2,8 @@
 
     mpirun -np 4 python -m mpi4py -m bench.decode --comm harmpi,gloo,mpi
     HARMPI_RANKS_PER_NODE=2 mpirun --oversubscribe -np 4 python -m mpi4py -m bench.decode
+    mpirun -np 2 python -m mpi4py -m bench.decode --comm harmpi,torch:harmpi,gloo,mpi
+    mpirun -np 2 python -m mpi4py -m bench.decode --tp-api --comm torch:harmpi,gloo
 
 The model is Qwen2.5's decoder layer with random bf16 weights: RMSNorm,
 rotary attention with grouped KV heads (q/k/v bias, no o bias) and a KV
@@ -14,6 +16,30 @@ cache, SwiGLU MLP.  It is sharded Megatron-style over the ranks:
 * the LM head is vocab-parallel: each step gathers every rank's slice of the
   logits (one allgather) and takes the greedy argmax over the vocabulary;
 * the embedding is replicated (rows generated from the seed on demand).
+
+The comms (``--comm``) are the adapters of ``bench.impls``: ``harmpi``
+calls ``harmpi.allreduce`` / ``harmpi.allgather``; ``torch:harmpi`` and
+``gloo`` (= ``torch:gloo``) are one adapter calling
+``dist.all_reduce(t, group=g)`` and ``dist.all_gather_single(out, t,
+group=g)`` on a process group of that backend, as an engine calls them (the
+first of them listed gets the default group, the other a ``new_group`` over
+all ranks); ``mpi`` calls mpi4py.
+
+``--tp-api`` builds the TP layers with torch instead
+(``DTensorDecoder``): ``parallelize_module`` with ColwiseParallel and
+RowwiseParallel on ``DeviceMesh.from_group`` of each comm's group, over the
+same local weight shards, so torch:harmpi and gloo run the same model code
+with one word changed and DTensor issues the collectives.  It runs torch
+comms only.
+
+No async/overlap mode: a greedy decode step is one chain of dependencies.
+Each all-reduce's result is the residual stream the next layer reads, and
+the logits gather feeds the argmax that picks the next step's token, so
+nothing independent is left to overlap with a collective in flight (the
+local half of the argmax could be, but then gathering each rank's
+(max, index) replaces the gather rather than overlapping it; splitting the
+batch into micro-batches would overlap, at the price of reading every
+weight twice per step, which costs far more than a 10 KB all-reduce).
 
 Weights are generated per unit (one attention head, 64 FFN rows/columns, 256
 vocabulary rows) from a seed that names the unit, so each rank generates only
@@ -64,7 +90,7 @@ import numpy as np
 
 from bench import harness
 from bench.harness import DTYPES
-from bench.impls import HarmpiImpl, close_impls, make_impls
+from bench.impls import close_impls, harmpi_info, make_impls, parse_impls, torch_backend
 
 __all__ = [
     "ModelConfig",
@@ -81,7 +107,9 @@ __all__ = [
     "main",
 ]
 
-COMM_KINDS = ("harmpi", "gloo", "mpi")
+#: --comm names: harmpi's API, torch.distributed on a harmpi or a gloo process group
+#: (gloo is short for torch:gloo), mpi4py
+COMM_KINDS = ("harmpi", "torch:harmpi", "gloo", "torch:gloo", "mpi")
 FFN_UNIT = 64  # FFN rows (gate/up) / columns (down) generated per seed
 VOCAB_UNIT = 256  # LM-head rows generated per seed
 
@@ -108,8 +136,10 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def check(self, tp: int) -> None:
-        """Raise ValueError unless the model can be sharded over ``tp`` ranks."""
+    def check(self, tp: int, even_kv: bool = False) -> None:
+        """Raise ValueError unless the model can be sharded over ``tp`` ranks
+        (``even_kv``: with every KV head on one rank, as torch's ColwiseParallel
+        shards k/v, for --tp-api)."""
         problems = []
         if self.hidden % self.heads:
             problems.append(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
@@ -126,6 +156,9 @@ class ModelConfig:
                     f"each rank's {local} q heads must cover whole KV groups of {group} "
                     "(or lie inside one)"
                 )
+        if even_kv and self.kv_heads % tp:
+            problems.append(f"--tp-api shards k/v evenly: kv-heads {self.kv_heads} must be a "
+                            f"multiple of the {tp} ranks")
         if self.ffn % (FFN_UNIT * tp):
             problems.append(f"ffn {self.ffn} is not a multiple of {FFN_UNIT} x {tp} ranks")
         if self.vocab % (VOCAB_UNIT * tp):
@@ -283,16 +316,16 @@ def _ms(value: float | None) -> str:
 def format_decode_table(rows: Sequence[dict]) -> list[str]:
     """The result table (rank 0 prints it)."""
     lines = [
-        f"{'#':<29}{'compute':>10}{'---- inside collectives ----':>30}"
+        f"{'#':<33}{'compute':>10}{'---- inside collectives ----':>30}"
         f"{'- after last arrival -':>22}",
-        f"{'# comm':<10}{'tok/s':>9}{'ms/token':>10}{'ms/token':>10}{'ms/token':>10}"
+        f"{'# comm':<14}{'tok/s':>9}{'ms/token':>10}{'ms/token':>10}{'ms/token':>10}"
         f"{'share':>10}{'min rank':>10}{'ms/token':>12}{'share':>10}"
         f"{'prefill ms':>12}{'ranks agree':>13}",
     ]
     for row in rows:
         agree = {None: "-", True: "yes", False: "NO"}[row.get("tokens_identical_across_ranks")]
         lines.append(
-            f"{row['comm']:<10}{row['tokens_per_s']:>9.1f}{row['ms_per_token']:>10.2f}"
+            f"{row['comm']:<14}{row['tokens_per_s']:>9.1f}{row['ms_per_token']:>10.2f}"
             f"{_ms(row.get('compute_ms_per_token')):>10}"
             f"{_ms(row['comm_ms_per_token']):>10}{_pct(row['comm_share']):>10}"
             f"{_pct(row['comm_share_min']):>10}"
@@ -383,6 +416,10 @@ class TPDecoder:
         layer.v_cache = torch.zeros(cache_shape, dtype=torch.bfloat16)
         return layer
 
+    def no_autograd(self):
+        """The context the model runs in: torch.inference_mode()."""
+        return self.torch.inference_mode()
+
     def shard_bytes(self) -> int:
         tensors = [self.w_lm] + [
             t
@@ -432,10 +469,9 @@ class TPDecoder:
             mask = torch.ones(length, end, dtype=torch.bool).tril(diagonal=start)
         else:
             mask = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             a = self._rms(x, layer.ln1)
-            qkv = F.linear(a, layer.w_qkv, layer.b_qkv)
-            q, k, v = qkv.split([self.n_q * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+            q, k, v = self._qkv(i, a)
             q = self._rope(q.view(batch, length, self.n_q, hd).transpose(1, 2), cos, sin)
             k = self._rope(k.view(batch, length, self.n_kv, hd).transpose(1, 2), cos, sin)
             layer.k_cache[:, :, start:end] = k
@@ -445,20 +481,176 @@ class TPDecoder:
                 q, keys, values, attn_mask=mask, is_causal=(length > 1 and start == 0),
                 enable_gqa=gqa,
             )
-            o = F.linear(attn.transpose(1, 2).reshape(batch, length, self.n_q * hd), layer.w_o)
-            comm.allreduce(o)  # row-parallel O: partial sums over heads
-            x = x + o
-            m = self._rms(x, layer.ln2)
-            gate, up = F.linear(m, layer.w_gate_up).chunk(2, dim=-1)
-            d = F.linear(F.silu(gate) * up, layer.w_down)
-            comm.allreduce(d)  # row-parallel down: partial sums over the FFN slice
-            x = x + d
+            x = x + self._attn_out(i, attn.transpose(1, 2).reshape(batch, length, -1), comm)
+            x = x + self._mlp(i, self._rms(x, layer.ln2), comm)
         last = self._rms(x[:, -1], self.ln_f)
-        logits = F.linear(last, self.w_lm)  # [B, vocab / tp]
+        return self._logits(last, comm).argmax(dim=-1)
+
+    # The tensor-parallel layers: hand-written here, torch's parallelize_module
+    # in DTensorDecoder.  Each returns this rank's local tensor.
+
+    def _qkv(self, i: int, a):
+        """Column-parallel QKV: this rank's q, k, v heads, [B, S, heads x head_dim] each."""
+        layer, hd = self.layers[i], self.cfg.head_dim
+        qkv = self.torch.nn.functional.linear(a, layer.w_qkv, layer.b_qkv)
+        return qkv.split([self.n_q * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+
+    def _attn_out(self, i: int, attn, comm):
+        """Row-parallel O: partial sums over this rank's heads, all-reduced."""
+        o = self.torch.nn.functional.linear(attn, self.layers[i].w_o)
+        comm.allreduce(o)
+        return o
+
+    def _mlp(self, i: int, m, comm):
+        """Column-parallel gate/up, row-parallel down (partial sums over the FFN slice),
+        all-reduced."""
+        F = self.torch.nn.functional
+        layer = self.layers[i]
+        gate, up = F.linear(m, layer.w_gate_up).chunk(2, dim=-1)
+        d = F.linear(F.silu(gate) * up, layer.w_down)
+        comm.allreduce(d)
+        return d
+
+    def _logits(self, last, comm):
+        """Vocab-parallel LM head: [B, vocab], every rank's slice gathered in rank order."""
+        batch = last.shape[0]
+        logits = self.torch.nn.functional.linear(last, self.w_lm)  # [B, vocab / tp]
         gathered = comm.allgather(logits)  # [tp * B, vocab / tp], rank blocks in order
         tp = self.layout.tp
-        full = gathered.view(tp, batch, -1).permute(1, 0, 2).reshape(batch, -1)
-        return full.argmax(dim=-1)
+        return gathered.view(tp, batch, -1).permute(1, 0, 2).reshape(batch, -1)
+
+
+#: torch's tensor-parallel plan of the layers (HF Qwen2's names): the hand-written
+#: path's column- and row-parallel layers, the LM head gathered to every rank
+_TP_PLAN = {
+    "layers.*.q_proj": "colwise", "layers.*.k_proj": "colwise", "layers.*.v_proj": "colwise",
+    "layers.*.o_proj": "rowwise",
+    "layers.*.gate_proj": "colwise", "layers.*.up_proj": "colwise",
+    "layers.*.down_proj": "rowwise",
+    "lm_head": "colwise_gathered",
+}
+
+
+class DTensorDecoder(TPDecoder):
+    """The same model with its tensor-parallel layers built by torch (``--tp-api``).
+
+    ``parallelize_module`` applies ``_TP_PLAN`` (ColwiseParallel for q/k/v
+    and gate/up, RowwiseParallel for o and down, ColwiseParallel with a
+    Replicate output for the LM head) on ``DeviceMesh.from_group(group,
+    "cpu")``, so the collectives are DTensor's: an all-reduce per row-parallel
+    output and an all-gather of the logits, issued by torch on ``group``'s
+    backend.  The weights are the local shards of ``base`` (same tensors, no
+    copy), wrapped with ``DTensor.from_local`` before parallelize_module,
+    which keeps a parameter that is already a DTensor with the plan's
+    placement: nothing is re-sharded, so the model is the hand-written one's
+    weight for weight.  Everything else (norms, rotary, KV cache, attention)
+    is ``TPDecoder.forward`` on local tensors.
+
+    Time inside the collectives is taken by forward hooks around torch's
+    output hook of o, down and the LM head (it waits for the collective, so
+    what it measures ends when the result is ready).
+    """
+
+    def __init__(self, base: TPDecoder, group):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        self.__dict__.update(base.__dict__)  # the same weights, caches and tables
+        torch, hd = self.torch, self.cfg.head_dim
+        self.cfg.check(self.layout.tp, even_kv=True)
+        self.mesh = DeviceMesh.from_group(group, "cpu")
+        layers = torch.nn.ModuleList()
+        for layer in self.layers:
+            q, k, v = layer.w_qkv.split([self.n_q * hd, self.n_kv * hd, self.n_kv * hd])
+            bq, bk, bv = layer.b_qkv.split([self.n_q * hd, self.n_kv * hd, self.n_kv * hd])
+            gate, up = layer.w_gate_up.chunk(2)
+            layers.append(torch.nn.ModuleDict({
+                "q_proj": self._linear(q, 0, bq), "k_proj": self._linear(k, 0, bk),
+                "v_proj": self._linear(v, 0, bv), "o_proj": self._linear(layer.w_o, 1),
+                "gate_proj": self._linear(gate, 0), "up_proj": self._linear(up, 0),
+                "down_proj": self._linear(layer.w_down, 1),
+            }))
+        root = torch.nn.ModuleDict({"layers": layers, "lm_head": self._linear(self.w_lm, 0)})
+        timed = [root["lm_head"]] + [m for lay in layers for m in (lay["o_proj"],
+                                                                    lay["down_proj"])]
+        self._t0_ns = 0
+        self._timer = None
+        for module in timed:  # runs before torch's output hook (registered later)
+            module.register_forward_hook(self._collective_starts)
+        parallelize_module(root, self.mesh, _tp_styles())
+        for module in timed:  # runs after it
+            module.register_forward_hook(self._collective_ends)
+        self.tp_layers, self.lm_head = layers, root["lm_head"]
+
+    def _linear(self, weight, dim: int, bias=None):
+        """An nn.Linear holding this rank's shard (split along ``dim``) as a DTensor."""
+        torch = self.torch
+        from torch.distributed.tensor import DTensor, Shard
+
+        def param(local, placement):
+            tensor = DTensor.from_local(local, self.mesh, [placement], run_check=False)
+            return torch.nn.Parameter(tensor, requires_grad=False)
+
+        out_features, in_features = weight.shape
+        scale = [1, 1]
+        scale[dim] = self.layout.tp
+        linear = torch.nn.Linear(in_features * scale[1], out_features * scale[0],
+                                 bias=bias is not None, device="meta", dtype=weight.dtype)
+        linear.weight = param(weight, Shard(dim))
+        if bias is not None:
+            linear.bias = param(bias, Shard(0))
+        return linear
+
+    def no_autograd(self):
+        """torch.no_grad(): under inference_mode DTensor sends aten.linear (a
+        CompositeImplicitAutograd op) through its slow path, a caught exception and
+        a decomposition per call (torch 2.13, distributed/tensor/_dispatch.py), which
+        made a step ~1.8x slower than under no_grad here."""
+        return self.torch.no_grad()
+
+    def _collective_starts(self, module, inputs, output):
+        self._t0_ns = time.perf_counter_ns()
+
+    def _collective_ends(self, module, inputs, output):
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        if isinstance(output, AsyncCollectiveTensor):
+            output = output.wait()  # the next op would wait for it anyway
+        self._timer.record(self._t0_ns, time.perf_counter_ns())
+        return output
+
+    def forward(self, tokens, start: int, comm):
+        """As TPDecoder.forward; ``comm`` only times (its ``record``), torch communicates."""
+        self._timer = comm
+        return super().forward(tokens, start, comm)
+
+    def _qkv(self, i: int, a):
+        layer = self.tp_layers[i]
+        return layer["q_proj"](a), layer["k_proj"](a), layer["v_proj"](a)
+
+    def _attn_out(self, i: int, attn, comm):
+        return self.tp_layers[i]["o_proj"](attn)
+
+    def _mlp(self, i: int, m, comm):
+        layer = self.tp_layers[i]
+        F = self.torch.nn.functional
+        return layer["down_proj"](F.silu(layer["gate_proj"](m)) * layer["up_proj"](m))
+
+    def _logits(self, last, comm):
+        return self.lm_head(last)
+
+
+def _tp_styles() -> dict:
+    """_TP_PLAN as torch ParallelStyle objects."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_gathered": lambda: ColwiseParallel(output_layouts=Replicate()),
+    }
+    return {name: styles[kind]() for name, kind in _TP_PLAN.items()}
 
 
 # --------------------------------------------------------------------------
@@ -482,7 +674,8 @@ class _TimedComm:
     def begin_step(self, step: int) -> None:
         self.step, self.call, self.ns = step, 0, 0
 
-    def _record(self, t0: int, t1: int) -> None:
+    def record(self, t0: int, t1: int) -> None:
+        """One collective call from t0 to t1 (perf_counter_ns)."""
         self.ns += t1 - t0
         if self.step >= 0:
             self.enter_ns[self.step, self.call] = t0
@@ -492,12 +685,12 @@ class _TimedComm:
     def allreduce(self, tensor):
         t0 = time.perf_counter_ns()
         self.backend.allreduce(tensor)
-        self._record(t0, time.perf_counter_ns())
+        self.record(t0, time.perf_counter_ns())
 
     def allgather(self, tensor):
         t0 = time.perf_counter_ns()
         out = self.backend.allgather(tensor)
-        self._record(t0, time.perf_counter_ns())
+        self.record(t0, time.perf_counter_ns())
         return out
 
 
@@ -518,6 +711,7 @@ class _Plan:
     warmup_steps: int
     rounds: int
     seed: int
+    tp_api: bool = False
 
     @property
     def per_round(self) -> list[int]:
@@ -546,6 +740,7 @@ class _Plan:
             collectives_per_token=2 * self.cfg.layers + 1,
             allreduce_nbytes=self.allreduce_nbytes,
             allgather_nbytes=self.allgather_nbytes,
+            tp_api=self.tp_api,
         )
 
 
@@ -594,7 +789,7 @@ def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, ba
     torch = model.torch
     comm = _TimedComm(backend, steps, 2 * model.cfg.layers + 1)
     barrier()
-    with torch.inference_mode():
+    with model.no_autograd():
         t0 = time.perf_counter_ns()
         token = model.forward(prompt, 0, comm)
         prefill_ns = time.perf_counter_ns() - t0
@@ -673,7 +868,11 @@ def _model_lines(plan: _Plan, shard_nbytes: int, build_s: float) -> list[str]:
         f"{cfg.params() / 1e6:.0f} M parameters, {shard_nbytes / 2**20:.0f} MiB of sharded "
         f"bf16 weights per rank (built in {build_s:.1f} s)",
         f"# Sharding over {tp} ranks: column-parallel QKV and gate/up, row-parallel O and down, "
-        "vocab-parallel LM head, replicated embedding",
+        "vocab-parallel LM head, replicated embedding"
+        + ("; TP layers built by torch: parallelize_module (ColwiseParallel q/k/v, gate, up and "
+           "the LM head with a Replicate output; RowwiseParallel o, down) on "
+           "DeviceMesh.from_group(each comm's group, 'cpu'), the same local shards"
+           if plan.tp_api else "; TP layers hand-written (F.linear, then the comm's calls)"),
         f"# Per step: {2 * cfg.layers} all-reduces of {plan.allreduce_nbytes} B "
         f"(bf16 [{batch}, {cfg.hidden}]) + 1 allgather of {plan.allgather_nbytes} B per rank "
         f"(bf16 logits [{batch}, {cfg.vocab // tp}])",
@@ -720,14 +919,15 @@ def _method_lines(same_host: bool) -> list[str]:
 # --- rounds and results ---------------------------------------------------
 
 
-def _run_rounds(model: TPDecoder, impls, prompt, plan: _Plan, comm) -> dict[str, _Measured]:
+def _run_rounds(models: dict, impls, prompt, plan: _Plan, comm) -> dict[str, _Measured]:
     """Every backend's rounds on this rank (collective)."""
     # Backends take turns, round by round, so a change in the machine's
     # load hits all of them alike; every round starts from the prompt.
     measured = {impl.name: _Measured() for impl in impls}
     for n_steps in plan.per_round:
         for impl in impls:
-            result = _decode(model, impl, prompt, plan.warmup_steps, n_steps, comm.Barrier)
+            result = _decode(models[impl.name], impl, prompt, plan.warmup_steps, n_steps,
+                             comm.Barrier)
             digests = comm.allgather(_tokens_digest(result.tokens))
             backend = measured[impl.name]
             backend.identical = backend.identical and len(set(digests)) == 1
@@ -814,27 +1014,31 @@ def _jsonable(value):
 
 def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int,
         warmup_steps: int, seed: int, threads: int | None, json_path: str | None,
-        rounds: int = 4, comm=None) -> int:
+        rounds: int = 4, tp_api: bool = False, comm=None) -> int:
     """Run the benchmark on every rank of ``comm`` (default: the world); rank 0
     prints and writes ``json_path``.  Returns the exit code, the same on every
     rank: 1 if any backend's ranks generated different tokens."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD if comm is None else comm
-    plan = _Plan(cfg, comm.Get_size(), batch, prompt_len, steps, warmup_steps, rounds, seed)
+    plan = _Plan(cfg, comm.Get_size(), batch, prompt_len, steps, warmup_steps, rounds, seed,
+                 tp_api)
     threads_used = _set_threads(comm, threads)
     model, build_s = _build_model(plan, comm)
     prompt = _prompt(plan)
     impls = make_impls(comms, comm)
     try:
-        identical = _run_backends(plan, model, prompt, impls, comm, threads=threads_used,
+        # --tp-api: one DTensor model per comm (a DeviceMesh is one group), same weights
+        models = {impl.name: DTensorDecoder(model, impl.group) if tp_api else model
+                  for impl in impls}
+        identical = _run_backends(plan, models, prompt, impls, comm, threads=threads_used,
                                   build_s=build_s, json_path=json_path)
         return int(comm.allreduce(0 if identical else 1, op=MPI.MAX))
     finally:
         close_impls(impls)
 
 
-def _run_backends(plan: _Plan, model: TPDecoder, prompt, impls, comm, *, threads: _Threads,
+def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _Threads,
                   build_s: float, json_path: str | None) -> bool:
     """Print the header, run the rounds, report (rank 0).  True if every
     backend's ranks generated identical tokens."""
@@ -842,9 +1046,9 @@ def _run_backends(plan: _Plan, model: TPDecoder, prompt, impls, comm, *, threads
 
     rank = comm.Get_rank()
     topo = topology(comm)
-    harmpi_impl = next((impl for impl in impls if isinstance(impl, HarmpiImpl)), None)
-    harmpi_info = harmpi_impl.info() if harmpi_impl is not None else None
-    env_lines = environment_lines(comm, topo, harmpi_info)
+    info = harmpi_info(impls)
+    model = next(iter(models.values()))
+    env_lines = environment_lines(comm, topo, info)
     same_host = topo["hosts"] == 1
     descriptions = {impl.name: impl.describe_tensors(DTYPES["bf16"]) for impl in impls}
     if rank == 0:
@@ -859,7 +1063,7 @@ def _run_backends(plan: _Plan, model: TPDecoder, prompt, impls, comm, *, threads
         ]
         print("\n".join(lines), flush=True)
 
-    measured = _run_rounds(model, impls, prompt, plan, comm)
+    measured = _run_rounds(models, impls, prompt, plan, comm)
     rows = [_gather_row(impl.name, measured[impl.name], plan, comm, same_host) for impl in impls]
     if rank == 0:
         _mark_agreement(rows, {name: m.longest_tokens() for name, m in measured.items()})
@@ -874,7 +1078,8 @@ def _run_backends(plan: _Plan, model: TPDecoder, prompt, impls, comm, *, threads
                 "prompt_len": plan.prompt_len,
                 "environment": [line.lstrip("# ") for line in env_lines],
                 "descriptions": descriptions,
-                "harmpi_info": harmpi_info,
+                "harmpi_info": info,
+                "tp_api": plan.tp_api,
             }
             _write_json(json_path, meta, rows)
     return all(backend.identical for backend in measured.values())
@@ -894,8 +1099,13 @@ def _run_backends(plan: _Plan, model: TPDecoder, prompt, impls, comm, *, threads
     ),
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-@click.option("--comm", "comm_spec", default="harmpi,gloo,mpi", show_default=True,
-              help="Comma list of harmpi, gloo, mpi.")
+@click.option("--comm", "comm_spec", default=None,
+              help="Comma list of harmpi (harmpi.allreduce), torch:harmpi (torch.distributed "
+                   "on a harmpi process group), gloo (= torch:gloo), mpi.  [default: "
+                   "harmpi,gloo,mpi; with --tp-api torch:harmpi,gloo]")
+@click.option("--tp-api", is_flag=True,
+              help="Build the TP layers with torch's parallelize_module on a DeviceMesh of "
+                   "each comm's process group (torch comms only).")
 @click.option("--hidden", type=click.IntRange(min=2), default=ModelConfig.hidden,
               show_default=True)
 @click.option("--layers", type=click.IntRange(min=1), default=ModelConfig.layers,
@@ -923,33 +1133,47 @@ def _run_backends(plan: _Plan, model: TPDecoder, prompt, impls, comm, *, threads
 @click.option("--seed", type=int, default=1234, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
               default=None, help="Write the results as JSON (rank 0).")
-def main(comm_spec, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len, steps,
-         rounds, warmup_steps, threads, seed, json_path):
-    comms = _parse_comms(comm_spec)
+def main(comm_spec, tp_api, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len,
+         steps, rounds, warmup_steps, threads, seed, json_path):
+    if comm_spec is None:
+        comm_spec = "torch:harmpi,gloo" if tp_api else "harmpi,gloo,mpi"
+    comms = _parse_comms(comm_spec, tp_api)
     cfg = ModelConfig(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn,
                       vocab=vocab)
     from mpi4py import MPI
 
     try:
-        cfg.check(MPI.COMM_WORLD.Get_size())
+        cfg.check(MPI.COMM_WORLD.Get_size(), even_kv=tp_api)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     code = harness.run_or_abort(run, cfg, comms=comms, batch=batch, prompt_len=prompt_len,
                                 steps=steps, warmup_steps=warmup_steps, seed=seed,
-                                threads=threads, json_path=json_path, rounds=rounds)
+                                threads=threads, json_path=json_path, rounds=rounds,
+                                tp_api=tp_api)
     sys.exit(code)
 
 
-def _parse_comms(spec: str) -> list[str]:
-    """'harmpi,gloo' -> the backends, distinct and known (click.UsageError otherwise)."""
+def _parse_comms(spec: str, tp_api: bool = False) -> list[str]:
+    """'harmpi,gloo' -> the backends, distinct and known (click.UsageError otherwise);
+    with ``tp_api`` torch.distributed ones only."""
     comms = [c.strip() for c in spec.split(",") if c.strip()]
     bad = [c for c in comms if c not in COMM_KINDS]
-    if not comms or bad or len(set(comms)) != len(comms):
+    try:
+        parse_impls(spec)  # gloo and torch:gloo are one backend
+    except ValueError:
+        bad = bad or comms
+    if not comms or bad:
         raise click.UsageError(
             f"--comm takes a comma list of distinct {', '.join(COMM_KINDS)}; got {spec!r}"
         )
+    others = [c for c in comms if torch_backend(c) is None]
+    if tp_api and others:
+        raise click.UsageError(
+            f"--tp-api builds the TP layers with torch's parallelize_module on a process group, "
+            f"so it runs torch.distributed comms only (torch:harmpi, gloo / torch:gloo); "
+            f"not {', '.join(others)}"
+        )
     return comms
-
 
 if __name__ == "__main__":
     main()

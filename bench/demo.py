@@ -1,12 +1,14 @@
 """``make demo``: the runs behind the README's results, then a summary with ratios.
 
-    python -m bench.demo [--out out/demo] [--impls harmpi,mpi,gloo]
+    python -m bench.demo [--out out/demo] [--impls harmpi,torch:harmpi,mpi,gloo]
 
-1. all-reduce table, 2 ranks on one node, harmpi vs mpi vs gloo (bf16, 2 KiB .. 4 MiB and 10240 B);
+1. all-reduce table, 2 ranks on one node, harmpi vs torch:harmpi (dist.all_reduce on a harmpi
+   process group) vs mpi vs gloo (bf16, 2 KiB .. 4 MiB and 10240 B);
 2. the same with 4 ranks as 2 virtual nodes x 2 (HARMPI_RANKS_PER_NODE=2, --oversubscribe),
    once with MPI on shared memory (its best case on one host) and once with
    MPI over TCP (``btl tcp,self``: what it does between nodes without RDMA);
-3. the decode benchmark on 4 ranks as 2 virtual nodes x 2, harmpi vs gloo vs mpi, with MPI
+3. the decode benchmark on 4 ranks as 2 virtual nodes x 2, harmpi vs torch:harmpi vs gloo vs
+   mpi, with MPI
    on shared memory and with MPI over TCP.
 
 Each job is an ``mpirun`` started from here (the one next to the running
@@ -144,13 +146,22 @@ def _fmt_x(value) -> str:
     return "n/a" if value is None else f"{value:.2f}x"
 
 
+#: the summary's columns, in order (those no job ran are left out)
+SUMMARY_IMPLS = ("harmpi", "torch:harmpi", "mpi", "gloo")
+
+
 def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
-    impl_order = ["harmpi", "mpi", "gloo"]
+    present = {row["impl"] for _, doc in allreduce_docs for row in doc.get("rows", [])}
+    impl_order = [name for name in SUMMARY_IMPLS if name in present] or ["harmpi", "mpi", "gloo"]
+    others = [name for name in impl_order if name != "harmpi"]
+    width = {name: max(10, len(name) + 2) for name in impl_order}
+    ratio_width = {name: len(name) + 9 for name in others}
     lines = [
         "# Summary: all-reduce, bf16, median latency (us); ratio = other / harmpi "
         "(above 1: harmpi faster)",
-        f"{'# setup':<28}{'size (B)':>10}" + "".join(f"{name:>10}" for name in impl_order)
-        + f"{'mpi/harmpi':>12}{'gloo/harmpi':>13}",
+        f"{'# setup':<28}{'size (B)':>10}"
+        + "".join(f"{name:>{width[name]}}" for name in impl_order)
+        + "".join(f"{name + '/harmpi':>{ratio_width[name]}}" for name in others),
     ]
     for label, doc in allreduce_docs:
         rows = {(row["impl"], row["size"]): row for row in doc.get("rows", [])}
@@ -159,12 +170,12 @@ def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
             base = values["harmpi"]
             ratio = {
                 name: (values[name] / base if values[name] is not None and base else None)
-                for name in ("mpi", "gloo")
+                for name in others
             }
             lines.append(
                 f"{label:<28}{size:>10}"
-                + "".join(f"{_fmt_us(values[name]):>10}" for name in impl_order)
-                + f"{_fmt_x(ratio['mpi']):>12}{_fmt_x(ratio['gloo']):>13}"
+                + "".join(f"{_fmt_us(values[name]):>{width[name]}}" for name in impl_order)
+                + "".join(f"{_fmt_x(ratio[name]):>{ratio_width[name]}}" for name in others)
             )
     return lines
 
@@ -174,7 +185,7 @@ def _decode_summary(label: str, decode_doc: dict) -> list[str]:
     ranks = decode_doc.get("meta", {}).get("ranks")
     lines = [f"# Summary: decode, {ranks} ranks as 2 virtual nodes x 2"
              + (f", {label}" if label else "") + "; tok/s = batch / median step time"]
-    present = [rows[name] for name in ("harmpi", "gloo", "mpi") if name in rows]
+    present = [rows[name] for name in ("harmpi", "torch:harmpi", "gloo", "mpi") if name in rows]
     harmpi = rows.get("harmpi")
     parts = []
     for row in present:
@@ -251,10 +262,11 @@ def _read_docs(jobs: Sequence[dict]):
 @click.command(name="demo", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="out/demo",
               show_default=True, help="Directory for the jobs' JSON files.")
-@click.option("--impls", default="harmpi,mpi,gloo", show_default=True,
+@click.option("--impls", default="harmpi,torch:harmpi,mpi,gloo", show_default=True,
               help="Implementations of the all-reduce tables (mpi,gloo runs the rivals alone).")
 @click.option("--decode-comms", default=None,
-              help="Backends of the decode run (default: --impls reordered harmpi,gloo,mpi).")
+              help="Backends of the decode run (default: --impls reordered "
+                   "harmpi,torch:harmpi,gloo,mpi).")
 @click.option("--timeout", "timeout_s", type=float, default=240.0, show_default=True,
               help="Seconds allowed to each job.")
 def main(out_dir, impls, decode_comms, timeout_s):
@@ -263,7 +275,8 @@ def main(out_dir, impls, decode_comms, timeout_s):
     out.mkdir(parents=True, exist_ok=True)
     names = [name.strip() for name in impls.split(",") if name.strip()]
     if decode_comms is None:
-        decode_comms = ",".join(name for name in ("harmpi", "gloo", "mpi") if name in names)
+        decode_comms = ",".join(name for name in ("harmpi", "torch:harmpi", "gloo", "mpi")
+                                if name in names)
     mpirun = mpirun_path()
     load = os.getloadavg()
     print(f"# harmpi demo: {os.cpu_count()} CPUs, load average "

@@ -24,11 +24,16 @@ One adapter class per implementation, shared by every benchmark:
     elements; a 2-byte message sends one float32).  Allgather moves bytes, so
     it uses the requested dtype as is.  On tensors, bf16 and f16 are
     converted to float32 and back around ``MPI_Allreduce``.
-``gloo``
-    ``torch.distributed`` with the gloo backend on the same ranks (rank 0
-    starts a TCPStore on a free port and broadcasts it through MPI); tensors of
-    the requested dtype.  Gloo takes milliseconds per call, so its iterations
-    are capped (``--gloo-max-iters``).
+``gloo`` (also ``torch:gloo``) / ``torch:harmpi``
+    ``torch.distributed`` on the same ranks, called as an engine calls it:
+    ``dist.all_reduce(t, group=g)`` and ``dist.all_gather_single(out, t,
+    group=g)`` on a process group of backend gloo or harmpi (one adapter,
+    ``TorchImpl``, with the backend word as its only difference).  One job
+    may hold both: the first backend asked for gets the default group (rank
+    0 starts a TCPStore on a free port and broadcasts it through MPI), the
+    other a ``dist.new_group`` over all ranks (``TorchGroups``).  Tensors of
+    the requested dtype.  Gloo takes milliseconds per call, so its
+    iterations are capped (``--gloo-max-iters``).
 """
 
 from __future__ import annotations
@@ -50,11 +55,15 @@ __all__ = [
     "close_impls",
     "HarmpiImpl",
     "MpiImpl",
-    "GlooImpl",
+    "TorchImpl",
+    "TorchGroups",
+    "harmpi_info",
+    "torch_backend",
     "IMPL_KINDS",
+    "TORCH_BACKENDS",
 ]
 
-IMPL_KINDS = ("harmpi", "mpi", "gloo")
+IMPL_KINDS = ("harmpi", "mpi", "gloo", "torch")
 
 
 class ImplUnavailable(Exception):
@@ -111,6 +120,10 @@ class Impl:
         """
         raise NotImplementedError
 
+    def info(self) -> dict | None:
+        """harmpi.info() of the communicator this adapter runs on, None if not on harmpi."""
+        return None
+
     def close(self) -> None:
         """Release resources; called once, in reverse order of creation."""
 
@@ -163,13 +176,7 @@ class HarmpiImpl(Impl):
     """harmpi on torch tensors; ``algorithm`` None means the library's choice."""
 
     def __init__(self, comm, algorithm: str | None):
-        try:
-            import harmpi
-        except ImportError as exc:  # the library is optional while benchmarking rivals
-            raise SystemExit(
-                f"harmpi is not importable ({exc}); leave harmpi out of the implementations "
-                "to compare (--impl, or --comm for the decode benchmark)"
-            ) from exc
+        harmpi = _import_harmpi()
         self._harmpi = harmpi
         self._comm = comm
         self.algorithm = algorithm
@@ -249,7 +256,7 @@ class HarmpiImpl(Impl):
     def allgather(self, tensor):
         return self._harmpi.allgather(tensor, comm=self._comm)  # a new tensor per call
 
-    def info(self) -> dict:
+    def info(self) -> dict | None:
         return dict(self._harmpi.info(comm=self._comm))
 
 
@@ -367,11 +374,14 @@ class MpiImpl(Impl):
 
 
 # --------------------------------------------------------------------------
-# Gloo (torch.distributed)
+# torch.distributed: gloo and harmpi process groups, one adapter
 # --------------------------------------------------------------------------
 
+#: torch.distributed backends the benchmarks can put a process group on
+TORCH_BACKENDS = ("harmpi", "gloo")
 
-def _gloo_address(comm) -> str:
+
+def _store_address(comm) -> str:
     """127.0.0.1 when every rank is on one host, else rank 0's address."""
     override = os.environ.get("HARMPI_BENCH_GLOO_ADDR")
     if override:
@@ -383,49 +393,134 @@ def _gloo_address(comm) -> str:
     return comm.bcast(address, root=0)
 
 
-def _init_gloo(comm) -> tuple[str, int]:
-    """Start a torch.distributed gloo process group on the ranks of ``comm``.
+def _init_default_group(comm, backend: str) -> tuple[str, int]:
+    """Start torch.distributed's default process group of ``backend`` on the ranks of ``comm``.
 
     Rank 0 binds a TCPStore to port 0 itself (no pick-then-rebind race) and
-    broadcasts the port through MPI.  Returns (address, port).
-    ``GlooImpl.close`` destroys the process group.
+    broadcasts the port through MPI, so no MASTER_ADDR is needed and the
+    same rendezvous serves every backend (harmpi's own MPI rendezvous is
+    not relied on: a gloo-only run needs no harmpi).  Returns (address, port).
     """
     import torch.distributed as dist
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    address = _gloo_address(comm)
+    address = _store_address(comm)
     store = None
     if rank == 0:
         store = dist.TCPStore(address, 0, size, is_master=True, wait_for_workers=False)
     port = comm.bcast(store.port if rank == 0 else None, root=0)
     if rank != 0:
         store = dist.TCPStore(address, port, size, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
     return address, port
 
 
-def _gloo_allgather_function():
+def _import_harmpi():
+    try:
+        import harmpi
+    except ImportError as exc:  # the library is optional while benchmarking rivals
+        raise SystemExit(
+            f"harmpi is not importable ({exc}); leave harmpi out of the implementations "
+            "to compare (--impl, or --comm for the decode benchmark)"
+        ) from exc
+    return harmpi
+
+
+class TorchGroups:
+    """The torch.distributed process groups of one job, one per backend.
+
+    The first backend asked for gets the default group (started here, over
+    the ranks of ``comm``, unless the caller started one); every other
+    backend gets ``dist.new_group(backend=...)`` over all ranks, so gloo and
+    harmpi groups coexist in one job.  The default group is destroyed when
+    the last adapter using a group releases it, if it was started here.
+    Collective: every rank asks for the same backends in the same order.
+    """
+
+    def __init__(self, comm):
+        self._comm = comm
+        self._groups: dict[str, object] = {}
+        self._owner = False
+        self._users = 0
+        self.address: str | None = None
+        self.port: int | None = None
+
+    def acquire(self, backend: str):
+        """The process group of ``backend`` (made on first use); pair with ``release``."""
+        import torch.distributed as dist
+
+        if backend not in TORCH_BACKENDS:
+            raise ValueError(f"no torch.distributed backend {backend!r} here; "
+                             f"choose from {', '.join(TORCH_BACKENDS)}")
+        if backend == "harmpi":
+            _import_harmpi()  # registers the backend
+        group = self._groups.get(backend)
+        if group is None:
+            if not dist.is_initialized():
+                self.address, self.port = _init_default_group(self._comm, backend)
+                self._owner = True
+            if dist.get_backend() == backend:
+                group = dist.group.WORLD
+            else:
+                group = dist.new_group(backend=backend)
+            self._groups[backend] = group
+        self._users += 1
+        return group
+
+    def is_default(self, backend: str) -> bool:
+        import torch.distributed as dist
+
+        return self._groups.get(backend) is dist.group.WORLD
+
+    def rendezvous(self) -> str:
+        if self.address is None:
+            return "the caller's rendezvous"
+        return f"TCPStore tcp://{self.address}:{self.port}"
+
+    def release(self) -> None:
+        import torch.distributed as dist
+
+        self._users -= 1
+        if self._users == 0 and self._owner and dist.is_initialized():
+            dist.destroy_process_group()
+            self._groups.clear()
+            self._owner = False
+
+
+def _allgather_function():
     """torch.distributed's gather-into-one-tensor call (all_gather_single in torch >= 2.13)."""
     import torch.distributed as dist
 
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class GlooImpl(Impl):
-    """torch.distributed gloo process group over the same ranks."""
+class TorchImpl(Impl):
+    """torch.distributed collectives on a process group of ``backend``, called as an
+    engine calls them: ``dist.all_reduce(t, group=g)`` and
+    ``dist.all_gather_single(out, t, group=g)``.  gloo and torch:harmpi are
+    this one class with a different backend word."""
 
-    name = "gloo"
-
-    def __init__(self, comm, max_iterations: int | None = 50):
+    def __init__(self, name: str, backend: str, groups: TorchGroups,
+                 max_iterations: int | None = None):
         import torch
         import torch.distributed as dist
 
         self._dist = dist
         self._torch = torch
+        self.name = name
+        self.backend = backend
         self.max_iterations = max_iterations
-        self.address, self.port = _init_gloo(comm)
-        self._gather = _gloo_allgather_function()
+        self._groups = groups
+        #: the process group every call names (group=)
+        self.group = groups.acquire(backend)
+        self._gather = _allgather_function()
+        self._n_ranks = dist.get_world_size(self.group)
         self._gather_outs: dict[tuple, object] = {}  # (shape, dtype) -> allgather output
+
+    def _where(self) -> str:
+        which = "the default group" if self._groups.is_default(self.backend) else (
+            "a new_group over all ranks")
+        return f"{which}, {self._groups.rendezvous()}"
 
     def describe(self, op: str, dtype: DType) -> str:
         call = "all_reduce" if op == "allreduce" else self._gather.__name__
@@ -433,50 +528,53 @@ class GlooImpl(Impl):
         if self.max_iterations is not None:
             cap = f", at most {self.max_iterations} timed iterations per size"
         return (
-            f"gloo: torch.distributed.{call} ({dtype.torch_name}) over "
-            f"tcp://{self.address}:{self.port}, torch {self._torch.__version__}{cap}"
+            f"{self.name}: torch.distributed.{call} ({dtype.torch_name}) on a {self.backend} "
+            f"process group ({self._where()}), torch {self._torch.__version__}{cap}"
         )
 
     def describe_tensors(self, dtype: DType) -> str:
         return (
-            f"gloo: torch.distributed.all_reduce / {self._gather.__name__} on {dtype.name} "
-            f"tensors, tcp://{self.address}:{self.port}"
+            f"{self.name}: torch.distributed.all_reduce / {self._gather.__name__} on "
+            f"{dtype.name} tensors, {self.backend} process group ({self._where()})"
         )
 
     def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
-        dist = self._dist
         tensor = _torch_from_storage(values, dtype)
+        group = self.group
         if op == "allreduce":
 
-            def run(tensor=tensor, all_reduce=dist.all_reduce):
-                all_reduce(tensor)
+            def run(tensor=tensor, all_reduce=self._dist.all_reduce, group=group):
+                all_reduce(tensor, group=group)
 
             return Prepared(run, lambda: _storage_from_torch(tensor, dtype))
         if op == "allgather":
-            n_ranks = dist.get_world_size()
-            out = self._torch.empty(tensor.numel() * n_ranks, dtype=tensor.dtype)
+            out = self._torch.empty(tensor.numel() * self._n_ranks, dtype=tensor.dtype)
 
-            def run(tensor=tensor, out=out, gather=self._gather):
-                gather(out, tensor)
+            def run(tensor=tensor, out=out, gather=self._gather, group=group):
+                gather(out, tensor, group=group)
 
             return Prepared(run, lambda: _storage_from_torch(out, dtype))
         raise ValueError(op)
 
     def allreduce(self, tensor) -> None:
-        self._dist.all_reduce(tensor)
+        self._dist.all_reduce(tensor, group=self.group)
 
     def allgather(self, tensor):
         key = (tuple(tensor.shape), tensor.dtype)
         out = self._gather_outs.get(key)
         if out is None:
-            shape = _gathered_shape(tensor, self._dist.get_world_size())
-            out = self._gather_outs[key] = tensor.new_empty(shape)
-        self._gather(out, tensor)
+            out = self._gather_outs[key] = tensor.new_empty(_gathered_shape(tensor, self._n_ranks))
+        self._gather(out, tensor, group=self.group)
         return out  # reused by the next call of this shape
 
+    def info(self) -> dict | None:
+        if self.backend != "harmpi":
+            return None
+        comm = None if self._groups.is_default("harmpi") else self.group.comm
+        return dict(_import_harmpi().info(comm=comm))
+
     def close(self) -> None:
-        if self._dist.is_initialized():
-            self._dist.destroy_process_group()
+        self._groups.release()
 
 
 # --------------------------------------------------------------------------
@@ -484,8 +582,18 @@ class GlooImpl(Impl):
 # --------------------------------------------------------------------------
 
 
+def torch_backend(name: str) -> str | None:
+    """'gloo' and 'torch:gloo' -> 'gloo', 'torch:harmpi' -> 'harmpi'; None for the others."""
+    kind, _, rest = name.partition(":")
+    if kind == "gloo":
+        return "gloo"
+    return rest if kind == "torch" else None
+
+
 def parse_impls(spec: str) -> list[str]:
-    """'harmpi,harmpi:shm,mpi,gloo' -> names, checked for kind and duplicates."""
+    """'harmpi,harmpi:shm,mpi,gloo,torch:harmpi' -> names, checked for kind and duplicates.
+
+    ``gloo`` is short for ``torch:gloo`` (the two are one implementation)."""
     names = [part.strip() for part in spec.split(",") if part.strip()]
     if not names:
         raise ValueError("--impl needs at least one implementation")
@@ -493,14 +601,18 @@ def parse_impls(spec: str) -> list[str]:
         kind, _, algorithm = name.partition(":")
         if kind not in IMPL_KINDS:
             raise ValueError(
-                f"unknown implementation {name!r}; "
-                "choose from harmpi, harmpi:<algorithm>, mpi, gloo"
+                f"unknown implementation {name!r}; choose from harmpi, harmpi:<algorithm>, "
+                f"mpi, gloo, {', '.join(f'torch:{b}' for b in TORCH_BACKENDS)}"
             )
-        if algorithm and kind != "harmpi":
+        if kind == "torch" and algorithm not in TORCH_BACKENDS:
+            raise ValueError(f"torch takes a backend, one of {', '.join(TORCH_BACKENDS)}, "
+                             f"not {name!r}")
+        if algorithm and kind not in ("harmpi", "torch"):
             raise ValueError(f"only harmpi takes an algorithm, not {name!r}")
         if kind == "harmpi" and ":" in name and not algorithm:
             raise ValueError(f"empty algorithm in {name!r}")
-    if len(set(names)) != len(names):
+    keys = [("torch", torch_backend(n)) if torch_backend(n) else n for n in names]
+    if len(set(keys)) != len(keys):
         raise ValueError(f"duplicate implementation in {spec!r}")
     return names
 
@@ -509,9 +621,15 @@ def make_impls(names: Sequence[str], comm, *, gloo_max_iterations: int | None = 
     """Create the adapters (collectively: every rank must call this with the same names)."""
     impls: list[Impl] = []
     harmpi_module = None
+    groups = None
     for name in names:
         kind, _, algorithm = name.partition(":")
-        if kind == "harmpi":
+        backend = torch_backend(name)
+        if backend is not None:
+            groups = groups or TorchGroups(comm)
+            cap = gloo_max_iterations if backend == "gloo" else None
+            impls.append(TorchImpl(name, backend, groups, cap))
+        elif kind == "harmpi":
             impl = HarmpiImpl(comm, algorithm or None)
             if harmpi_module is None:
                 harmpi_module = impl._harmpi
@@ -519,9 +637,16 @@ def make_impls(names: Sequence[str], comm, *, gloo_max_iterations: int | None = 
             impls.append(impl)
         elif kind == "mpi":
             impls.append(MpiImpl(comm))
-        elif kind == "gloo":
-            impls.append(GlooImpl(comm, gloo_max_iterations))
     return impls
+
+
+def harmpi_info(impls: Sequence[Impl]) -> dict | None:
+    """harmpi.info() of the first adapter that runs on harmpi (for the header), else None."""
+    for impl in impls:
+        info = impl.info()
+        if info is not None:
+            return info
+    return None
 
 
 def close_impls(impls: Sequence[Impl]) -> None:

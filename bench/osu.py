@@ -18,7 +18,7 @@ import numpy as np
 
 from bench import harness
 from bench.harness import DTYPES, Collective, DType, Row
-from bench.impls import ImplUnavailable, close_impls, make_impls, parse_impls
+from bench.impls import ImplUnavailable, close_impls, harmpi_info, make_impls, parse_impls
 
 __all__ = ["command", "run", "environment_lines", "topology", "bench_version"]
 
@@ -361,9 +361,8 @@ def run(
     impls = make_impls(impl_names, comm, gloo_max_iterations=gloo_max_iters)
     try:
         topo = topology(comm)
-        harmpi_impl = next((impl for impl in impls if impl.name.startswith("harmpi")), None)
-        harmpi_info = harmpi_impl.info() if harmpi_impl is not None else None
-        env_lines = environment_lines(comm, topo, harmpi_info)
+        info = harmpi_info(impls)
+        env_lines = environment_lines(comm, topo, info)
 
         title = f"# harmpi OSU-style {collective.name} Latency Test v{bench_version()}"
         for line in [title, *_header_lines(settings, env_lines, impls, impl_names)]:
@@ -374,7 +373,7 @@ def run(
         for line in _footer_lines(notes, sizes, check, exit_code):
             say(line)
         if rank == 0:
-            meta = _meta(settings, title, impls, impl_names, topo, env_lines, harmpi_info)
+            meta = _meta(settings, title, impls, impl_names, topo, env_lines, info)
             _write_outputs(rows, meta, settings, impl_names, json_path, plot_path)
         return exit_code
     finally:
@@ -449,7 +448,8 @@ def command(collective: Collective) -> click.Command:
                   help="Check every size against a float64 reference and across ranks; "
                        "Pass/Fail column; exit 1 on any Fail.")
     @click.option("--impl", "impl_spec", default="harmpi,mpi,gloo", show_default=True,
-                  help="Comma list of harmpi, harmpi:<algorithm>, mpi, gloo.")
+                  help="Comma list of harmpi, harmpi:<algorithm>, mpi, gloo (= torch:gloo), "
+                       "torch:harmpi (torch.distributed on a harmpi process group).")
     @click.option("--dtype", "dtype_name", type=click.Choice(["bf16", "f16", "f32"]),
                   default="bf16", show_default=True)
     @click.option("--stat", type=click.Choice(["mean", "median"]), default="mean",

@@ -27,7 +27,7 @@ from bench.decode import (
 )
 from bench.demo import mpirun_argv, mpirun_env, mpirun_path, summary_lines
 from bench.harness import ALLGATHER, ALLREDUCE, DTYPES, Row
-from bench.impls import IMPL_KINDS, GlooImpl, HarmpiImpl, Impl, MpiImpl, parse_impls
+from bench.impls import HarmpiImpl, Impl, MpiImpl, TorchImpl, parse_impls, torch_backend
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -279,17 +279,48 @@ def test_plot_writes_a_png(tmp_path):
 
 def test_parse_impls():
     assert parse_impls("harmpi, harmpi:shm,mpi,gloo") == ["harmpi", "harmpi:shm", "mpi", "gloo"]
-    for bad in ("", "nccl", "mpi:ring", "mpi,mpi", "harmpi:"):
+    assert parse_impls("torch:harmpi,torch:gloo") == ["torch:harmpi", "torch:gloo"]
+    for bad in ("", "nccl", "mpi:ring", "mpi,mpi", "harmpi:", "torch", "torch:nccl",
+                "gloo,torch:gloo", "torch:harmpi,torch:harmpi"):
         with pytest.raises(ValueError):
             parse_impls(bad)
 
 
+def test_torch_backend_of_each_name():
+    assert [torch_backend(n) for n in ("gloo", "torch:gloo", "torch:harmpi", "harmpi", "mpi",
+                                       "harmpi:shm")] == ["gloo", "gloo", "harmpi", None, None,
+                                                          None]
+
+
 def test_decode_backends_are_the_osu_adapters():
-    assert set(COMM_KINDS) == set(IMPL_KINDS)
     for kind in COMM_KINDS:  # no adapter left without the decode benchmark's tensor calls
-        adapter = {"harmpi": HarmpiImpl, "mpi": MpiImpl, "gloo": GlooImpl}[kind]
+        assert parse_impls(kind) == [kind]
+        adapter = {"harmpi": HarmpiImpl, "mpi": MpiImpl}.get(kind, TorchImpl)
+        assert (adapter is TorchImpl) == (torch_backend(kind) is not None)
         for method in ("describe_tensors", "allreduce", "allgather"):
             assert getattr(adapter, method) is not getattr(Impl, method), (kind, method)
+
+
+def test_decode_comms_refused_with_tp_api():
+    import click
+
+    from bench.decode import _parse_comms
+
+    assert _parse_comms("torch:harmpi,gloo", tp_api=True) == ["torch:harmpi", "gloo"]
+    assert _parse_comms("harmpi,torch:harmpi,mpi") == ["harmpi", "torch:harmpi", "mpi"]
+    with pytest.raises(click.UsageError, match="torch.distributed comms only.*not harmpi, mpi"):
+        _parse_comms("harmpi,torch:harmpi,mpi", tp_api=True)
+    for bad in ("gloo,torch:gloo", "nccl", "harmpi:shm", ""):
+        with pytest.raises(click.UsageError):
+            _parse_comms(bad)
+
+
+def test_tp_api_needs_whole_kv_heads_per_rank():
+    cfg = ModelConfig(hidden=64, heads=4, kv_heads=2, ffn=FFN_UNIT * 4, vocab=VOCAB_UNIT * 4)
+    cfg.check(4)  # the hand-written path replicates a KV head over 2 ranks
+    with pytest.raises(ValueError, match="--tp-api shards k/v evenly"):
+        cfg.check(4, even_kv=True)
+    cfg.check(2, even_kv=True)
 
 
 # --------------------------------------------------------------------------
@@ -489,7 +520,7 @@ def _mpirun(n_ranks, module, args, env=None, timeout_s=150):
 
 
 def _impls():
-    return "harmpi,mpi,gloo" if HAVE_HARMPI else "mpi,gloo"
+    return "harmpi,torch:harmpi,mpi,gloo" if HAVE_HARMPI else "mpi,gloo"
 
 
 @pytest.mark.timeout(180)
@@ -535,15 +566,19 @@ def test_adapters_on_tensors_under_mpirun():
     assert f"adapters ok: {_impls()}" in proc.stdout
 
 
+def _decode_args(comms, json_path):
+    """A tiny model, a few steps."""
+    return ["--comm", comms, "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+            "--ffn", "256", "--vocab", "1024", "--batch", "2", "--prompt-len", "4",
+            "--tokens", "4", "--warmup", "1", "--json", str(json_path)]
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_decode_under_mpirun(tmp_path):
     json_path = tmp_path / "decode.json"
-    comms = "harmpi,gloo,mpi" if HAVE_HARMPI else "gloo,mpi"
-    args = ["--comm", comms, "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-            "--ffn", "256", "--vocab", "1024", "--batch", "2", "--prompt-len", "4",
-            "--tokens", "4", "--warmup", "1", "--json", str(json_path)]
-    proc = _mpirun(2, "bench.decode", args)
+    comms = "harmpi,torch:harmpi,gloo,mpi" if HAVE_HARMPI else "gloo,mpi"
+    proc = _mpirun(2, "bench.decode", _decode_args(comms, json_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Threads per rank:" in proc.stdout
     doc = json.loads(json_path.read_text())
@@ -555,6 +590,41 @@ def test_decode_under_mpirun(tmp_path):
         assert row["tokens_per_s"] > 0 and 0 <= row["comm_share"] <= 1
         assert 0 <= row["comm_latency_share"] <= row["comm_share"]
         assert "ms_per_token" in row and "tokens_agree" in row
+    if HAVE_HARMPI:
+        # the same harmpi sums through torch.distributed: the same tokens
+        assert rows["torch:harmpi"]["tokens_agree"] is True
+        assert rows["torch:harmpi"]["tokens_sha"] == rows["harmpi"]["tokens_sha"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAVE_TORCH or not HAVE_HARMPI, reason="torch or harmpi not installed")
+def test_decode_tp_api_under_mpirun(tmp_path):
+    # torch's parallelize_module on a harmpi and on a gloo group, one job. At 2
+    # ranks each all-reduce adds two bf16 partial sums and rounds once, which
+    # is the same whichever rank's comes first, and the gathers move bytes, so
+    # the two backends must give the same tokens exactly (not just logits
+    # within a bf16 bound).
+    json_path = tmp_path / "decode.json"
+    proc = _mpirun(2, "bench.decode", ["--tp-api"] + _decode_args("torch:harmpi,torch:gloo",
+                                                                  json_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "parallelize_module" in proc.stdout
+    doc = json.loads(json_path.read_text())
+    rows = {row["comm"]: row for row in doc["rows"]}
+    assert set(rows) == {"torch:harmpi", "torch:gloo"} and doc["meta"]["tp_api"] is True
+    for row in rows.values():
+        assert row["tokens_identical_across_ranks"] is True and row["tp_api"] is True
+        assert row["tokens_per_s"] > 0 and 0 < row["comm_share"] <= 1
+    assert rows["torch:gloo"]["tokens_agree"] is True
+    assert rows["torch:gloo"]["tokens_sha"] == rows["torch:harmpi"]["tokens_sha"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_decode_tp_api_refuses_other_comms():
+    proc = _mpirun(1, "bench.decode", ["--tp-api", "--comm", "harmpi,gloo"], timeout_s=60)
+    assert proc.returncode != 0
+    assert "torch.distributed comms only" in proc.stderr and "not harmpi" in proc.stderr
 
 
 def _version():
