@@ -32,7 +32,7 @@ all: test
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml harmpi/_native.cpp harmpi/native.py launch/build_native.py
+$(STAMP): requirements.txt pyproject.toml setup.py harmpi/_native.cpp
 	@if ! command -v ip >/dev/null 2>&1 || ! command -v unshare >/dev/null 2>&1 || ! command -v pkill >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES); \
@@ -41,12 +41,12 @@ $(STAMP): requirements.txt pyproject.toml harmpi/_native.cpp harmpi/native.py la
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv python3-dev; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	@# builds harmpi._C (setup.py: the native part, harmpi/native.py) against the
+	@# installed torch; without a C++ compiler harmpi keeps its Python path
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@# compile the numba kernels once, in one process, before ranks race for them
 	$(PY) -c "import harmpi, harmpi.reduce"
-	@# the native entry point of harmpi.allreduce(t) (harmpi/native.py); without a
-	@# C++ compiler harmpi keeps its Python path and says so in harmpi.info()
-	$(PY) -m launch.build_native --allow-fail
+	$(PY) -c "from harmpi import native; native.load(); print('harmpi native:', native.status())"
 	touch $(STAMP)
 
 test: setup lint unit-test mpi-test
@@ -86,5 +86,5 @@ demo: setup
 	$(PY) -m bench.demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info harmpi/_C.*.so
 	find . -name __pycache__ -prune -exec rm -rf {} +

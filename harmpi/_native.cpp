@@ -1,122 +1,177 @@
-// harmpi's native entry point for the hottest call: harmpi.allreduce(t) on a
-// CPU torch tensor with every other argument at its default.
+// harmpi._C: the native part of harmpi, built at install by setup.py with
+// torch's extension tooling (harmpi/native.py loads it).
 //
-// Python spends ~0.7 us per call getting there (a dozen torch attribute
-// calls and numba's argument unboxing); this module does the same checks on
-// the C++ tensor in ~0.05 us and calls the world context's compiled entry
-// (a numba cfunc f(ctl_addr, x_addr, n, fmt) -> status, see harmpi/node.py)
-// through a plain function pointer.
+// It serves the world communicator's context when its entry is compiled (one
+// node, or one rank; harmpi.context), two ways:
+//   allreduce(t) -> int        the hot path of harmpi.allreduce(t)
+//   torch.ops.harmpi.all_reduce_(t)   a torch operator (CPU and Meta kernels)
+// Both check the tensor on torch's C++ side and call that entry (a numba
+// cfunc f(ctl_addr, x_addr, n, fmt) -> status, see harmpi/node.py) through a
+// plain function pointer: ~0.05 us instead of ~1 us of Python per call.
 //
 // It holds no table of its own: attach() receives the control block's
-// address, the byte offset of its gate field, the entry, and the torch
-// dtype -> format id pairs of harmpi.dtypes. It never raises and never
-// decides anything the Python path would decide differently: allreduce(t)
-// returns -1 ("not mine, take the Python path") for anything but a dense,
-// contiguous CPU tensor of an attached format that does not require grad,
-// or when no context is attached or its gate is 0 (broken or freed); else
-// it returns the entry's status (0 = done, > 0 = the failure the Python
-// side reports).
+// address, the byte offset of its gate field, the entry, the torch dtype ->
+// format id pairs of harmpi.dtypes, and the Python fallback. A tensor is
+// "not mine" (-1) unless it is a dense, contiguous CPU tensor of an attached
+// format that does not require grad, and a context is attached with its gate
+// open (Context closes it when the context breaks or is freed); otherwise
+// the entry's status comes back (0 = done, > 0 = the failure the Python side
+// reports). allreduce(t) returns that number and never raises; the
+// operator's CPU kernel hands anything but 0 to fallback(t, rc), which runs
+// the Python path (rc == -1; it also makes the world context on first use)
+// or raises the HarmpiError (rc > 0), so the operator behaves exactly like
+// harmpi.allreduce(t).
 
-#include <Python.h>
+#include <torch/extension.h>
 
 #include <array>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
-#include <torch/csrc/Dtype.h>
-#include <torch/csrc/autograd/python_variable.h>
+#ifndef HARMPI_TORCH_VERSION
+#error "HARMPI_TORCH_VERSION (torch.__version__ at build time) is undefined: build with setup.py"
+#endif
+
+// harmpi.native reads this from the file before loading it and refuses a
+// module built against another torch.
+extern "C" __attribute__((used)) const char harmpi_built_against_torch[] =
+    "harmpi-built-against-torch=" HARMPI_TORCH_VERSION;
 
 namespace {
 
+namespace py = pybind11;
+
 using entry_t = int64_t (*)(int64_t ctl_addr, int64_t x_addr, int64_t n, int64_t fmt);
 
-constexpr size_t kScalarTypes = 256;
+constexpr int64_t kNotMine = -1;
+constexpr size_t kScalarTypes = static_cast<size_t>(at::ScalarType::NumOptions);
 
-// the attached context: its control block, the gate field's offset, the
-// entry, and the format id of each torch scalar type (-1: not served)
-const char* g_ctl = nullptr;
-int64_t g_gate_offset = 0;
-entry_t g_entry = nullptr;
-std::array<int8_t, kScalarTypes> g_format = [] {
-  std::array<int8_t, kScalarTypes> a{};
-  a.fill(-1);
-  return a;
-}();
+// The attached context (ctl == nullptr: none).
+struct Served {
+  const char* ctl = nullptr;   // its control block (harmpi/control.py)
+  int64_t gate_offset = 0;     // byte offset of the control block's gate field
+  entry_t entry = nullptr;     // its compiled entry
+  std::array<int8_t, kScalarTypes> format = [] {  // format id per scalar type (-1: not served)
+    std::array<int8_t, kScalarTypes> a{};
+    a.fill(-1);
+    return a;
+  }();
+};
 
-bool gate_open() {
-  return *reinterpret_cast<const volatile int64_t*>(g_ctl + g_gate_offset) != 0;
-}
+Served g_served;
+// fallback(t, rc), an owned reference (nullptr: none). Never released at
+// process exit: the interpreter may be gone by then.
+PyObject* g_fallback = nullptr;
 
-PyObject* allreduce(PyObject*, PyObject* obj) {
-  if (g_ctl == nullptr || g_entry == nullptr || !gate_open() || !THPVariable_Check(obj)) {
-    return PyLong_FromLong(-1);
+// the format id to reduce t with, or kNotMine
+int format_of(const at::Tensor& t) {
+  const Served& s = g_served;
+  if (s.ctl == nullptr ||
+      *reinterpret_cast<const volatile int64_t*>(s.ctl + s.gate_offset) == 0) {
+    return kNotMine;
   }
-  const at::Tensor& t = THPVariable_Unpack(obj);
-  const auto type = static_cast<size_t>(t.scalar_type());
-  const int fmt = type < kScalarTypes ? g_format[type] : -1;
+  const int fmt = s.format[static_cast<size_t>(t.scalar_type())];
   if (fmt < 0 || t.layout() != at::kStrided || !t.is_cpu() || !t.is_contiguous() ||
       t.requires_grad()) {
-    return PyLong_FromLong(-1);
+    return kNotMine;
   }
-  const int64_t x_addr = reinterpret_cast<int64_t>(t.data_ptr());
-  const int64_t n = t.numel();
-  const entry_t entry = g_entry;
-  const int64_t ctl_addr = reinterpret_cast<int64_t>(g_ctl);
-  int64_t rc;
-  // the entry may wait for other ranks: other Python threads keep running
-  Py_BEGIN_ALLOW_THREADS
-  rc = entry(ctl_addr, x_addr, n, fmt);
-  Py_END_ALLOW_THREADS
-  return PyLong_FromLongLong(rc);
+  return fmt;
 }
 
-// attach(ctl_addr, gate_offset, entry_addr, ((torch.dtype, fmt), ...));
-// attach(0, 0, 0, ()) detaches
-PyObject* attach(PyObject*, PyObject* args) {
-  long long ctl = 0, gate = 0, entry = 0;
-  PyObject* formats = nullptr;
-  if (!PyArg_ParseTuple(args, "LLLO", &ctl, &gate, &entry, &formats)) {
-    return nullptr;
-  }
-  PyObject* seq = PySequence_Fast(formats, "formats must be a sequence of (dtype, id) pairs");
-  if (seq == nullptr) {
-    return nullptr;
-  }
-  std::array<int8_t, kScalarTypes> table{};
-  table.fill(-1);
-  const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    PyObject* dtype = nullptr;
-    int id = -1;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Oi", &dtype, &id)) {
-      Py_DECREF(seq);
-      return nullptr;
-    }
-    if (!THPDtype_Check(dtype) || id < 0 || id > 127) {
-      Py_DECREF(seq);
-      PyErr_SetString(PyExc_ValueError, "each format must be (torch.dtype, id in 0..127)");
-      return nullptr;
-    }
-    table[static_cast<size_t>(reinterpret_cast<THPDtype*>(dtype)->scalar_type)] =
-        static_cast<int8_t>(id);
-  }
-  Py_DECREF(seq);
-  g_ctl = reinterpret_cast<const char*>(ctl);
-  g_gate_offset = gate;
-  g_entry = reinterpret_cast<entry_t>(entry);
-  g_format = table;
-  Py_RETURN_NONE;
+// the entry's status; it may wait for other ranks, so callers drop the GIL
+int64_t run_entry(const at::Tensor& t, int fmt) {
+  const Served& s = g_served;
+  return s.entry(reinterpret_cast<int64_t>(s.ctl), reinterpret_cast<int64_t>(t.data_ptr()),
+                 t.numel(), fmt);
 }
 
-PyMethodDef methods[] = {
-    {"allreduce", allreduce, METH_O,
-     "allreduce(t) -> -1 (not handled here) or the entry's status (0: done)"},
-    {"attach", attach, METH_VARARGS,
-     "attach(ctl_addr, gate_offset, entry_addr, formats): the context to serve (0: none)"},
-    {nullptr, nullptr, 0, nullptr}};
+// harmpi.allreduce(t)'s hot path: kNotMine or the entry's status; never raises
+int64_t allreduce(py::handle obj) {
+  py::detail::make_caster<at::Tensor> tensor;
+  if (!tensor.load(obj, false)) {
+    return kNotMine;
+  }
+  const at::Tensor& t = py::detail::cast_op<const at::Tensor&>(tensor);
+  const int fmt = format_of(t);
+  if (fmt < 0) {
+    return kNotMine;
+  }
+  py::gil_scoped_release unlocked;  // other Python threads run while ranks wait
+  return run_entry(t, fmt);
+}
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "_harmpi_native", nullptr, -1, methods,
-                      nullptr, nullptr, nullptr, nullptr};
+void attach(int64_t ctl_addr, int64_t gate_offset, int64_t entry_addr,
+            const std::vector<std::pair<at::ScalarType, int>>& formats, py::object fallback) {
+  Served s;
+  for (const auto& [type, id] : formats) {
+    if (id < 0 || id > 127) {
+      throw py::value_error("each format must be (torch.dtype, id in 0..127)");
+    }
+    s.format[static_cast<size_t>(type)] = static_cast<int8_t>(id);
+  }
+  if (ctl_addr != 0) {
+    s.ctl = reinterpret_cast<const char*>(ctl_addr);
+    s.gate_offset = gate_offset;
+    s.entry = reinterpret_cast<entry_t>(entry_addr);
+  }
+  PyObject* old = g_fallback;
+  g_fallback = fallback.is_none() ? nullptr : fallback.release().ptr();
+  Py_XDECREF(old);
+  g_served = s;
+}
+
+// the operator's kernels -------------------------------------------------
+
+// the Python path for a tensor the entry did not complete (rc != 0)
+void fall_back(const at::Tensor& t, int64_t rc) {
+  py::gil_scoped_acquire gil;
+  TORCH_CHECK(g_fallback != nullptr,
+              "harmpi.all_reduce_: harmpi._C has no fallback attached (harmpi.native.load() "
+              "attaches it)");
+  const py::handle fallback(g_fallback);
+  fallback(t, rc);  // raises py::error_already_set, which torch passes on
+}
+
+at::Tensor& all_reduce_cpu(at::Tensor& t) {
+  const int fmt = format_of(t);
+  int64_t rc = kNotMine;
+  if (fmt >= 0) {
+    if (PyGILState_Check()) {  // called from C++ with the GIL held: drop it while ranks wait
+      py::gil_scoped_release unlocked;
+      rc = run_entry(t, fmt);
+    } else {
+      rc = run_entry(t, fmt);
+    }
+  }
+  if (rc != 0) {
+    fall_back(t, rc);
+  }
+  return t;
+}
+
+// shapes only (FakeTensor, torch.compile): in place, the result is the input
+at::Tensor& all_reduce_meta(at::Tensor& t) { return t; }
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__harmpi_native(void) { return PyModule_Create(&module); }
+// in place, returning its input (the inplace tag lets functionalization, and
+// so torch.compile, rewrite it: auto_functionalize)
+TORCH_LIBRARY(harmpi, m) {
+  m.def("all_reduce_(Tensor(a!) self) -> Tensor(a!)", {at::Tag::inplace});
+}
+
+TORCH_LIBRARY_IMPL(harmpi, CPU, m) { m.impl("all_reduce_", &all_reduce_cpu); }
+
+TORCH_LIBRARY_IMPL(harmpi, Meta, m) { m.impl("all_reduce_", &all_reduce_meta); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "harmpi's native part (harmpi/_native.cpp); harmpi.native loads it";
+  m.attr("TORCH_VERSION") = HARMPI_TORCH_VERSION;
+  m.def("allreduce", &allreduce, py::arg("t"),
+        "allreduce(t) -> -1 (not handled here) or the entry's status (0: done)");
+  m.def("attach", &attach, py::arg("ctl_addr"), py::arg("gate_offset"), py::arg("entry_addr"),
+        py::arg("formats"), py::arg("fallback"),
+        "attach(ctl_addr, gate_offset, entry_addr, ((torch.dtype, id), ...), fallback): the "
+        "context to serve (ctl_addr 0: none) and fallback(t, rc) for the operator");
+}

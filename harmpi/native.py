@@ -1,4 +1,4 @@
-"""The native entry point of ``harmpi.allreduce(t)`` (``_native.cpp``).
+"""The native part of harmpi: the torch extension ``harmpi._C`` (``_native.cpp``).
 
 Why: on one node a 10 KB all-reduce takes ~3 us, and Python spent ~0.7 us of
 it reaching the kernel (torch attribute calls at ~50 ns each, numba's
@@ -6,122 +6,124 @@ argument unboxing). The C++ module checks the tensor on its C++ side and
 calls the numba kernel through a function pointer in ~0.05 us.
 
 What it serves: the world communicator's context when its default entry is
-compiled (one node, or one rank; harmpi.context), torch tensors only. It
-calls that entry, the one every path calls; everything else, and every
-tensor it declines, takes the Python path, which has the same checks and
-raises the errors. The control block's ``gate`` field is 1 while the module
-may use the context; Context clears it when the context breaks or is freed.
-The dtype -> format pairs come from harmpi.dtypes at attach time (the C++
-side has no table of its own).
+compiled (one node, or one rank; harmpi.context), torch tensors only, two
+ways: ``allreduce(t)``, the hot path of ``harmpi.allreduce(t)`` (it returns
+-1 for a tensor it does not take, and the API goes on on its Python path),
+and the operator ``torch.ops.harmpi.all_reduce_(t)`` (in place, returns
+``t``), which :func:`load` registers. The operator's CPU kernel calls the
+entry itself when it can and otherwise hands the tensor to :func:`_fallback`:
+the Python path of ``harmpi.allreduce(t)`` (which also makes the world
+context on first use), or the same HarmpiError ``harmpi.allreduce(t)``
+raises. Its Meta kernel gives torch.compile and FakeTensor the shape (the
+input's). The control block's ``gate`` field is 1 while the module may use
+the context; Context clears it when the context breaks or is freed. The
+dtype -> format pairs come from harmpi.dtypes at attach time (the C++ side
+has no table of its own).
 
-Building: ``python -m launch.build_native`` (``make`` runs it) compiles the module
-with the system C++ compiler against the installed torch's headers into
-``harmpi/_native_build/<tag>/``; the tag hashes the source, the torch
-version and the Python ABI, so a changed torch or source is never loaded
-stale. Nothing is compiled at run time: without a build (no compiler, or
-``HARMPI_NATIVE=0``, i.e. ``Config(native=False)``) the API simply keeps
-the Python path, and
-``harmpi.info()["native"]`` says why.
+Building: at install, by setup.py with torch's extension tooling, when torch
+is importable at build time and a C++ compiler works (``pip install -e .
+--no-build-isolation``, which ``make`` runs). The module records the torch
+version it was built against; :func:`load` reads it from the file before
+loading and refuses a module built against another torch. Nothing is
+compiled at run time: without the module (not built, or built for another
+torch), or with ``HARMPI_NATIVE=0`` (``Config(native=False)``), the API keeps
+its Python path, there is no operator, and ``harmpi.info()["native"]`` says
+why.
 
-This module imports torch (through the C++ module), so only harmpi.torch
-and the API's torch branch use it.
+This module imports torch, so only harmpi.torch's users (the API's torch
+branch, harmpi.distributed) use it.
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib
 import importlib.util
 import logging
-import os
-import subprocess
-import sysconfig
-from pathlib import Path
+import mmap
 
 from . import control
 
 log = logging.getLogger("harmpi")
 
-__all__ = ["SOURCE", "build", "load", "attach", "detach", "status"]
+__all__ = ["MODULE", "load", "attach", "detach", "status", "built_against"]
 
-SOURCE = Path(__file__).with_name("_native.cpp")
-BUILD_ROOT = Path(__file__).with_name("_native_build")
-MODULE_NAME = "_harmpi_native"
-
-#: compiler flags beyond include and library paths (torch 2.13's headers use C++20)
-CXXFLAGS = ("-O2", "-fPIC", "-shared", "-std=c++20")
-
-
-def _tag() -> str:
-    import torch
-
-    h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
-    h.update(" ".join(CXXFLAGS).encode())
-    h.update(torch.__version__.encode())
-    h.update(str(sysconfig.get_config_var("EXT_SUFFIX")).encode())
-    return h.hexdigest()[:16]
-
-
-def _library_path() -> Path:
-    return BUILD_ROOT / _tag() / (MODULE_NAME + sysconfig.get_config_var("EXT_SUFFIX"))
-
-
-def build() -> Path:
-    """Compile the module for the installed torch (idempotent); its path.
-    Raises RuntimeError with the compiler's output when it cannot."""
-    import torch
-    from torch.utils.cpp_extension import include_paths
-
-    out = _library_path()
-    if out.exists():
-        return out
-    cxx = os.environ.get("CXX", "g++")
-    torch_lib = Path(torch.__file__).parent / "lib"
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    tmp = out.with_suffix(".tmp")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [cxx, *CXXFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           *[f"-I{p}" for p in include_paths()], f"-I{sysconfig.get_paths()['include']}",
-           str(SOURCE), "-o", str(tmp), f"-L{torch_lib}", "-ltorch_python", "-ltorch",
-           "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_lib}"]
-    log.debug("building the native entry point: %s", " ".join(cmd))
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    except FileNotFoundError as exc:
-        raise RuntimeError(f"no C++ compiler ({cxx}): {exc}") from exc
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cxx} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    os.replace(tmp, out)  # atomic: a concurrent loader never sees half a file
-    return out
-
+MODULE = "harmpi._C"
+#: what precedes the torch version in the module's file (_native.cpp)
+VERSION_MARKER = b"harmpi-built-against-torch="
+REBUILD = "pip install -e . --no-build-isolation rebuilds it; make does"
 
 _loaded = None
 _status = "not loaded yet"
 
 
+def built_against(path) -> str | None:
+    """The torch version the module file at ``path`` was built against (read
+    from the file, without loading it), or None if it records none."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        start = data.find(VERSION_MARKER)
+        if start < 0:
+            return None
+        start += len(VERSION_MARKER)
+        end = data.find(b"\0", start, start + 256)
+        return data[start:end].decode("ascii", "replace") if end > 0 else None
+
+
+def _module_file():
+    """The module's file, or None if it was not built."""
+    spec = importlib.util.find_spec(MODULE)
+    return spec.origin if spec is not None else None
+
+
+def _refusal():
+    """Why the built module must not be loaded (None: it may)."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"unavailable (torch is not importable: {exc})"
+    path = _module_file()
+    if path is None:
+        return (f"not built: {MODULE} is built at install when torch and a C++ compiler are "
+                f"present ({REBUILD})")
+    built = built_against(path)
+    if built != torch.__version__:
+        return (f"not loaded: {MODULE} was built against torch {built or '(unknown)'}, this is "
+                f"torch {torch.__version__} ({REBUILD})")
+    return None
+
+
 def load():
-    """The compiled module, or None (status() says why). Never compiles."""
+    """The module, loaded (registering torch.ops.harmpi.all_reduce_), or None
+    (status() says why). Idempotent; never compiles."""
     global _loaded, _status
     if _loaded is not None:
         return _loaded
-    try:
-        path = _library_path()
-    except Exception as exc:  # no torch, unreadable source
-        _status = f"unavailable ({exc})"
-        return None
-    if not path.exists():
-        _status = "not built (python -m launch.build_native builds it; make does)"
+    why = _refusal()
+    if why is not None:
+        _status = why
         return None
     try:
-        spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    except Exception as exc:
-        _status = f"failed to load {path.name}: {exc}"
+        mod = importlib.import_module(MODULE)
+    except ImportError as exc:
+        _status = f"failed to load {MODULE}: {exc}"
         return None
+    mod.attach(0, 0, 0, (), _fallback)  # the operator works before any context exists
     _loaded = mod
     _status = "loaded"
     return mod
+
+
+def _fallback(t, rc):
+    """torch.ops.harmpi.all_reduce_(t) where its kernel did not complete the
+    all-reduce: rc > 0 is the entry's failure, raised as harmpi.allreduce(t)
+    raises it; -1 (no world context served yet, or a tensor the kernel does
+    not take) runs harmpi.allreduce(t), which makes the context, checks the
+    tensor and raises what it raises."""
+    from . import api  # noqa: PLC0415 - the layer above; loaded with harmpi
+
+    if rc > 0:
+        api._native_failed(t, rc)  # raises
+    else:
+        api.allreduce(t)
 
 
 def attach(ctx):
@@ -134,15 +136,16 @@ def attach(ctx):
     if mod is None:
         return None
     mod.attach(int(ctx.ctl.ctypes.data), control.offset("gate"), int(ctx.entry_cfunc),
-               tuple(FORMAT_IDS.items()))
+               tuple(FORMAT_IDS.items()), _fallback)
     ctx.ctl[0]["gate"] = 1
     return mod.allreduce
 
 
 def detach() -> None:
-    """Serve no context (before its control array goes away)."""
+    """Serve no context (before its control array goes away); the operator
+    then takes the Python path."""
     if _loaded is not None:
-        _loaded.attach(0, 0, 0, ())
+        _loaded.attach(0, 0, 0, (), _fallback)
 
 
 def status() -> str:

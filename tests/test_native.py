@@ -1,7 +1,11 @@
-"""harmpi.native without MPI: the build, what the C++ entry point declines,
-and that it hands the entry the control block and the tensor's address,
-length and format (the format ids it is given, from harmpi.dtypes)."""
+"""harmpi.native without MPI: the built module and its torch version check,
+what the hot path declines, that it hands the entry the control block and
+the tensor's address, length and format (the ids it is given, from
+harmpi.dtypes), and the operator torch.ops.harmpi.all_reduce_: its CPU
+kernel (the entry, or the fallback with the status), its Meta/fake kernel,
+torch.compile."""
 
+import os
 import shutil
 
 import numba
@@ -10,11 +14,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harmpi import control, dtypes, native, node  # noqa: E402
+from harmpi import HarmpiError, control, dtypes, native, node  # noqa: E402
+from harmpi.registry import STATE  # noqa: E402
 from harmpi.torch import FORMAT_IDS  # noqa: E402
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None and native.load() is None,
-                                reason="no C++ compiler: harmpi keeps its Python path")
+pytestmark = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None and native.load() is None,
+    reason="no C++ compiler: harmpi._C is not built and harmpi keeps its Python path")
 
 _GATE = control.offset("gate")
 _FORMATS = tuple(FORMAT_IDS.items())
@@ -22,11 +28,16 @@ _FORMATS = tuple(FORMAT_IDS.items())
 
 @pytest.fixture(scope="module")
 def mod():
-    native.build()
     m = native.load()
     assert m is not None, native.status()
     yield m
-    m.attach(0, 0, 0, ())
+    native.detach()
+    STATE.attach_native()  # back to the world context, if a test module made one
+
+
+@pytest.fixture
+def op(mod):
+    return torch.ops.harmpi.all_reduce_
 
 
 def _recorder(rc):
@@ -59,10 +70,47 @@ def _seen(ctl):
     return [int(c["err_peer"]), int(c["err_a"]), int(c["err_b"])]
 
 
-def test_the_build_is_tagged_by_source_and_torch(mod):
-    path = native.build()  # already built: returns at once
-    assert path.exists() and path.parent.parent == native.BUILD_ROOT
+class Fallback:
+    """A stand-in for native._fallback: records (tensor, rc); raises ``exc``."""
+
+    def __init__(self, exc=None):
+        self.calls = []
+        self.exc = exc
+
+    def __call__(self, t, rc):
+        self.calls.append((t, rc))
+        if self.exc is not None:
+            raise self.exc
+
+
+def test_built_against_this_torch(mod):
+    assert native.built_against(native._module_file()) == torch.__version__ == mod.TORCH_VERSION
     assert native.status() == "loaded"
+    assert native.load() is mod  # idempotent
+
+
+def _fresh_load(monkeypatch, module_file):
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_status", "not loaded yet")
+    monkeypatch.setattr(native, "_module_file", lambda: module_file)
+    return native.load()
+
+
+def test_refuses_a_module_built_against_another_torch(monkeypatch, tmp_path):
+    other = tmp_path / "_C.so"
+    other.write_bytes(b"\x7fELF..." + native.VERSION_MARKER + b"1.13.1+cu117\0...")
+    assert native.built_against(other) == "1.13.1+cu117"
+    assert _fresh_load(monkeypatch, str(other)) is None
+    assert "built against torch 1.13.1+cu117" in native.status()
+    assert f"this is torch {torch.__version__}" in native.status()
+    other.write_bytes(b"\x7fELF no marker")
+    assert _fresh_load(monkeypatch, str(other)) is None
+    assert "built against torch (unknown)" in native.status()
+
+
+def test_not_built(monkeypatch):
+    assert _fresh_load(monkeypatch, None) is None
+    assert native.status().startswith("not built")
 
 
 def test_formats_come_from_the_one_dtype_table():
@@ -73,46 +121,127 @@ def test_formats_come_from_the_one_dtype_table():
 
 
 def test_nothing_attached_declines_everything(mod):
-    mod.attach(0, 0, 0, ())
+    mod.attach(0, 0, 0, (), None)
     assert mod.allreduce(torch.ones(4)) == -1
 
 
 def test_hands_the_entry_address_length_and_format(mod, entries):
     ctl = _ctl()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS)
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, None)
     for f in dtypes.FORMATS:
         t = torch.zeros(2, 3, 5, dtype=getattr(torch, f.torch_name))[1]  # offset view
         assert mod.allreduce(t) == 0
         assert _seen(ctl) == [f.id, t.data_ptr(), 15]
     assert mod.allreduce(torch.zeros(0)) == 0 and _seen(ctl)[2] == 0
-    mod.attach(ctl.ctypes.data, _GATE, entries[1].address, _FORMATS)
+    mod.attach(ctl.ctypes.data, _GATE, entries[1].address, _FORMATS, None)
     assert mod.allreduce(torch.ones(3)) == 7  # the entry's failure status comes back
 
 
 def test_only_the_formats_it_was_given(mod, entries):
     ctl = _ctl()
     given = ((torch.float32, 5),)                 # any id: it is passed through
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, given)
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, given, None)
     assert mod.allreduce(torch.ones(2, dtype=torch.float64)) == -1
     assert mod.allreduce(torch.ones(2)) == 0 and _seen(ctl)[0] == 5
-    with pytest.raises(ValueError, match="torch.dtype"):
-        mod.attach(ctl.ctypes.data, _GATE, entries[0].address, (("float32", 2),))
+    with pytest.raises(TypeError, match="torch.dtype"):
+        mod.attach(ctl.ctypes.data, _GATE, entries[0].address, (("float32", 2),), None)
+    with pytest.raises(ValueError, match="0..127"):
+        mod.attach(ctl.ctypes.data, _GATE, entries[0].address, ((torch.float32, 128),), None)
 
 
-def test_declines_what_the_python_path_must_judge(mod, entries):
-    ctl = _ctl()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS)
-    declined = [
-        np.ones(4, np.float32),                                   # not a tensor
-        "text",
+def _declined():
+    return [
         torch.ones(4, dtype=torch.int32),                         # dtype
         torch.ones(4, dtype=torch.complex64),
         torch.ones(4, 4)[:, 0],                                   # not contiguous
         torch.ones(4, requires_grad=True),                        # autograd
         torch.ones(4).to_sparse(),                                # layout
     ]
-    for x in declined:
+
+
+def test_declines_what_the_python_path_must_judge(mod, entries):
+    ctl = _ctl()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, None)
+    for x in [np.ones(4, np.float32), "text", *_declined()]:   # not a tensor, then tensors
         assert mod.allreduce(x) == -1, x
     assert _seen(ctl)[0] == -1, "no entry ran"
     ctl[0]["gate"] = 0  # the gate: a broken or freed context
     assert mod.allreduce(torch.ones(4)) == -1
+
+
+def test_the_operator_calls_the_entry_in_place(mod, op, entries):
+    ctl = _ctl()
+    fallback = Fallback()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+    t = torch.zeros(2, 3, 5, dtype=torch.bfloat16)[1]
+    assert op(t) is t
+    assert _seen(ctl) == [FORMAT_IDS[torch.bfloat16], t.data_ptr(), 15]
+    assert op.default(t) is t and not fallback.calls
+
+
+def test_the_operator_hands_the_rest_to_the_fallback(mod, op, entries):
+    ctl = _ctl()
+    fallback = Fallback()
+    mod.attach(ctl.ctypes.data, _GATE, entries[1].address, _FORMATS, fallback)
+    t = torch.ones(3)
+    assert op(t) is t
+    assert fallback.calls == [(t, 7)]  # the entry's failure: the fallback raises it
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+    for x in _declined()[:-1]:      # (a sparse tensor has no CPU kernel to reach)
+        fallback.calls.clear()
+        assert op(x) is x
+        assert len(fallback.calls) == 1 and fallback.calls[0][0] is x, x
+        assert fallback.calls[0][1] == -1
+    fallback.calls.clear()
+    ctl[0]["err_peer"] = -1
+    mod.attach(0, 0, 0, (), fallback)  # nothing attached: the Python path makes the context
+    assert op(t) is t and fallback.calls == [(t, -1)]
+    assert _seen(ctl)[0] == -1, "no entry ran"
+
+
+def test_a_fallback_error_reaches_the_caller_unchanged(mod, op, entries):
+    ctl = _ctl()
+    error = HarmpiError("rank 1: allreduce: test failure")
+    mod.attach(ctl.ctypes.data, _GATE, entries[1].address, _FORMATS, Fallback(error))
+    with pytest.raises(HarmpiError, match="rank 1: allreduce: test failure") as info:
+        op(torch.ones(3))
+    assert info.value is error
+    mod.attach(0, 0, 0, (), None)
+    with pytest.raises(RuntimeError, match="no fallback attached"):
+        op(torch.ones(3))
+
+
+def test_the_meta_kernel_gives_the_input_back(op):
+    m = torch.empty(4, 6, dtype=torch.bfloat16, device="meta")
+    assert op(m) is m
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.ones(3, 5))
+        y = op(x)
+    assert y is x and y.shape == (3, 5) and y.dtype == torch.float32
+
+
+def test_opcheck_schema_fake_and_functionalization(mod, op, entries):
+    """torch.library.opcheck: the schema's mutation claim, the fake kernel
+    against the real one, autograd registration, and AOT dispatch."""
+    ctl = _ctl()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, Fallback())
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(op.default, (torch.ones(2, 3, dtype=dtype),))
+
+
+def test_torch_compile_fullgraph(mod, op, entries):
+    ctl = _ctl()
+    fallback = Fallback()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+
+    def f(x):
+        y = x * 2
+        op(y)
+        return y + 1
+
+    x = torch.arange(6, dtype=torch.float32)
+    out = torch.compile(f, fullgraph=True)(x)
+    assert torch.equal(out, x * 2 + 1)  # the stand-in entry leaves y as it is
+    assert _seen(ctl)[0] == FORMAT_IDS[torch.float32] and _seen(ctl)[2] == 6
+    assert not fallback.calls
