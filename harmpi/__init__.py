@@ -54,6 +54,6 @@ def _register_torch_backend():
 
 _register_torch_backend()
 
-__all__ = ["allreduce", "allgather", "gather_logits", "barrier", "init", "finalize", "info", "ALGORITHMS",
-           "Config", "HarmpiError", "HarmpiArgumentError", "HarmpiMismatchError",
+__all__ = ["allreduce", "allgather", "gather_logits", "barrier", "init", "finalize", "info",
+           "ALGORITHMS", "Config", "HarmpiError", "HarmpiArgumentError", "HarmpiMismatchError",
            "HarmpiTimeoutError", "HarmpiTransportError", "__version__"]

@@ -26,6 +26,11 @@ HARMPI_STREAM_STORES       auto       how data moves through the shared slots:
                                       copytune)
 HARMPI_NATIVE              1          0: harmpi.allreduce(t) never takes the
                                       native entry point (harmpi.native)
+HARMPI_LOGITS_ROUTE        auto       gather_logits: "allgather", "allreduce"
+                                      or "auto" (by topology and size, below)
+HARMPI_LOGITS_ALLREDUCE_MAX_BYTES     auto: on several nodes, results up to
+                           0          this size take the allreduce route
+                                      (measured: harmpi.logits)
 =========================  =========  ==========================================
 """
 
@@ -42,6 +47,7 @@ __all__ = ["Config", "ALGORITHMS", "TRANSPORTS"]
 ALGORITHMS = ("shm", "shm_rsag", "har_latency", "har_bandwidth", "leader", "flat_ring")
 TRANSPORTS = ("auto", "tcp", "mpi", "verbs")
 STREAM_STORES = ("auto", "on", "off", "flush")
+LOGITS_ROUTES = ("auto", "allgather", "allreduce")
 _SWITCH = {"on": True, "1": True, "yes": True, "true": True,
            "off": False, "0": False, "no": False, "false": False}
 
@@ -97,6 +103,10 @@ class Config:
     ranks_per_node: int | None = None
     stream_stores: str = "auto"
     native: bool = True
+    #: gather_logits route: auto, allgather or allreduce (harmpi.logits)
+    logits_route: str = "auto"
+    #: auto on several nodes: the allreduce route up to this many result bytes
+    logits_allreduce_max_nbytes: int = 0
 
     def __post_init__(self):
         if self.algorithm != "auto" and self.algorithm not in ALGORITHMS:
@@ -110,6 +120,10 @@ class Config:
             raise HarmpiArgumentError(
                 f"HARMPI_STREAM_STORES={self.stream_stores!r}: choose one of "
                 f"{', '.join(STREAM_STORES)}")
+        if self.logits_route not in LOGITS_ROUTES:
+            raise HarmpiArgumentError(
+                f"HARMPI_LOGITS_ROUTE={self.logits_route!r}: choose one of "
+                f"{', '.join(LOGITS_ROUTES)}")
         if self.spin_count is not None and self.spin_count < 0:
             raise HarmpiArgumentError(f"spin_count={self.spin_count} must be >= 0 (or None: auto)")
         if self.slot_nbytes % 64:
@@ -132,4 +146,7 @@ class Config:
             ranks_per_node=None if rpn in (None, "") else _int(env, "HARMPI_RANKS_PER_NODE", 0, 1),
             stream_stores=(env.get("HARMPI_STREAM_STORES") or "auto").strip().lower(),
             native=_switch(env, "HARMPI_NATIVE", cls.native),
+            logits_route=(env.get("HARMPI_LOGITS_ROUTE") or "auto").strip().lower(),
+            logits_allreduce_max_nbytes=_int(env, "HARMPI_LOGITS_ALLREDUCE_MAX_BYTES",
+                                             cls.logits_allreduce_max_nbytes, 0),
         )

@@ -20,10 +20,13 @@ ENV = {
     "HARMPI_RANKS_PER_NODE": "2",
     "HARMPI_STREAM_STORES": "on",
     "HARMPI_NATIVE": "0",
+    "HARMPI_LOGITS_ROUTE": "allreduce",
+    "HARMPI_LOGITS_ALLREDUCE_MAX_BYTES": "4096",
 }
 GIVEN = harmpi.Config(timeout_s=30.0, spin_count=12345, slot_nbytes=16384, small_max_nbytes=4096,
                       har_latency_max_nbytes=8192, algorithm="leader", transport="tcp",
-                      ranks_per_node=1, stream_stores="flush", native=True)
+                      ranks_per_node=1, stream_stores="flush", native=True,
+                      logits_route="allgather", logits_allreduce_max_nbytes=12345)
 
 
 def test_a_config_given_to_init_wins_over_the_environment(world, monkeypatch):
@@ -44,6 +47,8 @@ def test_a_config_given_to_init_wins_over_the_environment(world, monkeypatch):
     assert ctx.topo.node_count == comm.Get_size()        # ranks_per_node=1
     info = harmpi.info(comm)
     assert info["thresholds"]["har_latency_max_nbytes"] == 8192
+    assert info["thresholds"]["logits_allreduce_max_nbytes"] == 12345
+    assert info["logits_route"] == "allgather"
     if comm.Get_size() > 1:
         assert info["transport"] == "tcp"
         assert ctx.entry.name == "leader"
