@@ -254,3 +254,19 @@ def test_parallelize_module_matches_gloo(groups):
             outs.append(model(torch.randn(4, 16)))
     assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     assert_same_everywhere(MPI.COMM_WORLD, outs[0])
+
+
+@pytest.mark.parametrize("name", ["bf16", "f32"])
+def test_all_gather_of_uneven_vocabulary_shards(groups, name):
+    """dist.all_gather with outputs whose last dimension differs per rank:
+    gather_logits' route (harmpi.logits.gather_uneven), exact."""
+    for h, _g, ranks in _all_groups(groups):
+        widths = [3 + 2 * q for q in range(len(ranks))]
+        me = dist.get_rank(h)
+        x = _data(name, 4 * widths[me], 5).view(4, widths[me])
+        outs = [torch.empty(4, w, dtype=x.dtype) for w in widths]
+        for _ in range(2):
+            dist.all_gather(outs, x, group=h)
+            ref = h.comm.allgather(x.to(torch.float64).numpy())
+            for o, r in zip(outs, ref):
+                assert np.array_equal(o.to(torch.float64).numpy(), r)
