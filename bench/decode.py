@@ -90,7 +90,7 @@ import numpy as np
 
 from bench import harness
 from bench.harness import DTYPES
-from bench.impls import close_impls, harmpi_info, make_impls, parse_impls, torch_backend
+from bench.impls import close_impls, harmpi_info_of, make_impls, parse_impls, torch_backend
 
 __all__ = [
     "ModelConfig",
@@ -1046,11 +1046,15 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _T
 
     rank = comm.Get_rank()
     topo = topology(comm)
-    info = harmpi_info(impls)
+    info = harmpi_info_of(impls)
     model = next(iter(models.values()))
     env_lines = environment_lines(comm, topo, info)
     same_host = topo["hosts"] == 1
     descriptions = {impl.name: impl.describe_tensors(DTYPES["bf16"]) for impl in impls}
+    if plan.tp_api:  # torch's DTensor layers issue the collectives, not the adapter
+        descriptions = {impl.name: f"{impl.name}: DTensor's functional collectives "
+                        f"(all_reduce of o and down, all_gather of the logits) on "
+                        f"{impl.group_description()}" for impl in impls}
     if rank == 0:
         lines = [
             f"# harmpi TP decode benchmark v{bench_version()} "

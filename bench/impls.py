@@ -57,7 +57,7 @@ __all__ = [
     "MpiImpl",
     "TorchImpl",
     "TorchGroups",
-    "harmpi_info",
+    "harmpi_info_of",
     "torch_backend",
     "IMPL_KINDS",
     "TORCH_BACKENDS",
@@ -517,10 +517,11 @@ class TorchImpl(Impl):
         self._n_ranks = dist.get_world_size(self.group)
         self._gather_outs: dict[tuple, object] = {}  # (shape, dtype) -> allgather output
 
-    def _where(self) -> str:
+    def group_description(self) -> str:
+        """'a harmpi process group (the default group, TCPStore tcp://...)'."""
         which = "the default group" if self._groups.is_default(self.backend) else (
             "a new_group over all ranks")
-        return f"{which}, {self._groups.rendezvous()}"
+        return f"a {self.backend} process group ({which}, {self._groups.rendezvous()})"
 
     def describe(self, op: str, dtype: DType) -> str:
         call = "all_reduce" if op == "allreduce" else self._gather.__name__
@@ -528,14 +529,14 @@ class TorchImpl(Impl):
         if self.max_iterations is not None:
             cap = f", at most {self.max_iterations} timed iterations per size"
         return (
-            f"{self.name}: torch.distributed.{call} ({dtype.torch_name}) on a {self.backend} "
-            f"process group ({self._where()}), torch {self._torch.__version__}{cap}"
+            f"{self.name}: torch.distributed.{call} ({dtype.torch_name}) on "
+            f"{self.group_description()}, torch {self._torch.__version__}{cap}"
         )
 
     def describe_tensors(self, dtype: DType) -> str:
         return (
             f"{self.name}: torch.distributed.all_reduce / {self._gather.__name__} on "
-            f"{dtype.name} tensors, {self.backend} process group ({self._where()})"
+            f"{dtype.name} tensors, {self.group_description()}"
         )
 
     def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
@@ -640,7 +641,7 @@ def make_impls(names: Sequence[str], comm, *, gloo_max_iterations: int | None = 
     return impls
 
 
-def harmpi_info(impls: Sequence[Impl]) -> dict | None:
+def harmpi_info_of(impls: Sequence[Impl]) -> dict | None:
     """harmpi.info() of the first adapter that runs on harmpi (for the header), else None."""
     for impl in impls:
         info = impl.info()

@@ -18,7 +18,7 @@ import numpy as np
 
 from bench import harness
 from bench.harness import DTYPES, Collective, DType, Row
-from bench.impls import ImplUnavailable, close_impls, harmpi_info, make_impls, parse_impls
+from bench.impls import ImplUnavailable, close_impls, harmpi_info_of, make_impls, parse_impls
 
 __all__ = ["command", "run", "environment_lines", "topology", "bench_version"]
 
@@ -361,7 +361,7 @@ def run(
     impls = make_impls(impl_names, comm, gloo_max_iterations=gloo_max_iters)
     try:
         topo = topology(comm)
-        info = harmpi_info(impls)
+        info = harmpi_info_of(impls)
         env_lines = environment_lines(comm, topo, info)
 
         title = f"# harmpi OSU-style {collective.name} Latency Test v{bench_version()}"

@@ -617,6 +617,15 @@ def test_decode_tp_api_under_mpirun(tmp_path):
         assert row["tokens_per_s"] > 0 and 0 < row["comm_share"] <= 1
     assert rows["torch:gloo"]["tokens_agree"] is True
     assert rows["torch:gloo"]["tokens_sha"] == rows["torch:harmpi"]["tokens_sha"]
+    # DTensor's layers hold the hand-written path's shards, and per output element
+    # a split q/k/v or gate/up product is the fused one's dot product: the
+    # hand-written model's tokens (observed exact here, also for the default
+    # model over 96 tokens)
+    hand_path = tmp_path / "hand.json"
+    proc = _mpirun(2, "bench.decode", _decode_args("torch:harmpi", hand_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    hand = json.loads(hand_path.read_text())["rows"][0]
+    assert hand["tp_api"] is False and hand["tokens_sha"] == rows["torch:harmpi"]["tokens_sha"]
 
 
 @pytest.mark.timeout(120)
