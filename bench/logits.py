@@ -7,7 +7,8 @@ Per (batch, vocab): the vocabulary is split over the ranks as a tensor-parallel
 model splits it (the first vocab % n ranks one column wider), each rank gathers
 its (batch, vocab_r) shard with each route in turn (interleaved, so drift of
 a noisy machine hits both alike), every iteration fenced by an MPI barrier
-outside the timed region. Each rank takes the median of its samples; the
+outside the timed region. Each rank takes the median of its samples (or,
+with ``--stat min``, the minimum: the least disturbed sample on a busy host); the
 table shows the slowest rank's median (the rank the next decode step waits
 for) and the ratio allreduce / allgather. A check pass first compares every
 route's result bitwise with torch.cat of the shards (each rank regenerates
@@ -55,8 +56,8 @@ def _check(harmpi, torch, comm, dtype, batch, widths):
     return comm.allreduce(bad)
 
 
-def _time(harmpi, comm, shard, iters, warmup):
-    """{route: this rank's median us}: routes interleaved per iteration."""
+def _time(harmpi, comm, shard, iters, warmup, stat):
+    """{route: this rank's median (or min) us}: routes interleaved per iteration."""
     samples = {route: [] for route in ROUTES}
     for i in range(warmup + iters):
         for route in ROUTES:
@@ -66,7 +67,8 @@ def _time(harmpi, comm, shard, iters, warmup):
             t1 = time.perf_counter_ns()
             if i >= warmup:
                 samples[route].append((t1 - t0) / 1e3)
-    return {route: float(np.median(v)) for route, v in samples.items()}
+    reduce = np.min if stat == "min" else np.median
+    return {route: float(reduce(v)) for route, v in samples.items()}
 
 
 @click.command()
@@ -75,7 +77,9 @@ def _time(harmpi, comm, shard, iters, warmup):
 @click.option("--dtype", "dtype_name", type=click.Choice(DTYPES), default="bf16")
 @click.option("--iters", default=200, show_default=True, help="timed iterations per route")
 @click.option("--warmup", default=20, show_default=True)
-def main(batches, vocabs, dtype_name, iters, warmup):
+@click.option("--stat", type=click.Choice(["median", "min"]), default="median", show_default=True,
+              help="per rank: median of the samples, or min (the least disturbed on a busy host)")
+def main(batches, vocabs, dtype_name, iters, warmup, stat):
     """Time both gather_logits routes; rank 0 prints the table."""
     import torch
     from mpi4py import MPI
@@ -91,7 +95,7 @@ def main(batches, vocabs, dtype_name, iters, warmup):
         print(f"# harmpi gather_logits, {dtype_name}, {n} ranks: {info['nodes']} node(s) x "
               f"{info['ranks_per_node']}, transport {info['transport']}, "
               f"auto threshold {info['thresholds']['logits_allreduce_max_nbytes']} B")
-        print(f"# slowest rank's median of {iters} iterations (us); ratio = allreduce/allgather")
+        print(f"# slowest rank's {stat} of {iters} iterations (us); ratio = allreduce/allgather")
         print(f"{'# batch':>7} {'vocab':>7} {'bytes':>8} {'allgather':>10} {'allreduce':>10} "
               f"{'ratio':>6}")
     wrong = 0
@@ -100,7 +104,7 @@ def main(batches, vocabs, dtype_name, iters, warmup):
         for batch in _ints(batches):
             wrong += _check(harmpi, torch, comm, dtype, batch, widths)
             shard = _shard(torch, dtype, rank, batch, widths[rank])
-            med = _time(harmpi, comm, shard, iters, warmup)
+            med = _time(harmpi, comm, shard, iters, warmup, stat)
             worst = {route: comm.reduce(med[route], op=MPI.MAX, root=0) for route in ROUTES}
             if rank == 0:
                 ag, ar = worst["allgather"], worst["allreduce"]

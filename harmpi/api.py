@@ -215,7 +215,7 @@ def allgather(x, dim=0, comm=None, dtype=None, out=None):
     one compiled strided copy puts it in place: n * x.nbytes more bytes read
     and written, plus ~2-3 us of Python (harmpi.logits.allgather_dim).
     """
-    if dim.__class__ is not int or dim:
+    if dim or dim is None:  # (0 and False: the dim-0 path; no more Python on it)
         return allgather_dim(x, dim, comm, dtype, out)
     addr, n, fmt, is_torch = _describe(x, dtype, False)
     ctx = _context(comm)

@@ -29,7 +29,7 @@ HARMPI_NATIVE              1          0: harmpi.allreduce(t) never takes the
 HARMPI_LOGITS_ROUTE        auto       gather_logits: "allgather", "allreduce"
                                       or "auto" (by topology and size, below)
 HARMPI_LOGITS_ALLREDUCE_MAX_BYTES     auto: on several nodes, results up to
-                           0          this size take the allreduce route
+                           196608     this size take the allreduce route
                                       (measured: harmpi.logits)
 =========================  =========  ==========================================
 """
@@ -106,7 +106,7 @@ class Config:
     #: gather_logits route: auto, allgather or allreduce (harmpi.logits)
     logits_route: str = "auto"
     #: auto on several nodes: the allreduce route up to this many result bytes
-    logits_allreduce_max_nbytes: int = 0
+    logits_allreduce_max_nbytes: int = 192 << 10
 
     def __post_init__(self):
         if self.algorithm != "auto" and self.algorithm not in ALGORITHMS:

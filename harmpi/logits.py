@@ -51,9 +51,49 @@ Choosing a route (``route=None``)
 Config.logits_route (HARMPI_LOGITS_ROUTE): "allgather", "allreduce" or
 "auto"; auto takes the allreduce route on several nodes when the full
 result is at most Config.logits_allreduce_max_nbytes
-(HARMPI_LOGITS_ALLREDUCE_MAX_BYTES), and the allgather route otherwise.
+(HARMPI_LOGITS_ALLREDUCE_MAX_BYTES, default 192 KiB), and the allgather
+route otherwise. The route depends on the width table (the same on every
+rank) and on the call's rows and dtype: ranks that disagree about the batch
+*and* fall on both sides of the threshold run different collectives; every
+rank still raises, but across nodes some may raise HarmpiTimeoutError
+("gave up") rather than HarmpiMismatchError, and the context is unusable.
+Pass ``route=`` to rule that out.
 
-MEASURED
+Measured (bench.logits, bf16, vocabulary split evenly, one 2-core VM shared
+with other jobs, load 6-9; 5 runs of 200 interleaved iterations, the
+slowest rank's median per run; median over the runs of the ratio
+allreduce/allgather, its range, and the median times in us):
+
+===========  =========  ====  ===============  ============  ============
+config       result     rows  ratio (range)    allgather us  allreduce us
+===========  =========  ====  ===============  ============  ============
+1 node x 2   64 KiB     1     2.20 (1.9-15)    44            331
+1 node x 2   128 KiB    2     1.72 (1.5-3.3)   50            87
+1 node x 2   256 KiB    4     1.80 (1.1-3.0)   90            162
+1 node x 2   297 KiB    1     1.54 (1.1-3.9)   92            118
+1 node x 2   1.2 MiB    4     1.78 (1.5-2.7)   468           925
+2 x 1, tcp   64 KiB     1     1.00 (0.95-1.8)  309           295
+2 x 1, tcp   128 KiB    2     0.96 (0.81-1.0)  350           326
+2 x 1, tcp   192 KiB    3     1.00 (0.98-1.1)  361           359
+2 x 1, tcp   256 KiB    4     1.70 (0.36-1.7)  381           649
+2 x 1, tcp   512 KiB    4     2.08 (1.9-2.2)   455           985
+2 x 2, tcp   64 KiB     1     0.80 (0.74-1.1)  552           439
+2 x 2, tcp   128 KiB    2     0.81 (0.77-1.3)  564           595
+2 x 2, tcp   192 KiB    3     0.88 (0.84-1.4)  636           582
+2 x 2, tcp   256 KiB    4     1.57 (1.4-1.6)   1121          1761
+2 x 2, tcp   512 KiB    4     1.64 (1.5-1.9)   1027          1649
+===========  =========  ====  ===============  ============  ============
+
+(vocab 32768 for rows 1-4 up to 256 KiB, 65536 at 512 KiB, 152064 for
+297 KiB and 1.2 MiB; 128 KiB with vocab 65536 x 1 row gave 1.99 / 0.97 /
+0.90.) One node: the allgather route wins at every size (the compiled
+gather moves w_r per rank; the all-reduce sums V). Across nodes the
+all-reduce route is ahead by 10-20% on 2 x 2 and even on 2 x 1 up to
+192 KiB, and 1.4-2.1x behind from 256 KiB on: there its tensor (result +
+check tail) passes har_latency_max_nbytes (256 KiB) and leaves the compiled
+two-node step for the Python har_bandwidth. Hence the default threshold,
+192 KiB, the largest measured size at which it did not lose; with
+HARMPI_HAR_LATENCY_MAX_BYTES changed, move it below that too.
 
 allgather along any dimension
 -----------------------------
@@ -426,7 +466,7 @@ def gather_logits(shard, comm=None, route=None):
     float32 or float64; it is only read. ``route``: None (Config.logits_route,
     default auto), "auto", "allgather" or "allreduce". The first call, and a
     call after this rank's width changed, learns every rank's width with one
-    small allgather; other calls run one collective. Ranks that disagree about
+    small collective first; other calls run one collective. Ranks that disagree about
     the widths or the leading shape raise HarmpiMismatchError on every rank.
     """
     addr, fmt, is_torch, shape = _check_shard(shard)
