@@ -30,6 +30,7 @@ if not _LAUNCHED and "OMPI_MCA_btl" not in _os.environ and "mpi4py.MPI" not in _
         del _os.environ["OMPI_MCA_btl"]
 
 from . import allgather, allreduce  # noqa: E402  (callable modules, see allreduce.py)
+from . import failfast as _failfast  # noqa: E402
 from .api import barrier, finalize, gather_logits, info, init  # noqa: E402
 from .config import ALGORITHMS, Config  # noqa: E402
 from .errors import (  # noqa: E402
@@ -53,6 +54,9 @@ def _register_torch_backend():
 
 
 _register_torch_backend()
+
+if _LAUNCHED:  # an uncaught exception on one rank ends the job (harmpi.failfast)
+    _failfast.install()
 
 __all__ = ["allreduce", "allgather", "gather_logits", "barrier", "init", "finalize", "info",
            "ALGORITHMS", "Config", "HarmpiError", "HarmpiArgumentError", "HarmpiMismatchError",

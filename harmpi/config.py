@@ -31,6 +31,9 @@ HARMPI_LOGITS_ROUTE        auto       gather_logits: "allgather", "allreduce"
 HARMPI_LOGITS_ALLREDUCE_MAX_BYTES     auto: on several nodes, results up to
                            196608     this size take the allreduce route
                                       (measured: harmpi.logits)
+HARMPI_ABORT_ON_EXCEPTION  1          under an MPI launcher, an uncaught exception
+                                      on one rank ends the whole job (MPI_Abort,
+                                      harmpi.failfast); 0: the old behaviour
 =========================  =========  ==========================================
 """
 
@@ -107,6 +110,9 @@ class Config:
     logits_route: str = "auto"
     #: auto on several nodes: the allreduce route up to this many result bytes
     logits_allreduce_max_nbytes: int = 192 << 10
+    #: under a launcher, an uncaught exception aborts the job (harmpi.failfast;
+    #: read at import, and from the world context's config when it fails)
+    abort_on_exception: bool = True
 
     def __post_init__(self):
         if self.algorithm != "auto" and self.algorithm not in ALGORITHMS:
@@ -149,4 +155,5 @@ class Config:
             logits_route=(env.get("HARMPI_LOGITS_ROUTE") or "auto").strip().lower(),
             logits_allreduce_max_nbytes=_int(env, "HARMPI_LOGITS_ALLREDUCE_MAX_BYTES",
                                              cls.logits_allreduce_max_nbytes, 0),
+            abort_on_exception=_switch(env, "HARMPI_ABORT_ON_EXCEPTION", cls.abort_on_exception),
         )

@@ -22,11 +22,13 @@ ENV = {
     "HARMPI_NATIVE": "0",
     "HARMPI_LOGITS_ROUTE": "allreduce",
     "HARMPI_LOGITS_ALLREDUCE_MAX_BYTES": "4096",
+    "HARMPI_ABORT_ON_EXCEPTION": "0",
 }
 GIVEN = harmpi.Config(timeout_s=30.0, spin_count=12345, slot_nbytes=16384, small_max_nbytes=4096,
                       har_latency_max_nbytes=8192, algorithm="leader", transport="tcp",
                       ranks_per_node=1, stream_stores="flush", native=True,
-                      logits_route="allgather", logits_allreduce_max_nbytes=12345)
+                      logits_route="allgather", logits_allreduce_max_nbytes=12345,
+                      abort_on_exception=True)
 
 
 def test_a_config_given_to_init_wins_over_the_environment(world, monkeypatch):

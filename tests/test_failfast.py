@@ -1,0 +1,223 @@
+"""A rank that fails ends the whole job within seconds (harmpi.failfast):
+an uncaught exception under the launcher, plain mpirun and ``python -m
+mpi4py``, and a rank killed by a signal, with the traceback shown once, a
+non-zero status and nothing left in the shared-memory backing directory.
+The opt-out keeps the old behaviour. Whole jobs, plus the hook in-process."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+from test_faults import REPO, _job
+
+from harmpi import Config, HarmpiArgumentError, failfast
+
+pytestmark = pytest.mark.timeout(300)
+
+#: seconds from the failure to the end of the job (measured: ~0.1-0.5 s;
+#: the machine is noisy, and the old behaviour took harmpi's 60 s deadline)
+BOUND_S = 15.0
+
+JOB = """
+    import os, signal, sys, time, harmpi, torch
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.rank
+    harmpi.allreduce(torch.ones(10))
+    if rank == 1:
+        time.sleep(0.5)           # the peer is inside its wait (or sleep) by now
+        print(f"rank 1 fails at {{time.time():.6f}}", flush=True)
+        {fail}
+    elif "{peer}" == "wait":
+        harmpi.allreduce(torch.ones(10))
+    else:
+        time.sleep(120)
+    print(f"rank {{rank}} exits", flush=True)
+"""
+RAISE = 'raise RuntimeError("rank 1 fails on purpose")'
+
+
+def _launch_argv(argv):
+    """``python -m launch`` running the job of :func:`test_faults._job`'s argv."""
+    script = argv[argv.index(sys.executable) + 1:]
+    forward = " ".join(f"-x {argv[i + 1]}" for i, a in enumerate(argv) if a == "-x")
+    return [sys.executable, "-m", "launch", "-np", "2", "--oversubscribe", "--bind-to", "none",
+            "--mpi-arg", forward, "--", sys.executable, *script]
+
+
+def _start(tmp_path, fail, peer="wait", starter="mpirun", extra_env=None):
+    """Run the job; (completed process, seconds from the failure to the end)."""
+    body = JOB.format(fail=fail, peer=peer)
+    argv, env, shm = _job(tmp_path, body, mpi4py_main=starter == "mpi4py", extra_env=extra_env)
+    if starter == "launch":
+        argv = _launch_argv(argv)
+    proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    ended = time.time()
+    m = re.search(r"rank 1 fails at ([0-9.]+)", proc.stdout)
+    assert m, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert os.listdir(shm) == [], "shared memory left behind"
+    return proc, ended - float(m.group(1))
+
+
+@pytest.mark.parametrize("starter", ["launch", "mpirun", "mpi4py"])
+def test_an_uncaught_exception_ends_the_job(tmp_path, starter):
+    proc, took = _start(tmp_path, RAISE, starter=starter)
+    assert took < BOUND_S, (took, proc.stderr[-3000:])
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert out.count("Traceback (most recent call last)") == 1, out[-3000:]
+    assert out.count("RuntimeError: rank 1 fails on purpose") == 1, out[-3000:]
+    assert "rank 1 of 2 ended with an uncaught RuntimeError" in proc.stderr
+    assert "rank 0 exits" not in proc.stdout
+
+
+@pytest.mark.parametrize("fail,status", [(RAISE, 1), ("raise KeyboardInterrupt", 130)],
+                         ids=["exception", "keyboard-interrupt"])
+def test_a_peer_outside_harmpi_is_ended_too(tmp_path, fail, status):
+    """The peer sleeps (user code): only the launcher can end it."""
+    proc, took = _start(tmp_path, fail, peer="sleep")
+    assert took < BOUND_S, (took, proc.stderr[-3000:])
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count("Traceback (most recent call last)") == 1
+
+
+@pytest.mark.parametrize("sig,peer", [("SIGKILL", "wait"), ("SIGKILL", "sleep"),
+                                      ("SIGSEGV", "wait"), ("SIGTERM", "sleep")])
+def test_a_killed_rank_ends_the_job(tmp_path, sig, peer):
+    """Open MPI's launcher ends the job itself when a rank dies of a signal."""
+    proc, took = _start(tmp_path, f"os.kill(os.getpid(), signal.{sig})", peer=peer)
+    assert took < BOUND_S, (took, proc.stderr[-3000:])
+    assert proc.returncode == 128 + getattr(signal, sig), proc.stderr[-3000:]
+    assert "rank 0 exits" not in proc.stdout
+
+
+def test_a_killed_rank_ends_the_job_under_the_launcher(tmp_path):
+    proc, took = _start(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)", starter="launch")
+    assert took < BOUND_S, (took, proc.stderr[-3000:])
+    assert proc.returncode != 0
+
+
+def test_the_opt_out_keeps_the_old_behaviour(tmp_path):
+    """HARMPI_ABORT_ON_EXCEPTION=0: the failed rank waits in MPI_Finalize and
+    its peer fails at harmpi's deadline; no MPI_Abort."""
+    proc, took = _start(tmp_path, RAISE, extra_env={"HARMPI_ABORT_ON_EXCEPTION": "0",
+                                                    "HARMPI_TIMEOUT_S": "3"})
+    assert took >= 3.0, (took, proc.stderr[-3000:])
+    assert proc.returncode != 0
+    assert "RuntimeError: rank 1 fails on purpose" in proc.stderr
+    assert "HarmpiTimeoutError" in proc.stderr and "MPI_ABORT" not in proc.stderr
+
+
+def test_a_clean_exit_never_aborts(tmp_path):
+    """A rank that leaves early with status 0 (and one that catches its
+    exception) ends nothing: the other finishes its work."""
+    body = """
+        import sys, time, harmpi, torch
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.rank
+        harmpi.allreduce(torch.ones(10))
+        try:
+            raise RuntimeError("caught")
+        except RuntimeError:
+            pass
+        if rank == 1:
+            time.sleep(2)
+            print("rank 1 finished its work", flush=True)
+        else:
+            sys.exit(0)
+    """
+    argv, env, shm = _job(tmp_path, body)
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 finished its work" in proc.stdout and "MPI_ABORT" not in proc.stderr
+    assert os.listdir(shm) == []
+
+
+# -- the hook in this process (no MPI job) -----------------------------------
+
+
+class _World:
+    def __init__(self):
+        self.aborted = []
+
+    def Get_rank(self):
+        return 1
+
+    def Get_size(self):
+        return 2
+
+    def Abort(self, status):
+        self.aborted.append(status)
+
+
+@pytest.fixture
+def world(monkeypatch):
+    w = _World()
+    monkeypatch.setattr(failfast, "_mpi_world", lambda: w)
+    return w
+
+
+def _hook():
+    seen = []
+    return failfast.AbortHook(lambda *exc: seen.append(exc[0])), seen
+
+
+def test_the_hook_prints_through_the_previous_hook_then_aborts(world):
+    hook, seen = _hook()
+    hook(RuntimeError, RuntimeError("x"), None)
+    hook(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert seen == [RuntimeError, KeyboardInterrupt] and world.aborted == [1, 130]
+
+
+def test_the_hook_aborts_even_if_the_previous_hook_fails(world):
+    def broken(*exc):
+        raise OSError("stderr is gone")
+
+    with pytest.raises(OSError):
+        failfast.AbortHook(broken)(RuntimeError, RuntimeError("x"), None)
+    assert world.aborted == [1]
+
+
+def test_no_abort_in_a_forked_child_or_without_a_world(world, monkeypatch):
+    hook, seen = _hook()
+    hook.pid = os.getpid() + 1
+    hook(RuntimeError, RuntimeError("x"), None)
+    monkeypatch.setattr(failfast, "_mpi_world", lambda: None)
+    hook, _ = _hook()  # a one-rank world, or MPI finalized
+    hook(RuntimeError, RuntimeError("x"), None)
+    assert world.aborted == []
+
+
+def test_a_world_context_config_opts_out(world, monkeypatch):
+    from harmpi import registry
+
+    ctx = types.SimpleNamespace(config=Config(abort_on_exception=False))
+    monkeypatch.setattr(registry.STATE, "world", ctx)
+    hook, _ = _hook()
+    hook(RuntimeError, RuntimeError("x"), None)
+    assert world.aborted == []
+    ctx.config = Config()
+    hook(RuntimeError, RuntimeError("x"), None)
+    assert world.aborted == [1]
+
+
+def test_install_once_and_the_environment_opt_out(monkeypatch):
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    assert not failfast.install({"HARMPI_ABORT_ON_EXCEPTION": "0"})
+    assert sys.excepthook is sys.__excepthook__
+    # another bad setting surfaces at the first collective; the hook goes in
+    assert failfast.install({"HARMPI_SLOT_BYTES": "63"})
+    hook = sys.excepthook
+    assert isinstance(hook, failfast.AbortHook) and hook.previous is sys.__excepthook__
+    assert failfast.install({}) and sys.excepthook is hook
+
+
+def test_config_reads_the_switch():
+    assert Config.from_env({}).abort_on_exception is True
+    assert Config.from_env({"HARMPI_ABORT_ON_EXCEPTION": "off"}).abort_on_exception is False
+    with pytest.raises(HarmpiArgumentError, match="HARMPI_ABORT_ON_EXCEPTION"):
+        Config.from_env({"HARMPI_ABORT_ON_EXCEPTION": "maybe"})
