@@ -15,14 +15,19 @@ launcher therefore installs :class:`AbortHook` as ``sys.excepthook``:
    non-zero status. status is 1, or 130 for KeyboardInterrupt (as ``python
    -m mpi4py`` does).
 
+``sys.exit(n)`` with n non-zero ends the job too (with status n; a message
+instead of a number: 1), as torchrun ends the job when a worker exits
+non-zero. Python shows a SystemExit to no hook and its status to no code at
+exit, so harmpi binds ``sys.exit`` (only if it is still the builtin) to
+raise :class:`ExitRequest`, a SystemExit whose finaliser aborts when it
+runs with no Python frame below it, in the main thread: that is Python
+dropping an exit that nothing caught, right before the interpreter exits.
+An exit that the program catches (a CLI's ``--help`` under test) is
+dropped inside a Python frame and ends nothing. ``raise SystemExit(n)``
+written out is not seen (``python -m mpi4py`` sees it).
+
 What is left alone, and why:
 
-- ``SystemExit`` (``sys.exit(n)``) never reaches ``sys.excepthook``, and
-  its status is not visible to Python code at exit. harmpi does not rebind
-  ``sys.exit`` to see it: that would also abort the job for exits a program
-  catches (a CLI's ``--help`` under test). ``python -m mpi4py`` wraps the
-  main script and aborts on a non-zero ``SystemExit``; without it the rank
-  exits once its peers finish (or at their next collective's deadline).
 - Exceptions in other threads (``threading.excepthook``): Python keeps the
   process running, and so does harmpi. A thread that dies is often harmless
   (a progress bar, a prefetcher); if the main thread then fails, this hook
@@ -46,20 +51,28 @@ import logging
 import os
 import signal
 import sys
+import threading
+import types
 
 from .config import Config
 from .errors import HarmpiArgumentError
 
-__all__ = ["AbortHook", "install", "abort_status"]
+__all__ = ["AbortHook", "ExitRequest", "install", "abort_status"]
 
 log = logging.getLogger("harmpi")
-
 
 def abort_status(exc_type) -> int:
     """The status the job ends with for an uncaught ``exc_type``."""
     if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
         return 128 + signal.SIGINT
     return 1
+
+
+def exit_status(code) -> int:
+    """The process status of ``sys.exit(code)`` (0: a clean exit)."""
+    if code is None:
+        return 0
+    return int(code) if isinstance(code, int) else 1
 
 
 def _opted_out() -> bool:
@@ -79,29 +92,62 @@ def _mpi_world():
     return world if world.Get_size() > 1 else None
 
 
+class ExitRequest(SystemExit):
+    """What harmpi's ``sys.exit`` raises: a SystemExit that ends the job
+    when nothing caught it (see the module docstring)."""
+
+    def watched_by(self, hook):
+        self.hook = hook
+        return self
+
+    def __del__(self):
+        # (the garbage collector of a finalising interpreter also runs
+        # finalisers with no Python frame below: not an exit request)
+        hook = self.__dict__.get("hook")
+        if (hook is not None and sys._getframe().f_back is None and not sys.is_finalizing()
+                and threading.current_thread() is threading.main_thread()):
+            hook.exited(self.code)
+
+
 class AbortHook:
-    """``sys.excepthook``: run the previous hook, then end the whole job."""
+    """``sys.excepthook``: run the previous hook, then end the whole job.
+    Its :meth:`exit` serves as ``sys.exit``."""
 
     def __init__(self, previous):
         self.previous = previous
         self.pid = os.getpid()  # a forked child is not a rank: it never aborts the job
 
     def __call__(self, exc_type, exc, tb):
-        world = None
-        if not (sys.flags.inspect or os.getpid() != self.pid or _opted_out()):
-            world = _mpi_world()
+        world = self._world()
         try:
             self.previous(exc_type, exc, tb)
         finally:
             if world is not None:
-                self._abort(world, exc_type)
+                self._abort(world, abort_status(exc_type), f"an uncaught {exc_type.__name__}")
+
+    def exit(self, status=None):
+        """``sys.exit``: raise :class:`ExitRequest` (held in no local: this
+        frame, in its traceback, must not keep it alive in a cycle)."""
+        raise ExitRequest(status).watched_by(self)
+
+    def exited(self, code):
+        """An ExitRequest that nothing caught: the interpreter is exiting."""
+        status = exit_status(code)
+        world = self._world() if status else None
+        if world is not None:
+            self._abort(world, status, f"sys.exit({code!r})")
+
+    def _world(self):
+        """COMM_WORLD to abort, or None: no abort here."""
+        if sys.flags.inspect or os.getpid() != self.pid or _opted_out():
+            return None
+        return _mpi_world()
 
     @staticmethod
-    def _abort(world, exc_type):
-        status = abort_status(exc_type)
-        log.error("harmpi: rank %d of %d ended with an uncaught %s; aborting the job "
-                  "(MPI_Abort, status %d; HARMPI_ABORT_ON_EXCEPTION=0 turns this off)",
-                  world.Get_rank(), world.Get_size(), exc_type.__name__, status)
+    def _abort(world, status, what):
+        log.error("harmpi: rank %d of %d ended with %s; aborting the job (MPI_Abort, "
+                  "status %d; HARMPI_ABORT_ON_EXCEPTION=0 turns this off)",
+                  world.Get_rank(), world.Get_size(), what, status)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -126,5 +172,8 @@ def install(env=None) -> bool:
         return True
     if not _enabled(env):
         return False
-    sys.excepthook = AbortHook(sys.excepthook)
+    hook = AbortHook(sys.excepthook)
+    sys.excepthook = hook
+    if isinstance(sys.exit, types.BuiltinFunctionType):  # someone else's is left alone
+        sys.exit = hook.exit
     return True

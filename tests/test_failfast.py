@@ -75,14 +75,23 @@ def test_an_uncaught_exception_ends_the_job(tmp_path, starter):
     assert "rank 0 exits" not in proc.stdout
 
 
-@pytest.mark.parametrize("fail,status", [(RAISE, 1), ("raise KeyboardInterrupt", 130)],
-                         ids=["exception", "keyboard-interrupt"])
-def test_a_peer_outside_harmpi_is_ended_too(tmp_path, fail, status):
+@pytest.mark.parametrize("fail,status,tracebacks",
+                         [(RAISE, 1, 1), ("raise KeyboardInterrupt", 130, 1),
+                          ("sys.exit(3)", 3, 0)],
+                         ids=["exception", "keyboard-interrupt", "sys-exit"])
+def test_a_peer_outside_harmpi_is_ended_too(tmp_path, fail, status, tracebacks):
     """The peer sleeps (user code): only the launcher can end it."""
     proc, took = _start(tmp_path, fail, peer="sleep")
     assert took < BOUND_S, (took, proc.stderr[-3000:])
     assert proc.returncode == status, proc.stderr[-3000:]
-    assert (proc.stdout + proc.stderr).count("Traceback (most recent call last)") == 1
+    assert (proc.stdout + proc.stderr).count("Traceback (most recent call last)") == tracebacks
+
+
+def test_sys_exit_non_zero_ends_the_job_under_the_launcher(tmp_path):
+    proc, took = _start(tmp_path, "sys.exit(3)", starter="launch")
+    assert took < BOUND_S, (took, proc.stderr[-3000:])
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "rank 1 of 2 ended with sys.exit(3)" in proc.stderr
 
 
 @pytest.mark.parametrize("sig,peer", [("SIGKILL", "wait"), ("SIGKILL", "sleep"),
@@ -113,8 +122,9 @@ def test_the_opt_out_keeps_the_old_behaviour(tmp_path):
 
 
 def test_a_clean_exit_never_aborts(tmp_path):
-    """A rank that leaves early with status 0 (and one that catches its
-    exception) ends nothing: the other finishes its work."""
+    """A rank that leaves early with status 0 (after catching an exception
+    and a sys.exit(7), one of them kept until exit) ends nothing: the
+    other finishes its work."""
     body = """
         import sys, time, harmpi, torch
         from mpi4py import MPI
@@ -124,6 +134,10 @@ def test_a_clean_exit_never_aborts(tmp_path):
             raise RuntimeError("caught")
         except RuntimeError:
             pass
+        try:
+            sys.exit(7)
+        except SystemExit as exc:
+            kept = exc            # released by the finalising interpreter
         if rank == 1:
             time.sleep(2)
             print("rank 1 finished its work", flush=True)
@@ -205,15 +219,43 @@ def test_a_world_context_config_opts_out(world, monkeypatch):
     assert world.aborted == [1]
 
 
+def test_sys_exit_aborts_only_when_nothing_caught_it(world):
+    hook, _ = _hook()
+    with pytest.raises(SystemExit) as info:
+        hook.exit(5)
+    exc = info.value
+    assert isinstance(exc, failfast.ExitRequest) and exc.code == 5
+    del info, exc             # caught, and dropped inside a Python frame
+    assert world.aborted == []
+    hook.exited(None)
+    hook.exited(0)
+    assert world.aborted == []
+    hook.exited(4)            # what an exit that nothing caught runs
+    hook.exited("a message")  # Python prints it, the status is 1
+    assert world.aborted == [4, 1]
+
+
 def test_install_once_and_the_environment_opt_out(monkeypatch):
+    builtin_exit = sys.exit
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(sys, "exit", builtin_exit)
     assert not failfast.install({"HARMPI_ABORT_ON_EXCEPTION": "0"})
-    assert sys.excepthook is sys.__excepthook__
+    assert sys.excepthook is sys.__excepthook__ and sys.exit is builtin_exit
     # another bad setting surfaces at the first collective; the hook goes in
     assert failfast.install({"HARMPI_SLOT_BYTES": "63"})
     hook = sys.excepthook
     assert isinstance(hook, failfast.AbortHook) and hook.previous is sys.__excepthook__
+    assert sys.exit == hook.exit
     assert failfast.install({}) and sys.excepthook is hook
+
+
+def test_someone_elses_sys_exit_is_left_alone(monkeypatch):
+    def theirs(status=None):
+        raise SystemExit(status)
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(sys, "exit", theirs)
+    assert failfast.install({}) and sys.exit is theirs
 
 
 def test_config_reads_the_switch():
