@@ -57,9 +57,10 @@ import types
 from .config import Config
 from .errors import HarmpiArgumentError
 
-__all__ = ["AbortHook", "ExitRequest", "install", "abort_status"]
+__all__ = ["AbortHook", "ExitRequest", "install", "abort_status", "exit_status"]
 
 log = logging.getLogger("harmpi")
+
 
 def abort_status(exc_type) -> int:
     """The status the job ends with for an uncaught ``exc_type``."""
