@@ -200,7 +200,7 @@ def test_gather_logits_route_from_config(fresh_comm):
     assert same_bits(harmpi.gather_logits(x, comm=comm), expect)
 
 
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", ROUTES + (None,))
 def test_gather_logits_mismatched_batch_raises_everywhere(fresh_comm, route):
     comm = fresh_comm()
     r, n = comm.Get_rank(), comm.Get_size()
@@ -216,7 +216,7 @@ def test_gather_logits_mismatched_batch_raises_everywhere(fresh_comm, route):
         harmpi.gather_logits(z.view(1, 2, -1) if r else z.view(2, 1, -1), comm=comm, route=route)
 
 
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", ROUTES + (None,))
 def test_gather_logits_changed_width_after_caching_raises_everywhere(fresh_comm, route):
     comm = fresh_comm()
     r, n = comm.Get_rank(), comm.Get_size()
