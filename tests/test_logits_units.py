@@ -96,7 +96,7 @@ def test_copy_rows_assembles_uneven_blocks():
         gathered[q, :, :s.shape[1]] = s
     out = np.full((rows, V), 0xFFFF, np.uint16)
     _, assemble = table.plan(rows, isz)
-    logits.copy_rows(gathered.ctypes.data, out.ctypes.data, rows, *assemble)
+    logits.copy_rows(gathered.ctypes.data, out.ctypes.data, rows, assemble)
     assert np.array_equal(out, np.concatenate(shards, -1))
 
 
@@ -106,7 +106,7 @@ def test_copy_rows_pads_and_dim_plans():
     src = np.arange(rows * w, dtype=np.float32).reshape(rows, w)
     dst = np.full((rows, W), -1, np.float32)
     pad, _ = table.plan(rows, 4)
-    logits.copy_rows(src.ctypes.data, dst.ctypes.data, rows, *pad)
+    logits.copy_rows(src.ctypes.data, dst.ctypes.data, rows, pad)
     assert np.array_equal(dst[:, :w], src) and np.all(dst[:, w:] == -1)
     # allgather along dim 1 of (2, 3, 4) over 3 ranks: blocks (3, 2, 12) -> (2, 9, 4)
     n, shape = 3, (2, 3, 4)
@@ -114,7 +114,7 @@ def test_copy_rows_pads_and_dim_plans():
     scratch = np.stack(blocks)
     out = np.empty((2, 9, 4))
     plan = logits._dim_plan(logits._State(), 3 * 4 * 8, 2, n)
-    logits.copy_rows(scratch.ctypes.data, out.ctypes.data, 2, *plan)
+    logits.copy_rows(scratch.ctypes.data, out.ctypes.data, 2, plan)
     assert np.array_equal(out, np.concatenate(blocks, 1))
 
 
@@ -132,6 +132,13 @@ def test_pad_rows_writes_negative_zeros_around_the_shard(off, w, V):
     rest = np.concatenate([body[:, :off], body[:, off + w:]], 1)
     assert np.all(rest == 0) and np.all(np.signbit(rest))
     assert np.array_equal(dst[rows * V:], tail)
+
+
+def test_make_plan_broadcasts():
+    plan = logits.make_plan([2, 4], 0, [8, 9], 16, 32)
+    assert plan.dtype == np.int64 and plan.flags.c_contiguous
+    assert plan.tolist() == [[2, 4], [0, 0], [8, 9], [16, 16], [32, 32]]
+    assert logits.make_plan(3, 0, 3, 0, 5).shape == (5, 1)
 
 
 def test_same_bytes():
