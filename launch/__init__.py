@@ -1,13 +1,15 @@
 """Launcher of harmpi: builds and runs the mpirun line for topology-aware CPU inference.
 
-``python -m launch -np 2 -- python script.py`` (or ``harmpi-launch``) picks the
-MPI found next to this Python or on PATH, maps ranks by NUMA node, binds them
-to cores, sizes OpenMP threads, keeps workers spinning when cores allow, and
-forwards HARMPI_* settings. ``python -m launch info`` shows the topology and
-the plan. The planning is a pure function, :func:`build_command`.
+``harmpi-launch -np 2 -- python script.py`` (``python -m harmpi_launch`` once
+installed, ``python -m launch`` in a checkout) picks the MPI found next to
+this Python or on PATH, maps ranks by NUMA node, binds them to cores, sizes
+OpenMP threads, keeps workers spinning when cores allow, forwards HARMPI_*
+settings, and gives every rank torchrun's variables (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). ``harmpi-launch
+info`` shows the topology and the plan. The planning is a pure function, :func:`build_command`.
 """
 
-from .errors import LaunchError, MpiNotFoundError
+from .errors import LaunchError, MpiNotFoundError, TooManyRanksError
 from .hosts import Host, parse_hostfile, parse_hosts
 from .mpi import MpiInfo, find_mpi, parse_mpi_version
 from .plan import Layout, PlanInputs, build_command, plan_layout
@@ -22,6 +24,7 @@ __all__ = [
     "MpiInfo",
     "MpiNotFoundError",
     "PlanInputs",
+    "TooManyRanksError",
     "build_command",
     "detect_topology",
     "find_mpi",

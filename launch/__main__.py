@@ -1,6 +1,7 @@
-"""``python -m launch``: same as the ``harmpi-launch`` console script."""
+"""``python -m harmpi_launch`` (installed) or ``python -m launch`` (a checkout):
+the same as the ``harmpi-launch`` console script."""
 
 from .cli import main
 
 if __name__ == "__main__":
-    main(prog_name="python -m launch")
+    main(prog_name=f"python -m {__package__}")

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import sys
 from dataclasses import replace
 from typing import Any, Sequence
 
 import click
 
-from .errors import LaunchError, MpiNotFoundError
-from .hosts import Host, parse_hostfile, parse_hosts
+from .errors import LaunchError, MpiNotFoundError, TooManyRanksError
+from .hosts import Host, parse_hostfile, parse_hosts, unresolvable
 from .mpi import MpiInfo, find_mpi
 from .plan import BIND_TO, MAP_BY, TRANSPORTS, Layout, PlanInputs, build_command, plan_layout
 from .runner import run_mpirun
@@ -80,6 +81,9 @@ def _plan_options(f: Any) -> Any:
                      help="Hostfile ('host slots=N' or 'host:N' lines), passed to mpirun."),
         click.option("--ranks-per-node", type=click.IntRange(min=1), metavar="K",
                      help="Exactly K consecutive ranks on each host; -np must divide by K."),
+        click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node",
+                     type=click.IntRange(min=1), metavar="K",
+                     help="As torchrun: K ranks on each host (-np defaults to K x hosts)."),
         click.option("--map-by", type=click.Choice(MAP_BY), default="numa", show_default=True,
                      help="Domain ranks are spread over."),
         click.option("--bind-to", type=click.Choice(BIND_TO), default="core",
@@ -110,15 +114,48 @@ def _plan_options(f: Any) -> Any:
     return f
 
 
-def _inputs(params: dict[str, Any], command: Sequence[str], np: int) -> PlanInputs:
+def free_port() -> int:
+    """A TCP port free on this host now (MASTER_PORT; torchrun picks it the same way)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _hosts(params: dict[str, Any]) -> tuple[Host, ...]:
     if params["hosts"] and params["hostfile"]:
         raise LaunchError("give either --hosts or --hostfile, not both")
-    hosts: tuple[Host, ...] = ()
     if params["hosts"]:
-        hosts = parse_hosts(params["hosts"])
-    elif params["hostfile"]:
+        return parse_hosts(params["hosts"])
+    if params["hostfile"]:
         with open(params["hostfile"]) as fh:
-            hosts = parse_hostfile(fh.read(), where=params["hostfile"])
+            return parse_hostfile(fh.read(), where=params["hostfile"])
+    return ()
+
+
+def _ranks(params: dict[str, Any], n_hosts: int) -> tuple[int | None, int | None]:
+    """(-np, --ranks-per-node) once torchrun's --nproc-per-node K is folded in:
+    K ranks on each given host (np = K x hosts), or on this host (np = K)."""
+    np, per_node, k = params["np"], params["ranks_per_node"], params["nproc_per_node"]
+    if k is None:
+        return np, per_node
+    if per_node is not None and per_node != k:
+        raise LaunchError(f"--nproc-per-node {k} and --ranks-per-node {per_node} disagree")
+    if np is None:
+        np = k * max(n_hosts, 1)
+    if n_hosts:
+        return np, k
+    if np != k:
+        raise LaunchError(f"-np {np} with --nproc-per-node {k} on this host alone: give one "
+                          "of them (or --hosts for several hosts)")
+    return np, per_node
+
+
+def _inputs(params: dict[str, Any], command: Sequence[str],
+            master_port: int | None = None) -> PlanInputs:
+    hosts = _hosts(params)
+    np, ranks_per_node = _ranks(params, len(hosts))
+    if np is None:
+        raise LaunchError("missing -np N: how many ranks to start")
     mpi_args: list[str] = []
     for text in params["mpi_args"]:
         try:
@@ -130,7 +167,7 @@ def _inputs(params: dict[str, Any], command: Sequence[str], np: int) -> PlanInpu
         command=tuple(command),
         hosts=hosts,
         hostfile=params["hostfile"],
-        ranks_per_node=params["ranks_per_node"],
+        ranks_per_node=ranks_per_node,
         map_by=params["map_by"],
         bind_to=params["bind_to"],
         threads_per_rank=params["threads_per_rank"],
@@ -140,7 +177,18 @@ def _inputs(params: dict[str, Any], command: Sequence[str], np: int) -> PlanInpu
         mpi_args=tuple(mpi_args),
         oversubscribe=params["oversubscribe"],
         run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        python=sys.executable,
+        master_port=master_port,
     )
+
+
+def _unresolvable_hosts(inputs: PlanInputs) -> str | None:
+    """What to say about host names that do not resolve (None: all do)."""
+    bad = unresolvable(inputs.hosts)
+    if not bad:
+        return None
+    return (f"host name(s) {', '.join(bad)} do not resolve to an address here; "
+            "mpirun could not reach them (fix the name, /etc/hosts or DNS)")
 
 
 def _warn(ctx: click.Context, warnings: Sequence[str]) -> None:
@@ -193,19 +241,20 @@ def run_cmd(ctx: click.Context, command: tuple[str, ...], dry_run: bool, **param
         raise click.UsageError(
             "missing command: give the program to run after the options, "
             "e.g. `-np 2 -- python script.py`", ctx)
-    if params["np"] is None:
-        raise click.UsageError("missing -np N: how many ranks to start", ctx)
     try:
-        inputs = _inputs(params, command, params["np"])
+        inputs = _inputs(params, command, free_port())
         topo = detect_topology()
         plan_layout(inputs, topo)  # user mistakes first, even without an MPI
+        bad_hosts = _unresolvable_hosts(inputs)
+        if bad_hosts and not dry_run:  # refused before mpirun starts
+            raise LaunchError(bad_hosts)
         mpi = find_mpi(params["mpirun"])
         argv, env, warnings = build_command(inputs, mpi, topo, os.environ)
     except MpiNotFoundError as exc:
         raise click.ClickException(str(exc)) from None
     except LaunchError as exc:
         raise click.UsageError(str(exc), ctx) from None
-    _warn(ctx, warnings)
+    _warn(ctx, warnings + [bad_hosts] if bad_hosts else warnings)
     if dry_run:
         click.echo(_plan_text(mpi, plan_layout(inputs, topo), argv, env))
         return
@@ -243,12 +292,20 @@ def info_cmd(ctx: click.Context, **params: Any) -> None:
     """Print this host's topology, the MPI found and the plan for -np N."""
     topo = detect_topology()
     click.echo(_topology_text(topo))
+    notes: list[str] = []
     try:
-        inputs = _inputs(params, ("COMMAND",), params["np"] or 1)
-        if params["np"] is None:  # one rank per NUMA node (or K per node) of every host
+        if params["np"] is None and params["nproc_per_node"] is None:
+            # one rank per NUMA node (or K per node) of every host
             per_host = params["ranks_per_node"] or topo.n_numa_nodes
-            inputs = replace(inputs, np=per_host * (len(inputs.hosts) or 1))
-        lay = plan_layout(inputs, topo)
+            params = {**params, "np": per_host * (len(_hosts(params)) or 1)}
+        inputs = _inputs(params, ("COMMAND",))
+        try:
+            lay = plan_layout(inputs, topo)
+        except TooManyRanksError as exc:  # show the plan anyway: what --oversubscribe runs
+            notes.append(f"{exc} -- the plan below is what --oversubscribe would run")
+            inputs = replace(inputs, oversubscribe=True)
+            lay = plan_layout(inputs, topo)
+        notes += filter(None, [_unresolvable_hosts(inputs)])
         mpi = find_mpi(params["mpirun"])
         argv, env, warnings = build_command(inputs, mpi, topo, os.environ)
     except MpiNotFoundError as exc:
@@ -258,12 +315,12 @@ def info_cmd(ctx: click.Context, **params: Any) -> None:
         raise click.UsageError(str(exc), ctx) from None
     click.echo(f"MPI\n  {mpi.display_name} {mpi.version} at {mpi.path}")
     why = ""
-    if params["np"] is None:
+    if ctx.params["np"] is None and params["nproc_per_node"] is None:
         why = " (default: {} per host)".format(
             "--ranks-per-node" if params["ranks_per_node"] else "one rank per NUMA node")
     click.echo(f"Plan for -np {inputs.np}{why}")
     click.echo(f"  {lay.describe()}")
-    for w in warnings:
+    for w in notes + warnings:
         click.echo(f"  warning: {w}")
     for k, v in sorted(env.items()):
         click.echo(f"  export {k}={shlex.quote(v)}")

@@ -9,7 +9,7 @@ work before the library's dependencies are importable), so these errors do not
 derive from ``harmpi.errors.HarmpiError``.
 """
 
-__all__ = ["LaunchError", "MpiNotFoundError"]
+__all__ = ["LaunchError", "MpiNotFoundError", "TooManyRanksError"]
 
 
 class LaunchError(ValueError):
@@ -18,3 +18,7 @@ class LaunchError(ValueError):
 
 class MpiNotFoundError(LaunchError):
     """No usable ``mpirun``/``mpiexec`` was found (an environment problem, not a usage one)."""
+
+
+class TooManyRanksError(LaunchError):
+    """More ranks than slots without ``--oversubscribe`` (``info`` shows the plan anyway)."""

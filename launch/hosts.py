@@ -8,11 +8,13 @@ wherever the MPI's syntax allows, so mpirun and the launcher agree.
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 from .errors import LaunchError
 
-__all__ = ["Host", "parse_hostfile", "parse_hosts"]
+__all__ = ["Host", "parse_hostfile", "parse_hosts", "unresolvable"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-\[\]]+$")
 
@@ -80,3 +82,17 @@ def parse_hostfile(text: str, where: str = "hostfile") -> tuple[Host, ...]:
                 slots = _slots(value, f"{where} line {lineno}")
         hosts.append(Host(name, slots))
     return _check_unique(hosts, where)
+
+
+def _resolves(name: str) -> bool:
+    try:
+        socket.getaddrinfo(name, None)
+    except (OSError, UnicodeError):
+        return False
+    return True
+
+
+def unresolvable(hosts: Iterable[Host],
+                 resolves: Callable[[str], bool] = _resolves) -> list[str]:
+    """Names among ``hosts`` that do not resolve to an address (in order)."""
+    return [h.name for h in hosts if not resolves(h.name)]

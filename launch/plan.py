@@ -31,6 +31,14 @@ Placement rules (every host is assumed to look like the launching host):
   OpenMP workers hot between kernels (+13% decode speed in the published
   study). On by default only when ranks x threads fit the cores of each host;
   forcing ``--spin`` beyond that is allowed but warned about.
+* **torchrun's variables.** Every rank gets MASTER_ADDR (127.0.0.1 on one
+  host, else the first host, where rank 0 runs) and MASTER_PORT (a free port
+  the CLI picked) unless the caller set them, and the command runs under
+  ``rankenv.py``, which sets RANK, WORLD_SIZE, LOCAL_RANK and
+  LOCAL_WORLD_SIZE from the MPI's own variables, so an unmodified
+  ``init_process_group("gloo")`` script runs. ``python`` (also ``python3``)
+  as the command means the launcher's interpreter, and a bare ``script.py``
+  is run with it, as torchrun does.
 * **Virtual nodes.** ``--virtual-nodes K`` sets ``HARMPI_RANKS_PER_NODE=K``:
   harmpi then treats each K consecutive ranks of a host as one node (uneven
   splits such as 3 ranks as 2+1 are legal), to test multi-node code on one host.
@@ -39,10 +47,12 @@ Placement rules (every host is assumed to look like the launching host):
 from __future__ import annotations
 
 import math
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .errors import LaunchError
+from .errors import LaunchError, TooManyRanksError
 from .hosts import Host
 from .mpi import MpiInfo
 from .topology import HostTopology
@@ -53,10 +63,12 @@ __all__ = [
     "Layout",
     "MAP_BY",
     "PlanInputs",
+    "RANKENV",
     "SPIN_ENV",
     "TRANSPORTS",
     "build_command",
     "plan_layout",
+    "rank_command",
 ]
 
 MAP_BY = ("numa", "socket", "core", "hwthread", "node", "slot")
@@ -65,7 +77,10 @@ TRANSPORTS = ("auto", "tcp", "mpi", "verbs")
 SPIN_ENV = {"GOMP_SPINCOUNT": "100000000", "KMP_BLOCKTIME": "infinite"}
 # Variables forwarded to every rank with the flavour's syntax when the launcher
 # sets them; HARMPI_* is forwarded from the caller's environment as well.
-FORWARD_PREFIXES = ("HARMPI_", "OMP_", "GOMP_", "KMP_", "I_MPI_")
+FORWARD_PREFIXES = ("HARMPI_", "OMP_", "GOMP_", "KMP_", "I_MPI_", "MASTER_")
+#: the per-rank shim every command runs under (a file: it must not import this package)
+RANKENV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rankenv.py")
+_PYTHON = re.compile(r"^python(3(\.\d+)?)?$")
 
 
 @dataclass(frozen=True)
@@ -86,6 +101,8 @@ class PlanInputs:
     mpi_args: tuple[str, ...] = ()
     oversubscribe: bool = False
     run_as_root: bool = False
+    python: str = "python"  # the interpreter `python` and bare scripts run with
+    master_port: int | None = None  # MASTER_PORT (None: only the caller's, if any)
 
 
 @dataclass(frozen=True)
@@ -111,16 +128,22 @@ class Layout:
     warnings: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
+        """One line: the job, then what each host and each rank gets."""
         n_hosts = sum(1 for r in self.ranks_on_host if r)
         where = "this host" if not self.explicit_hosts else _n(n_hosts, "host")
-        text = (
-            f"{_n(self.np, 'rank')} on {where}, {self.ranks_per_host} per host "
-            f"({_n(self.cpus_per_host, self.cpu_unit)} each); "
-            f"{_n(self.threads_per_rank, 'thread')} per rank, bind-to {self.bind_to}"
-        )
-        if self.cpus_per_rank > 1:
-            text += f" ({_n(self.cpus_per_rank, self.cpu_unit)} per rank)"
-        return text + f", spin {'on' if self.spin else 'off'}"
+        used = [r for r in self.ranks_on_host if r]
+        ranks = (_n(self.ranks_per_host, "rank") if len(set(used)) == 1
+                 else "+".join(map(str, used)) + " ranks")
+        if self.bind_to in ("core", "hwthread"):
+            bound = f"bound to {_n(self.cpus_per_rank, self.cpu_unit)}"
+        elif self.bind_to == "none":
+            bound = "not bound"
+        else:
+            bound = f"bound to its {self.bind_to} (shared)"
+        return (f"{_n(self.np, 'rank')} on {where}; per host: {ranks}, "
+                f"{_n(self.cpus_per_host, self.cpu_unit)}; per rank: "
+                f"{_n(self.threads_per_rank, 'thread')}, {bound}; "
+                f"OpenMP spin {'on' if self.spin else 'off'}")
 
 
 def _n(count: int, noun: str) -> str:
@@ -221,7 +244,7 @@ def _check_slots(inputs: PlanInputs, over: list, explicit: bool, cpus_per_host: 
         detail = ", ".join(f"{h.name} gets {c} ranks for {h.slots} slots" for h, c in over)
     else:
         detail = f"this host has {cpus_per_host} {unit}s"
-    raise LaunchError(
+    raise TooManyRanksError(
         f"more ranks than slots: {inputs.np} ranks for {total_slots} slots ({detail}); "
         "pass --oversubscribe to run anyway (binding is then relaxed to none) "
         "or use fewer ranks"
@@ -471,6 +494,30 @@ def _intel(inputs: PlanInputs, lay: Layout, mpi: MpiInfo, topo: HostTopology,
 _DIALECTS = {"openmpi": _openmpi, "mpich": _mpich, "intel": _intel}
 
 
+def rank_command(command: tuple[str, ...], python: str) -> list[str]:
+    """What each rank runs: COMMAND under the rankenv shim, `python` resolved.
+
+    ``python`` (or ``python3``, ``python3.N``) becomes ``python``, the
+    launcher's interpreter; a bare ``script.py`` is run with it, as torchrun
+    does; anything else runs as given.
+    """
+    head, *rest = command
+    if _PYTHON.match(head):
+        command = (python, *rest)
+    elif head.endswith(".py"):
+        command = (python, *command)
+    return [python, "-I", "-S", RANKENV, "--", *command]
+
+
+def _master_env(lay: Layout, port: int | None, base_env: Mapping[str, str]) -> dict[str, str]:
+    """MASTER_ADDR/MASTER_PORT for torch's env:// rendezvous, never over the caller's."""
+    first = next(h.name for h, r in zip(lay.hosts, lay.ranks_on_host) if r)  # rank 0's host
+    decided = {"MASTER_ADDR": first if lay.explicit_hosts else "127.0.0.1"}
+    if port is not None:
+        decided["MASTER_PORT"] = str(port)
+    return {k: v for k, v in decided.items() if k not in base_env}
+
+
 def build_command(
     plan_inputs: PlanInputs,
     mpi_info: MpiInfo,
@@ -510,14 +557,15 @@ def build_command(
         env["HARMPI_TRANSPORT"] = inputs.transport
     if inputs.virtual_nodes is not None:
         env["HARMPI_RANKS_PER_NODE"] = str(inputs.virtual_nodes)
+    env.update(_master_env(lay, inputs.master_port, base_env))
 
     forward = sorted(
         {n for n in env if n.startswith(FORWARD_PREFIXES)}
-        | {n for n in base_env if n.startswith("HARMPI_")}
+        | {n for n in base_env if n.startswith(("HARMPI_", "MASTER_"))}
     )
     argv = _DIALECTS[mpi_info.flavour](
         inputs, lay, mpi_info, host_topology, base_env, env, forward
     )
     argv += list(inputs.mpi_args)
-    argv += list(inputs.command)
+    argv += rank_command(inputs.command, inputs.python)
     return argv, env, warnings

@@ -40,6 +40,7 @@ from launch import (  # noqa: E402
     read_sysfs_topology,
 )
 from launch.mpi import candidate_launchers, probe_launcher  # noqa: E402
+from launch.plan import RANKENV  # noqa: E402
 from launch.runner import run_mpirun  # noqa: E402
 from launch.topology import build_topology, detect_topology, parse_cpulist, parse_lscpu  # noqa: E402
 
@@ -48,6 +49,7 @@ OMPI4 = MpiInfo("openmpi", "4.1.6", "/usr/bin/mpirun")
 MPICH = MpiInfo("mpich", "4.2.0", "/usr/bin/mpiexec")
 INTEL = MpiInfo("intel", "2021.10", "/opt/intel/bin/mpirun")
 CMD = ("python", "s.py")
+SHIM = ["python", "-I", "-S", RANKENV, "--"]  # what every rank runs first (launch/rankenv.py)
 
 
 def make_topo(sockets=1, numa_per_socket=1, cores_per_numa=2, tpc=1, rdma=(), host="box"):
@@ -276,13 +278,14 @@ def test_openmpi_default_two_ranks_two_cores():
     argv, env, warnings = build()
     assert argv == [
         "/opt/ompi/bin/mpirun", "-np", "2", "--map-by", "numa", "--bind-to", "core",
-        "-x", "GOMP_SPINCOUNT", "-x", "KMP_BLOCKTIME", "-x", "OMP_NUM_THREADS",
-        "-x", "OMP_PLACES", "-x", "OMP_PROC_BIND", "python", "s.py",
+        "-x", "GOMP_SPINCOUNT", "-x", "KMP_BLOCKTIME", "-x", "MASTER_ADDR",
+        "-x", "OMP_NUM_THREADS",
+        "-x", "OMP_PLACES", "-x", "OMP_PROC_BIND", *SHIM, "python", "s.py",
     ]
     assert env == {
         "OMP_NUM_THREADS": "1", "OMP_PROC_BIND": "close", "OMP_PLACES": "cores",
         "GOMP_SPINCOUNT": "100000000", "KMP_BLOCKTIME": "infinite",
-        "OMPI_MCA_osc": "^ucx", "OMPI_MCA_pml": "ob1",
+        "OMPI_MCA_osc": "^ucx", "OMPI_MCA_pml": "ob1", "MASTER_ADDR": "127.0.0.1",
     }
     assert warnings == []
 
@@ -433,7 +436,8 @@ def test_virtual_nodes_allow_uneven_split():
 
 def test_mpi_args_go_before_the_command():
     argv, _, _ = build(mpi_args=("--mca", "btl", "tcp,self", "--report-bindings"))
-    assert argv[-6:] == ["--mca", "btl", "tcp,self", "--report-bindings", "python", "s.py"]
+    assert argv[-11:] == ["--mca", "btl", "tcp,self", "--report-bindings", *SHIM, "python",
+                          "s.py"]
 
 
 def test_openmpi_root_and_mca_defaults_never_override_the_user():
@@ -459,8 +463,16 @@ def test_layout_describes_the_plan():
     lay = plan_layout(PlanInputs(np=2, command=CMD), BIG)
     assert (lay.ranks_per_host, lay.threads_per_rank, lay.cpus_per_rank) == (2, 4, 4)
     assert lay.describe() == (
-        "2 ranks on this host, 2 per host (8 cores each); 4 threads per rank, "
-        "bind-to core (4 cores per rank), spin on")
+        "2 ranks on this host; per host: 2 ranks, 8 cores; per rank: 4 threads, bound to "
+        "4 cores; OpenMP spin on")
+    lay = plan_layout(PlanInputs(np=5, command=CMD, hosts=(Host("a", 3), Host("b", 3))), BIG)
+    assert lay.describe() == (
+        "5 ranks on 2 hosts; per host: 3+2 ranks, 8 cores; per rank: 2 threads, bound to "
+        "2 cores; OpenMP spin on")
+    lay = plan_layout(PlanInputs(np=4, command=CMD, oversubscribe=True), TWO_CORES)
+    assert lay.describe() == (
+        "4 ranks on this host; per host: 4 ranks, 2 cores; per rank: 1 thread, not bound; "
+        "OpenMP spin off")
 
 
 # --- the pure builder: MPICH (Hydra) and Intel MPI -----------------------------
@@ -471,9 +483,9 @@ def test_mpich_default():
     assert argv[:7] == ["/usr/bin/mpiexec", "-n", "2", "-bind-to", "core", "-map-by", "numa"]
     assert genv(argv) == {
         "GOMP_SPINCOUNT": "100000000", "KMP_BLOCKTIME": "infinite", "OMP_NUM_THREADS": "1",
-        "OMP_PLACES": "cores", "OMP_PROC_BIND": "close"}
+        "OMP_PLACES": "cores", "OMP_PROC_BIND": "close", "MASTER_ADDR": "127.0.0.1"}
     assert "-x" not in argv and not any(k.startswith("OMPI_") for k in env)
-    assert argv[-2:] == list(CMD)
+    assert argv[-7:] == SHIM + list(CMD)
 
 
 def test_mpich_threads_hosts_ppn_hostfile():
@@ -565,7 +577,9 @@ def test_cli_dry_run_prints_env_and_command(fake_machine, sep):
     argv = shlex.split(lines[-1])
     assert argv[:7] == ["/opt/ompi/bin/mpirun", "-np", "2", "--map-by", "numa",
                         "--bind-to", "core"]
-    assert argv[-4:] == ["python", "s.py", "-np", "9"]  # the command keeps its own options
+    # the command keeps its own options; `python` is the launcher's interpreter
+    assert argv[-9:] == [sys.executable, "-I", "-S", RANKENV, "--", sys.executable, "s.py",
+                         "-np", "9"]
     assert "-x" in argv and "HARMPI_TRANSPORT" in argv
 
 
@@ -574,7 +588,8 @@ def test_cli_dry_run_mpi_arg_and_warning(fake_machine):
                     "--dry-run", "--", "python", "s.py")
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.stdout.splitlines()[-1])
-    assert argv[-5:] == ["--mca", "btl", "tcp,self", "python", "s.py"]
+    assert argv[-10:] == ["--mca", "btl", "tcp,self", sys.executable, "-I", "-S", RANKENV,
+                          "--", sys.executable, "s.py"]
     assert "harmpi-launch: warning: --spin with 4 ranks" in result.stderr
     assert "relaxed from core to none" in result.stderr
 
@@ -638,9 +653,10 @@ def test_main_entry_point(fake_machine, capsys):
     with pytest.raises(SystemExit) as exc:
         cli_mod.main(["-np", "1", "--dry-run", "--", "true"], prog_name="harmpi-launch")
     assert exc.value.code == 0
-    assert capsys.readouterr().out.splitlines()[-1].endswith("--bind-to core -x GOMP_SPINCOUNT "
-                                                             "-x KMP_BLOCKTIME -x OMP_NUM_THREADS "
-                                                             "-x OMP_PLACES -x OMP_PROC_BIND true")
+    assert capsys.readouterr().out.splitlines()[-1].endswith(
+        "--bind-to core -x GOMP_SPINCOUNT -x KMP_BLOCKTIME -x MASTER_ADDR -x MASTER_PORT "
+        "-x OMP_NUM_THREADS -x OMP_PLACES -x OMP_PROC_BIND "
+        f"{shlex.join([sys.executable, '-I', '-S', RANKENV])} -- true")
 
 
 # --- running (processes are started below) --------------------------------------
