@@ -213,7 +213,7 @@ def allgather(x, dim=0, comm=None, dtype=None, out=None):
     Cost: dim=0, and any dim after dimensions of size 1 only, is the
     allgather itself. Otherwise the allgather lands in a scratch buffer and
     one compiled strided copy puts it in place: n * x.nbytes more bytes read
-    and written, plus ~2-3 us of Python (harmpi.logits.allgather_dim).
+    and written, plus a few us of Python (harmpi.logits.allgather_dim).
     """
     if dim or dim is None:  # (0 and False: the dim-0 path; no more Python on it)
         return allgather_dim(x, dim, comm, dtype, out)

@@ -103,8 +103,9 @@ the dim result coincide: the dim-0 allgather writes the result directly, at
 its cost. Otherwise the allgather lands in a per-communicator scratch buffer
 and one compiled strided copy (n * outer memcpy's of x.shape[dim] * inner
 elements, outer/inner: the product of the dimensions before/after dim) moves
-it into place: n * x.nbytes bytes more read and written, plus ~2-3 us of
-Python around the collective.
+it into place: n * x.nbytes bytes more read and written, plus a few us of
+Python around the collective (one rank, a (4, 1280) bf16 tensor, on a
+loaded 2-core VM: dim 1 took 6-8 us more than dim 0, copy included).
 """
 
 from __future__ import annotations
@@ -473,6 +474,8 @@ def gather_logits(shard, comm=None, route=None):
     call after this rank's width changed, learns every rank's width with one
     small collective first; other calls run one collective. Ranks that disagree about
     the widths or the leading shape raise HarmpiMismatchError on every rank.
+    On the allreduce route the result is a view of a slightly longer buffer
+    (the check tail, 3 elements per rank, follows it); it is contiguous.
     """
     addr, fmt, is_torch, shape = _check_shard(shard)
     ctx = api._context(comm)
