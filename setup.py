@@ -7,12 +7,22 @@ or ``pip install . --no-build-isolation``) and a C++ compiler works. Without
 either the install still succeeds, says why in one line, and harmpi runs its
 Python path (``harmpi.info()["native"]`` says so). The torch version built
 against is compiled into the module; harmpi.native refuses it under another
-torch.
+torch. ``HARMPI_NATIVE=0`` at build time skips it (as it skips it at run time).
+
+Packages: harmpi and its subpackages, and the launcher, which lives in the
+repository's ``launch/`` (``python -m launch`` in a checkout) and installs
+as ``harmpi_launch`` (``python -m harmpi_launch``, ``harmpi-launch``): no
+top-level name as common as ``launch`` lands in site-packages, and the
+launcher still starts without importing harmpi (``import harmpi.launch``
+would run harmpi/__init__.py: MPI, numba, torch, seconds). ``bench/`` is not
+installed: its modules import each other as ``bench.*``; run them from a
+checkout (``python -m bench.osu_allreduce``).
 """
 
+import os
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 NOT_BUILT = ("harmpi: the torch extension harmpi._C is not built ({}); harmpi.allreduce keeps "
              "its Python path and torch.ops.harmpi.all_reduce_ is unavailable")
@@ -20,6 +30,9 @@ NOT_BUILT = ("harmpi: the torch extension harmpi._C is not built ({}); harmpi.al
 
 def _native():
     """setup() arguments for harmpi._C, or none when torch is not importable."""
+    if os.environ.get("HARMPI_NATIVE") == "0":
+        print(NOT_BUILT.format("HARMPI_NATIVE=0"), file=sys.stderr)
+        return {}
     try:
         import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -47,4 +60,9 @@ def _native():
     return {"ext_modules": [ext], "cmdclass": {"build_ext": OptionalBuildExtension}}
 
 
-setup(**_native())
+PACKAGES = {
+    "packages": [*find_packages(include=["harmpi", "harmpi.*"]), "harmpi_launch"],
+    "package_dir": {"harmpi_launch": "launch"},
+}
+
+setup(**PACKAGES, **_native())

