@@ -86,7 +86,7 @@ def parse_hostfile(text: str, where: str = "hostfile") -> tuple[Host, ...]:
 
 def _resolves(name: str) -> bool:
     try:
-        socket.getaddrinfo(name, None)
+        socket.getaddrinfo(name.strip("[]"), None)  # "[::1]": an IPv6 address
     except (OSError, UnicodeError):
         return False
     return True
