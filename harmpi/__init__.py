@@ -40,7 +40,7 @@ from . import compilenote as _compilenote  # noqa: E402
 
 _compilenote.install()
 
-from . import allgather, allreduce  # noqa: E402  (callable modules, see allreduce.py)
+from . import allgather, allreduce, profile  # noqa: E402  (callable modules, see allreduce.py)
 from . import failfast as _failfast  # noqa: E402
 from .api import barrier, finalize, gather_logits, info, init  # noqa: E402
 from .config import ALGORITHMS, Config  # noqa: E402
@@ -70,5 +70,5 @@ if _LAUNCHED:  # an uncaught exception on one rank ends the job (harmpi.failfast
     _failfast.install()
 
 __all__ = ["allreduce", "allgather", "gather_logits", "barrier", "init", "finalize", "info",
-           "ALGORITHMS", "Config", "HarmpiError", "HarmpiArgumentError", "HarmpiMismatchError",
-           "HarmpiTimeoutError", "HarmpiTransportError", "__version__"]
+           "profile", "ALGORITHMS", "Config", "HarmpiError", "HarmpiArgumentError",
+           "HarmpiMismatchError", "HarmpiTimeoutError", "HarmpiTransportError", "__version__"]

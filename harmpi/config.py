@@ -34,6 +34,12 @@ HARMPI_LOGITS_ALLREDUCE_MAX_BYTES     auto: on several nodes, results up to
 HARMPI_ABORT_ON_EXCEPTION  1          under an MPI launcher, an uncaught exception
                                       on one rank ends the whole job (MPI_Abort,
                                       harmpi.failfast); 0: the old behaviour
+HARMPI_PROFILE             0          1: profile every collective (harmpi.profile);
+                                      rank 0 prints the summary at finalize
+HARMPI_PROFILE_RECORDS     16384      profiling: the ring of records kept per
+                                      rank (older calls only in the aggregates)
+HARMPI_TRACE               (unset)    profiling: write a Chrome trace to this
+                                      file at finalize (turns profiling on)
 =========================  =========  ==========================================
 """
 
@@ -113,6 +119,12 @@ class Config:
     #: under a launcher, an uncaught exception aborts the job (harmpi.failfast;
     #: read at import, and from the world context's config when it fails)
     abort_on_exception: bool = True
+    #: profile every collective from the context's creation (harmpi.profile)
+    profile: bool = False
+    #: records kept per rank while profiling (a ring; the rest is aggregated)
+    profile_records: int = 16384
+    #: a file to write the profile's Chrome trace to at finalize (None: none)
+    trace: str | None = None
 
     def __post_init__(self):
         if self.algorithm != "auto" and self.algorithm not in ALGORITHMS:
@@ -156,4 +168,7 @@ class Config:
             logits_allreduce_max_nbytes=_int(env, "HARMPI_LOGITS_ALLREDUCE_MAX_BYTES",
                                              cls.logits_allreduce_max_nbytes, 0),
             abort_on_exception=_switch(env, "HARMPI_ABORT_ON_EXCEPTION", cls.abort_on_exception),
+            profile=_switch(env, "HARMPI_PROFILE", cls.profile),
+            profile_records=_int(env, "HARMPI_PROFILE_RECORDS", cls.profile_records, 0),
+            trace=env.get("HARMPI_TRACE") or None,
         )

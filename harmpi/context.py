@@ -178,6 +178,12 @@ class Context:
         self._har2 = None
         self.entry, self.entry_cfunc = self._default_entry()
         self.gather = self._gather_entry()
+        #: the profile HARMPI_PROFILE / HARMPI_TRACE started (harmpi.profile)
+        self.profile = None
+        if self.config.profile or self.config.trace:
+            from .profile import Profile  # noqa: PLC0415 - only when profiling
+
+            self.profile = Profile(self, trace=self.config.trace).start()
 
     # -- entries --------------------------------------------------------------
 
@@ -235,6 +241,9 @@ class Context:
         rc = node.enter(self.ctl)
         if rc != OK:
             return rc
+        if self.ctl[0]["profile"]:
+            call = args[0]
+            node.begin(self.ctl, call.nbytes, call.code)
         try:
             fn(*args)
         except HarmpiError as exc:
@@ -515,6 +524,11 @@ class Context:
     def free(self):
         """Release the window, transports and communicators (collective).
         (The API detaches harmpi.native first.)"""
+        if self.profile is not None and self.broken is None:
+            from .profile import finish  # noqa: PLC0415
+
+            finish(self.profile)
+            self.profile = None
         for t in (self._rail_transport, self._world_transport):
             if t is not None:
                 t.close()

@@ -69,6 +69,19 @@ FIELDS = (
     ("hook_source", ""),
     ("hook_tag", ""),
     ("hook_sigfd", "Python's signal wakeup fd that harmpi reads (-1: none)"),
+    ("profile", "0: profiling off; else the address of its int64 state (harmpi.profrec)"),
+    ("stamps", "address of the node's stamp lines (harmpi.shm)"),
+    ("prof_enter_ns", "profiling: entry time of the running collective (monotonic)"),
+    ("prof_nbytes", "profiling: its bytes"),
+    ("prof_code", "profiling: its kind word"),
+    ("prof_stamp", "profiling: the arrival time the next publish posts (0: none)"),
+    ("prof_who", "profiling: the communicator rank that arrival is of"),
+    ("prof_first_ns", "profiling: first arrival heard of in this collective"),
+    ("prof_last_ns", "profiling: last arrival heard of"),
+    ("prof_last_rank", "profiling: who arrived last"),
+    ("prof_arrivals", "profiling: how many arrivals were heard of"),
+    ("prof_rt_skew_ns", "profiling: the rail peer's CLOCK_REALTIME minus this rank's"),
+    ("prof_rt_mono_ns", "profiling: this host's CLOCK_REALTIME minus CLOCK_MONOTONIC"),
 )
 
 CONTROL = np.dtype([(name, np.int64) for name, _ in FIELDS])

@@ -51,16 +51,17 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from . import control, copytune, dtypes, kind, mpiprogress
+from . import control, copytune, dtypes, kind, mpiprogress, profrec
 from . import reduce as _reduce
 from .control import ABANDONED, BUSY, INTERRUPTED, MISMATCH, OK, POISONED, TIMEOUT
-from .shm import FLAG_LINE_NBYTES, W_CULPRIT, W_EPOCH, W_META, W_STATUS
+from .shm import FLAG_LINE_NBYTES, STAMP_WORDS, W_CULPRIT, W_EPOCH, W_META, W_STATUS
 from .sync import ABANDONED as FLAG_ABANDONED
 from .sync import (
     WAIT_INTERRUPTED,
     compare_exchange,
     cpu_relax,
     load_acquire,
+    monotonic_ns,
     store_release,
     wait_flags_ge,
 )
@@ -71,7 +72,7 @@ __all__ = ["init_control", "stage", "stage_meta", "publish_wait", "publish_wait_
            "next_slot_addr", "entry_point", "one_node_step", "solo_step",
            "gather_step", "ONE_NODE_STEP", "ONE_NODE_CFUNC", "SOLO_STEP", "GATHER_STEP",
            "STREAM_MIN_NBYTES", "NEVER_RSAG", "enter", "leave", "abandon",
-           "interrupted", "one_node_start", "one_node_finish", "ONE_NODE_START",
+           "interrupted", "begin", "one_node_start", "one_node_finish", "ONE_NODE_START",
            "ONE_NODE_FINISH"]
 
 _LINE = FLAG_LINE_NBYTES
@@ -110,6 +111,7 @@ def init_control(ctl, arena, spin_count: int, timeout_s: float, auto_code: int,
                                                                           copytune.MODE_PLAIN)
     c["mode"] = mode
     c["tune_table"] = arena.tune_addr
+    c["stamps"] = getattr(arena, "stamps_addr", 0)
     c["tuning"] = 1 if stream_stores == "auto" and arena.local_size > 1 else 0
     if arena.local_rank == 0:
         c["tune_state"] = tune_state.ctypes.data
@@ -426,6 +428,75 @@ def _who_abandoned(c):
     return c.local_rank
 
 
+# -- profiling (harmpi.profile): arrival stamps beside the epochs -------------
+#
+# Only while the control block's ``profile`` word is non-zero. A rank's
+# first publish of a collective posts its entry time in its stamp line
+# (harmpi.shm), tagged with the epoch; after the wait for that epoch every
+# rank reads every local rank's stamp, so each learns the first and the last
+# arrival and who that was, without a message of its own. A later publish
+# posts what ``prof_stamp`` then holds (the two-node step: the rail peer's
+# arrival), or nothing.
+
+@numba.njit(cache=True, nogil=True)
+def _stamp_line(c, j, epoch):
+    return c.stamps + j * _LINE + (epoch & 1) * STAMP_WORDS * _WORD
+
+
+@numba.njit(cache=True, nogil=True)
+def _post_stamp(c, epoch):
+    line = _stamp_line(c, c.local_rank, epoch)
+    store_release(line + _WORD, c.prof_stamp)
+    store_release(line + 2 * _WORD, c.prof_who if c.prof_stamp != 0 else -1)
+    store_release(line, epoch)
+    c.prof_stamp = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def heard(c, t, who):
+    """Fold one rank's arrival time into the running collective's record."""
+    if c.prof_arrivals == 0 or t < c.prof_first_ns:
+        c.prof_first_ns = t
+    if c.prof_arrivals == 0 or t > c.prof_last_ns:
+        c.prof_last_ns = t
+        c.prof_last_rank = who
+    c.prof_arrivals += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _read_stamps(c, epoch):
+    for j in range(c.local_size):
+        line = _stamp_line(c, j, epoch)
+        if load_acquire(line) == epoch:
+            who = load_acquire(line + 2 * _WORD)
+            if who >= 0:
+                heard(c, load_acquire(line + _WORD), who)
+
+
+@numba.njit(cache=True, nogil=True)
+def _itemsize(fmt):
+    if fmt == _BF16 or fmt == _F16:
+        return 2
+    return 4 if fmt == _F32 else 8
+
+
+@numba.njit(types.void(_ctl, _i64, _i64), cache=True, nogil=True)
+def begin(ctl, nbytes, code):
+    """Profiling: a collective of ``nbytes`` and kind ``code`` starts now
+    (an entry calls it right after enter, only when ``profile`` is set)."""
+    c = ctl[0]
+    t = monotonic_ns()
+    c.prof_enter_ns = t
+    c.prof_nbytes = nbytes
+    c.prof_code = code
+    c.prof_stamp = t
+    c.prof_who = _local_rank_of(c, c.local_rank)
+    c.prof_first_ns = 0
+    c.prof_last_ns = 0
+    c.prof_last_rank = -1
+    c.prof_arrivals = 0
+
+
 @numba.njit(cache=True, nogil=True)
 def _publish(ctl):
     """Publish the next epoch (the first half of publish_wait): OK, or
@@ -434,6 +505,8 @@ def _publish(ctl):
     if c.abandoned != 0:
         return ABANDONED
     epoch = c.epoch + 1
+    if c.profile != 0:
+        _post_stamp(c, epoch)
     if compare_exchange(_flag_addr(c, c.local_rank), c.epoch, epoch) != c.epoch:
         return _abandoned_by(ctl, _who_abandoned(c), epoch)  # a peer gave up on this rank
     c.epoch = epoch
@@ -451,6 +524,8 @@ def _await(ctl):
         j = wait_flags_ge(c.flags + W_EPOCH * _WORD, _LINE, c.local_size, epoch, c.spin,
                           c.timeout_ns, hook_addr(ctl))
         if j == -1:
+            if c.profile != 0:
+                _read_stamps(c, epoch)
             return OK
         if j == WAIT_INTERRUPTED:
             return interrupted(ctl)
@@ -840,6 +915,8 @@ def enter(ctl):
 
 @numba.njit(types.void(_ctl), cache=True, nogil=True)
 def leave(ctl):
+    if ctl[0].profile != 0:
+        profrec.record(ctl)
     store_release(ctl.ctypes.data + _BUSY_OFFSET, 0)
 
 
@@ -860,6 +937,8 @@ def gather_step(ctl, x_addr, out_addr, n, fmt, digest):
     rc = enter(ctl)
     if rc != OK:
         return rc
+    if ctl[0].profile != 0:
+        begin(ctl, n * _itemsize(fmt), kind.allgather_code(fmt, digest))
     rc = _gather(ctl, x_addr, out_addr, n, fmt, digest)
     leave(ctl)
     return rc
@@ -915,6 +994,8 @@ def one_node_step(ctl, x_addr, n, fmt):
     rc = enter(ctl)
     if rc != OK:
         return rc
+    if ctl[0].profile != 0:
+        begin(ctl, n * _itemsize(fmt), ctl[0].auto_code | fmt)
     rc = _one_node(ctl, x_addr, n, fmt)
     leave(ctl)
     return rc
@@ -991,6 +1072,8 @@ def one_node_start(ctl, x_addr, n, fmt):
     rc = enter(ctl)
     if rc != OK:
         return rc
+    if ctl[0].profile != 0:
+        begin(ctl, n * _itemsize(fmt), ctl[0].auto_code | fmt)
     if fmt == _BF16 or fmt == _F16:
         rc = _one_node_start(ctl, x_addr, n, fmt, np.empty(0, np.uint16))
     elif fmt == _F32:
@@ -1019,12 +1102,15 @@ def one_node_finish(ctl, x_addr, n, fmt):
 @numba.njit(STEP_SIG, cache=True, nogil=True)
 def solo_step(ctl, x_addr, n, fmt):
     """A communicator of one rank: the sum is x itself."""
+    if ctl[0].profile != 0:
+        begin(ctl, n * _itemsize(fmt), ctl[0].auto_code | fmt)
+        profrec.record(ctl)
     return OK
 
 
 @numba.cfunc(CFUNC_SIG, cache=True, nogil=True)
 def _solo_cfunc(ctl_addr, x_addr, n, fmt):
-    return OK
+    return solo_step(control.control_at(ctl_addr), x_addr, n, fmt)
 
 
 def entry_point(dispatcher, sig):

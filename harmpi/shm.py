@@ -5,6 +5,8 @@ Layout (offsets from the window base; L ranks on the node)::
     [0, L*64)                 flag lines, one 64-byte line per local rank
     [L*64, L*64 + 512)        copy-mode table (copytune: one word per size
                               bucket, written by local rank 0)
+    [T, T + L*64)             stamp lines, one per local rank, T = L*64 + 512
+                              (harmpi.profile; written only while profiling)
     [F, F + 2*L*S)            payload slots, F = flags rounded up to 4 KiB,
                               slot(p, l) = F + (p*L + l) * S
 
@@ -21,6 +23,13 @@ Flag line of rank l, int64 words:
     5, 6   step status of parity 0, 1 (non-zero: this rank's part failed)
     7      CULPRIT  after giving up: the rank it waited for (-1: unknown)
 
+Stamp line of rank l, int64 words, by the parity p of the epoch they go
+with: word 3p the epoch (the tag), 3p+1 an arrival time (monotonic ns),
+3p+2 the communicator rank it is of (-1: none). A rank writes them before
+it publishes that epoch and its peers read them after their wait for it;
+it writes the same parity again only two epochs later, after every peer
+has published the epoch between (so has read them).
+
 The meta words are double-buffered like the slots: a rank may write the
 next step's meta while a slow peer still checks this step's.
 
@@ -36,13 +45,15 @@ from mpi4py import MPI
 
 from .copytune import TABLE_NBYTES
 
-__all__ = ["Arena", "FLAG_LINE_NBYTES", "W_EPOCH", "W_META", "W_STATUS", "W_CULPRIT"]
+__all__ = ["Arena", "FLAG_LINE_NBYTES", "W_EPOCH", "W_META", "W_STATUS", "W_CULPRIT",
+           "STAMP_WORDS"]
 
 FLAG_LINE_NBYTES = 64
 W_EPOCH = 0   # word index of the epoch in a flag line
 W_META = 1    # first meta word; parity p uses words W_META + 2p, W_META + 2p + 1
 W_STATUS = 5  # parity p uses word W_STATUS + p
 W_CULPRIT = 7  # written before the epoch word turns ABANDONED
+STAMP_WORDS = 3  # words per parity in a stamp line: epoch, time, rank
 _PAGE = 4096
 
 
@@ -54,7 +65,9 @@ class Arena:
         self.local_rank = node_comm.Get_rank()
         self.slot_nbytes = int(slot_nbytes)
         self.tune_offset = self.local_size * FLAG_LINE_NBYTES
-        self.flags_nbytes = -(-(self.tune_offset + TABLE_NBYTES) // _PAGE) * _PAGE
+        self.stamps_offset = self.tune_offset + TABLE_NBYTES
+        stamps_end = self.stamps_offset + self.local_size * FLAG_LINE_NBYTES
+        self.flags_nbytes = -(-stamps_end // _PAGE) * _PAGE
         self.nbytes = self.flags_nbytes + 2 * self.local_size * self.slot_nbytes
         self._win = MPI.Win.Allocate_shared(
             self.nbytes if self.local_rank == 0 else 0, 1, comm=node_comm)
@@ -64,6 +77,7 @@ class Arena:
         self.flags_addr = self.base_addr
         self.slots_addr = self.base_addr + self.flags_nbytes
         self.tune_addr = self.base_addr + self.tune_offset
+        self.stamps_addr = self.base_addr + self.stamps_offset
         # The window is not guaranteed zeroed: the owner clears the flags and
         # the barrier orders that before any rank's first wait.
         self._win.Lock_all()

@@ -77,6 +77,20 @@ def _har2_post(ctl, ops, scratch, addr, m, total, code, tag, w):
 
 
 @numba.njit(cache=True, nogil=True)
+def _peer_arrived(c, give_up_rt):
+    """Profiling, first step of a collective: the rail peer sent its part at
+    its give-up time minus the timeout (its realtime clock, which is
+    ``prof_rt_skew_ns`` ahead of this rank's). This rank posts that time, on
+    its own monotonic clock, with its next publish, so every local rank hears
+    of every rank of the other node too. (Assumes the peer's timeout equals
+    this rank's; the clock error is harmpi.profile's offset bound.)"""
+    sent_rt = give_up_rt - c.timeout_ns - c.prof_rt_skew_ns
+    c.prof_stamp = sent_rt - c.prof_rt_mono_ns
+    c.prof_who = c.rail_peer
+    # (this rank folds it in when it reads its own stamp line after the wait)
+
+
+@numba.njit(cache=True, nogil=True)
 def _har2_complete(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
     """Second half: wait for the node and the exchange, add, publish, sum."""
     c = ctl[0]
@@ -100,6 +114,8 @@ def _har2_complete(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w
         node.abandon(ctl, c.rail_peer)
         return RAIL_LATE
     rail_bad = ops[0, sockio.OP_HDR_N] != nbytes or ops[0, sockio.OP_HDR_TAG] != tag
+    if c.profile != 0 and c.epoch == c.coll_epoch + 1:
+        _peer_arrived(c, ops[0, sockio.OP_HDR_DL])
     status = 1 if (local_bad or rail_bad) else 0
     rc = node.add_publish_sum(ctl, addr, c.rail_recv, m, status, fmt, w)
     if rc != OK and rc != POISONED:
@@ -161,6 +177,8 @@ def har2_step(ctl, x_addr, n, fmt):
     rc = node.enter(ctl)
     if rc != OK:
         return rc
+    if ctl[0].profile != 0:
+        node.begin(ctl, n * node._itemsize(fmt), ctl[0].auto_code | fmt)
     rc = har2_run(ctl, x_addr, n, ctl[0].auto_code | fmt, fmt)
     node.leave(ctl)
     return rc
@@ -202,6 +220,8 @@ def har2_start(ctl, x_addr, n, fmt):
     rc = node.enter(ctl)
     if rc != OK:
         return rc
+    if ctl[0].profile != 0:
+        node.begin(ctl, n * node._itemsize(fmt), ctl[0].auto_code | fmt)
     if fmt == dtypes.BF16 or fmt == dtypes.F16:
         rc = _har2_start(ctl, x_addr, n, fmt, np.empty(0, np.uint16))
     elif fmt == dtypes.F32:

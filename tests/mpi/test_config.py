@@ -23,12 +23,15 @@ ENV = {
     "HARMPI_LOGITS_ROUTE": "allreduce",
     "HARMPI_LOGITS_ALLREDUCE_MAX_BYTES": "4096",
     "HARMPI_ABORT_ON_EXCEPTION": "0",
+    "HARMPI_PROFILE": "1",
+    "HARMPI_PROFILE_RECORDS": "100",
+    "HARMPI_TRACE": "/nonexistent/trace.json",
 }
 GIVEN = harmpi.Config(timeout_s=30.0, spin_count=12345, slot_nbytes=16384, small_max_nbytes=4096,
                       har_latency_max_nbytes=8192, algorithm="leader", transport="tcp",
                       ranks_per_node=1, stream_stores="flush", native=True,
                       logits_route="allgather", logits_allreduce_max_nbytes=12345,
-                      abort_on_exception=True)
+                      abort_on_exception=True, profile=False, profile_records=16384, trace=None)
 
 
 def test_a_config_given_to_init_wins_over_the_environment(world, monkeypatch):
@@ -47,6 +50,7 @@ def test_a_config_given_to_init_wins_over_the_environment(world, monkeypatch):
     assert c["slot_nbytes"] == 16384 and c["small_max_nbytes"] == 4096
     assert c["mode"] == copytune.MODE_FLUSH and c["tuning"] == 0
     assert ctx.topo.node_count == comm.Get_size()        # ranks_per_node=1
+    assert ctx.profile is None and c["profile"] == 0     # profile, trace
     info = harmpi.info(comm)
     assert info["thresholds"]["har_latency_max_nbytes"] == 8192
     assert info["thresholds"]["logits_allreduce_max_nbytes"] == 12345

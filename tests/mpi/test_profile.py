@@ -1,0 +1,124 @@
+"""harmpi.profile under mpirun: the last arrival is named, counts match the
+calls, the trace is a valid merged Chrome trace, results do not change,
+memory stays bounded. Runs at any -np and with HARMPI_RANKS_PER_NODE."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+from conftest import torch
+
+import harmpi
+from harmpi import profrec
+
+#: injected lateness; large against this machine's scheduling noise
+SLEEP_S = 0.05
+
+
+def _x(rank, n=2560):
+    return np.full(n, rank + 1, np.float32)
+
+
+def test_sleeper_is_named_last(world):
+    size, rank = world.Get_size(), world.Get_rank()
+    if size < 2:
+        pytest.skip("needs two ranks")
+    info = harmpi.info()
+    if info["nodes"] > 2 or (info["nodes"] == 2 and (info["transport"] != "tcp"
+                                                     or len(set(info["ranks_per_node"])) > 1)):
+        pytest.skip("this topology's path hears its own node's arrivals only")
+    late = size - 1
+    chosen = {3, 7, 11}
+    x = _x(rank)
+    harmpi.allreduce(x)
+    with harmpi.profile() as p:
+        for i in range(14):
+            if rank == late and i in chosen:
+                time.sleep(SLEEP_S)
+            harmpi.allreduce(x)
+    s = p.stats()
+    rec = p.records()
+    assert s["last_arrival_count"][late] >= len(chosen)
+    assert s["last_arrival_delay_s"][late] >= 0.9 * SLEEP_S * len(chosen)
+    for i in sorted(chosen):
+        r = rec[i]
+        assert r["last_rank"] == late, (i, r)
+        delay = (r["last_ns"] - r["first_ns"]) / 1e9
+        assert 0.9 * SLEEP_S <= delay <= SLEEP_S + 0.5, (i, delay)
+        if rank != late:  # it waited for the sleeper at least that long
+            assert (r["last_ns"] - r["enter_ns"]) / 1e9 >= 0.8 * SLEEP_S
+
+
+def test_counts_equal_calls(world):
+    rank = world.Get_rank()
+    x = _x(rank)
+    with harmpi.profile() as p:
+        for _ in range(25):
+            harmpi.allreduce(x)
+        for _ in range(5):
+            harmpi.allgather(x)
+    s = p.stats()
+    assert s["calls"] == 30
+    assert s["calls_by_rank"] == [30] * world.Get_size()
+    assert s["collectives"]["allreduce"] == {"calls": 25, "bytes": 25 * x.nbytes}
+    assert s["collectives"]["allgather"] == {"calls": 5, "bytes": 5 * x.nbytes}
+    assert sum(s["last_arrival_count"].values()) <= 30
+    text = p.summary()
+    assert "allreduce" in text and str(30) in text
+
+
+def test_torch_backend_is_recorded(world):
+    dist = torch.distributed
+    if not dist.is_initialized():
+        pytest.skip("the torch backend tests set up the group")
+    x = torch.ones(64)
+    with harmpi.profile() as p:
+        dist.all_reduce(x)
+    assert p.stats()["calls"] >= 1
+
+
+def test_trace_is_valid(world, tmp_path_factory):
+    size, rank = world.Get_size(), world.Get_rank()
+    x = _x(rank)
+    path = world.bcast(str(tmp_path_factory.mktemp("trace") / "t.json") if rank == 0 else None)
+    with harmpi.profile(trace=path):
+        for _ in range(10):
+            harmpi.allreduce(x)
+    world.Barrier()
+    if rank == 0:
+        with open(path) as f:
+            doc = json.load(f)
+        events = doc["traceEvents"]
+        tracks = {e["pid"] for e in events}
+        assert tracks == set(range(size))
+        for pid in tracks:
+            calls = [e for e in events if e["pid"] == pid and e["name"] == "allreduce"]
+            assert len(calls) == 10
+            for a, b in zip(calls, calls[1:]):
+                assert a["ts"] + a["dur"] <= b["ts"] + 1e-3
+            assert all(e["dur"] >= 0 for e in calls)
+
+
+def test_results_bitwise_identical(world):
+    rank = world.Get_rank()
+    rng = np.random.default_rng(rank)
+    base = rng.standard_normal(5000).astype(np.float32)
+    off = base.copy()
+    harmpi.allreduce(off)
+    on = base.copy()
+    with harmpi.profile():
+        harmpi.allreduce(on)
+    assert off.tobytes() == on.tobytes()
+
+
+def test_memory_bounded(world):
+    x = np.zeros(1, np.float32)
+    with harmpi.profile(records=64) as p:
+        before = p.state.nbytes
+        for _ in range(100_000):
+            harmpi.allreduce(x)
+    assert p.state.nbytes == before
+    assert p.state.nbytes < 64 * profrec.REC_WORDS * 8 + 16384
+    assert len(p.records()) == 64
+    assert p.stats()["calls"] == 100_000

@@ -1,0 +1,112 @@
+"""harmpi.profrec / harmpi.profile / harmpi.report without MPI peers: the
+compiled record against plain arithmetic, histogram buckets, the ring's
+bound, the summary text, the trace and the PNG."""
+
+import json
+import types
+
+from harmpi import control, kind, profrec, report
+from harmpi import profile as hprofile
+from harmpi.config import Config
+
+
+def test_config_fields():
+    c = Config.from_env({"HARMPI_PROFILE": "1", "HARMPI_PROFILE_RECORDS": "100",
+                         "HARMPI_TRACE": "/tmp/x.json"})
+    assert (c.profile, c.profile_records, c.trace) == (True, 100, "/tmp/x.json")
+    d = Config.from_env({})
+    assert (d.profile, d.profile_records, d.trace) == (False, 16384, None)
+
+
+def test_buckets_monotonic_and_close():
+    values = [1, 2, 3, 7, 8, 9, 100, 1000, 12345, 10**6, 3 * 10**9]
+    buckets = [profrec.bucket_of(v) for v in values]
+    assert buckets == sorted(buckets)
+    for v, b in zip(values[3:], buckets[3:]):
+        mid = profrec.bucket_value_ns(b)
+        assert abs(mid - v) / v < 0.1, (v, mid)
+
+
+def _control(state, enter, first, last, who, arrivals, nbytes=10240, code=None):
+    ctl = control.new()
+    c = ctl[0]
+    c["profile"] = state.ctypes.data
+    c["prof_enter_ns"] = enter
+    c["prof_first_ns"] = first
+    c["prof_last_ns"] = last
+    c["prof_last_rank"] = who
+    c["prof_arrivals"] = arrivals
+    c["prof_nbytes"] = nbytes
+    c["prof_code"] = kind.encode(op=kind.OP_SUM, coll=kind.COLL_ALLREDUCE) if code is None \
+        else code
+    return ctl
+
+
+def test_record_aggregates_and_ring_bound():
+    st = profrec.new_state(3, 4)
+    words = st.size
+    base = 10**12
+    for i in range(10):
+        profrec.record(_control(st, base + i, base + i - 5, base + i + 100, i % 3, 3))
+    assert st.size == words
+    assert st[profrec.H_CALLS] == 10 and st[profrec.H_WRITTEN] == 10
+    assert st[profrec.H_BYTES] == 10 * 10240
+    assert st[profrec.H_WAIT_NS] == 10 * 100
+    lay = profrec.layout(3, 4)
+    assert list(st[lay["count"]:lay["count"] + 3]) == [4, 3, 3]
+    assert list(st[lay["delay"]:lay["delay"] + 3]) == [4 * 105, 3 * 105, 3 * 105]
+    assert st[lay["hist"]:lay["hist"] + profrec.NBUCKETS].sum() == 10
+    ring = st[lay["ring"]:].reshape(4, profrec.REC_WORDS)
+    # the last four records, in ring order (record 8 and 9 wrapped to rows 0 and 1)
+    assert sorted(ring[:, profrec.R_ENTER] - base) == [6, 7, 8, 9]
+
+
+def test_record_alone_waits_nothing():
+    st = profrec.new_state(1, 2)
+    profrec.record(_control(st, 10**12, 0, 0, -1, 0))
+    assert st[profrec.H_WAIT_NS] == 0
+    assert st[profrec.H_STRAGGLED] == 0
+
+
+def _fake_ctx():
+    topo = types.SimpleNamespace(size=2, node_count=1, rank=0, node_ranks=((0, 1),))
+    return types.SimpleNamespace(topo=topo, rail_transport=lambda: None)
+
+
+def _stats():
+    parts = []
+    for r in range(2):
+        st = profrec.new_state(2, 8)
+        for i in range(5):
+            profrec.record(_control(st, 10**12 + 1000 * i, 10**12, 10**12 + 500, 1, 2))
+        p = hprofile.Profile.__new__(hprofile.Profile)
+        p.state, p.records_cap = st, 8
+        p.ctx = types.SimpleNamespace(topo=types.SimpleNamespace(rank=r))
+        parts.append(p.local())
+    return hprofile._merge(parts, _fake_ctx(), [(0, 0, 0), (0, 0, 0)])
+
+
+def test_merge_and_summary():
+    s = _stats()
+    assert s["calls"] == 5 and s["last_arrival_count"] == {0: 0, 1: 5}
+    assert abs(s["last_arrival_delay_s"][1] - 5 * 500e-9) < 1e-12
+    assert s["collectives"]["allreduce"]["calls"] == 5
+    text = hprofile.format_summary(s)
+    assert "allreduce" in text and "rank" in text
+
+
+def test_trace_and_png(tmp_path):
+    st = profrec.new_state(2, 8)
+    for i in range(5):
+        profrec.record(_control(st, 10**12 + 10**5 * i, 10**12 + 10**5 * i,
+                                10**12 + 10**5 * i + 300, 1, 2))
+    p = hprofile.Profile.__new__(hprofile.Profile)
+    p.state, p.records_cap, p.offsets = st, 8, [(0, 0, 0), (0, 0, 0)]
+    p.ctx = _fake_ctx()
+    rec = p.records()
+    assert len(rec) == 5 and list(rec["last_rank"]) == [1] * 5
+    doc = hprofile.trace_events([(0, 0, rec), (1, 0, rec)], _fake_ctx())
+    json.dumps(doc)
+    assert {e["pid"] for e in doc["traceEvents"]} == {0, 1}
+    out = report.draw(doc, str(tmp_path / "t.png"), count=3)
+    assert (tmp_path / "t.png").stat().st_size > 1000 and out.endswith(".png")
