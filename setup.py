@@ -54,6 +54,13 @@ def _native():
                 print(NOT_BUILT.format(f"build failed: {why[-1]}; pip install -v shows the "
                                        "compiler's output"), file=sys.stderr)
 
+        def copy_file(self, infile, outfile, *args, **kwargs):
+            # the in-place copy of an editable install: a new file, not the old
+            # one rewritten under ranks that have it mapped (that would crash them)
+            if os.path.isfile(outfile):
+                os.unlink(outfile)
+            return super().copy_file(infile, outfile, *args, **kwargs)
+
     ext = CppExtension("harmpi._C", ["harmpi/_native.cpp"],
                        define_macros=[("HARMPI_TORCH_VERSION", f'"{torch.__version__}"')],
                        extra_compile_args=["-g0"])  # no debug info: 0.3 MB, not 11
