@@ -920,15 +920,19 @@ def _method_lines(same_host: bool) -> list[str]:
 # --- rounds and results ---------------------------------------------------
 
 
-def _run_rounds(models: dict, impls, prompt, plan: _Plan, comm) -> dict[str, _Measured]:
-    """Every backend's rounds on this rank (collective)."""
+def _run_rounds(models: dict, impls, prompt, plan: _Plan, comm,
+                profiles=None) -> dict[str, _Measured]:
+    """Every backend's rounds on this rank (collective); ``profiles``: name ->
+    _StepProfile of the backends --profile records."""
     # Backends take turns, round by round, so a change in the machine's
     # load hits all of them alike; every round starts from the prompt.
     measured = {impl.name: _Measured() for impl in impls}
     for n_steps in plan.per_round:
         for impl in impls:
-            result = _decode(models[impl.name], impl, prompt, plan.warmup_steps, n_steps,
-                             comm.Barrier)
+            args = (models[impl.name], impl, prompt, plan.warmup_steps, n_steps, comm.Barrier)
+            prof = (profiles or {}).get(impl.name)
+            result = _decode(*args) if prof is None else prof.run(
+                _decode, args, 1 + plan.warmup_steps + n_steps)
             digests = comm.allgather(_tokens_digest(result.tokens))
             backend = measured[impl.name]
             backend.identical = backend.identical and len(set(digests)) == 1
@@ -960,6 +964,66 @@ def _gather_row(name: str, measured: _Measured, plan: _Plan, comm, same_host: bo
         tokens_sha=_tokens_digest(longest),
     )
     return row
+
+
+class _StepProfile:
+    """--profile: harmpi.profile of one backend's rounds, on only while
+    they run, with the wall time and forward passes it covered."""
+
+    def __init__(self, ctx):
+        from harmpi.profile import Profile
+
+        self.profile = Profile(ctx)  # collective: it times the clocks
+        self.wall_ns = 0
+        self.passes = 0
+
+    def run(self, fn, args, passes):
+        self.profile.start()
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args)
+        finally:
+            self.wall_ns += time.perf_counter_ns() - t0
+            self.profile.stop()
+            self.passes += passes
+
+
+def _step_profiles(impls) -> dict:
+    """name -> _StepProfile of every backend that runs on a harmpi context."""
+    from harmpi.registry import STATE
+
+    out = {}
+    for impl in impls:
+        ctx = getattr(getattr(impl, "group", None), "_ctx", None)  # torch:harmpi
+        if ctx is None and getattr(impl, "_harmpi", None) is not None:
+            ctx = STATE.get(impl._comm)
+        if ctx is not None:
+            out[impl.name] = _StepProfile(ctx)
+    return out
+
+
+def _profile_lines(profiles: dict, comm) -> list[str]:
+    """Per profiled backend, the mean forward pass (prefill, warm-up and
+    timed steps) split by harmpi.profile (collective; lines on rank 0)."""
+    lines = []
+    for name, sp in profiles.items():
+        s = sp.profile.stats()
+        walls = comm.gather(sp.wall_ns / 1e9, root=0)
+        if comm.Get_rank() != 0:
+            continue
+        n = max(1, sp.passes)
+        wall = float(np.mean(walls)) / n
+        wait = float(np.mean(s["wait_s_by_rank"])) / n
+        own = float(np.mean(s["own_s_by_rank"])) / n
+        compute = wall - wait - own
+        late = ", ".join(f"{r}: {c}" for r, c in s["last_arrival_count"].items())
+        lines.append(
+            f"# profile {name}: per forward pass {wall * 1e3:.3f} ms = compute "
+            f"{compute * 1e3:.3f} ({100 * compute / wall:.1f}%) + waiting for the last rank "
+            f"{wait * 1e3:.3f} ({100 * wait / wall:.1f}%) + collectives' own time "
+            f"{own * 1e3:.3f} ({100 * own / wall:.1f}%); {s['calls'] / n:.0f} collectives per "
+            f"pass; last arrivals by rank: {late} (harmpi.profile, mean over ranks)")
+    return lines
 
 
 def _mark_agreement(rows: list[dict], tokens: dict[str, np.ndarray]) -> None:
@@ -1015,7 +1079,7 @@ def _jsonable(value):
 
 def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int,
         warmup_steps: int, seed: int, threads: int | None, json_path: str | None,
-        rounds: int = 4, tp_api: bool = False, comm=None) -> int:
+        rounds: int = 4, tp_api: bool = False, comm=None, profile: bool = False) -> int:
     """Run the benchmark on every rank of ``comm`` (default: the world); rank 0
     prints and writes ``json_path``.  Returns the exit code, the same on every
     rank: 1 if any backend's ranks generated different tokens."""
@@ -1033,14 +1097,14 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
         models = {impl.name: DTensorDecoder(model, impl.group) if tp_api else model
                   for impl in impls}
         identical = _run_backends(plan, models, prompt, impls, comm, threads=threads_used,
-                                  build_s=build_s, json_path=json_path)
+                                  build_s=build_s, json_path=json_path, profile=profile)
         return int(comm.allreduce(0 if identical else 1, op=MPI.MAX))
     finally:
         close_impls(impls)
 
 
 def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _Threads,
-                  build_s: float, json_path: str | None) -> bool:
+                  build_s: float, json_path: str | None, profile: bool = False) -> bool:
     """Print the header, run the rounds, report (rank 0).  True if every
     backend's ranks generated identical tokens."""
     from bench.osu import bench_version, environment_lines, topology
@@ -1068,11 +1132,13 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _T
         ]
         print("\n".join(lines), flush=True)
 
-    measured = _run_rounds(models, impls, prompt, plan, comm)
+    profiles = _step_profiles(impls) if profile else None
+    measured = _run_rounds(models, impls, prompt, plan, comm, profiles)
     rows = [_gather_row(impl.name, measured[impl.name], plan, comm, same_host) for impl in impls]
+    split = _profile_lines(profiles, comm) if profiles else []
     if rank == 0:
         _mark_agreement(rows, {name: m.longest_tokens() for name, m in measured.items()})
-        print("\n".join(_report_lines(rows)), flush=True)
+        print("\n".join(_report_lines(rows) + split), flush=True)
         if json_path:
             meta = {
                 "benchmark": "decode",
@@ -1136,10 +1202,13 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _T
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="torch threads per rank (default: host CPUs / ranks on the host, at least 1).")
 @click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("--profile", is_flag=True,
+              help="Record the harmpi backends with harmpi.profile and print each one's "
+                   "step split: compute, waiting for the last rank, the collective's own time.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
               default=None, help="Write the results as JSON (rank 0).")
 def main(comm_spec, tp_api, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len,
-         steps, rounds, warmup_steps, threads, seed, json_path):
+         steps, rounds, warmup_steps, threads, seed, profile, json_path):
     if comm_spec is None:
         comm_spec = "torch:harmpi,gloo" if tp_api else "harmpi,gloo,mpi"
     comms = _parse_comms(comm_spec, tp_api)
@@ -1154,7 +1223,7 @@ def main(comm_spec, tp_api, hidden, layers, heads, kv_heads, ffn, vocab, batch, 
     code = harness.run_or_abort(run, cfg, comms=comms, batch=batch, prompt_len=prompt_len,
                                 steps=steps, warmup_steps=warmup_steps, seed=seed,
                                 threads=threads, json_path=json_path, rounds=rounds,
-                                tp_api=tp_api)
+                                tp_api=tp_api, profile=profile)
     sys.exit(code)
 
 
