@@ -137,6 +137,28 @@ def test_hands_the_entry_address_length_and_format(mod, entries):
     assert mod.allreduce(torch.ones(3)) == 7  # the entry's failure status comes back
 
 
+def test_the_torch_distributed_path_serves_only_a_synchronous_sum(mod, entries):
+    """allreduce_sum([t], opts): harmpi.distributed's default-group hot path."""
+    import torch.distributed as dist
+
+    ctl = _ctl()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, None)
+    t = torch.ones(6)
+    for op, async_op, rc in ((dist.ReduceOp.SUM, False, 0), (dist.ReduceOp.SUM, True, -2),
+                             (dist.ReduceOp.AVG, False, -2), (dist.ReduceOp.MAX, False, -2)):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        opts.asyncOp = async_op
+        ctl[0]["err_b"] = -1
+        assert mod.allreduce_sum([t], opts) == rc
+        assert _seen(ctl)[2] == (6 if rc == 0 else -1)  # the entry ran only for the sum
+    sync = dist.AllreduceOptions()
+    sync.asyncOp = False
+    assert mod.allreduce_sum([t, t], sync) == -1          # two tensors: the Python path
+    assert mod.allreduce_sum([torch.ones(2, 2).t()], sync) == -1  # declined like allreduce(t)
+    assert mod.allreduce_sum([t], None) == -2             # not an options object
+
+
 def test_only_the_formats_it_was_given(mod, entries):
     ctl = _ctl()
     given = ((torch.float32, 5),)                 # any id: it is passed through
