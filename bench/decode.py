@@ -268,40 +268,55 @@ def collective_latency_ns(enter_ns: np.ndarray, exit_ns: np.ndarray) -> np.ndarr
     return own.sum(axis=2)
 
 
+def round_tokens_per_s(step_ns: np.ndarray, per_round: Sequence[int], batch: int) -> list[float]:
+    """tok/s of each round: batch / the median of its rank-averaged step times."""
+    mean_ns = np.asarray(step_ns, dtype=np.float64).mean(axis=0)
+    bounds = np.cumsum([0, *per_round])
+    return [float(batch * 1e9 / np.median(mean_ns[a:b])) for a, b in zip(bounds, bounds[1:])]
+
+
 def summarize_backend(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int,
-                      latency_ns: np.ndarray | None = None) -> dict:
+                      latency_ns: np.ndarray | None = None,
+                      per_round: Sequence[int] | None = None) -> dict:
     """Per-rank step and communication times [ranks, steps] -> the reported numbers.
 
     ms_per_token: median over steps of the rank-averaged step time (each step
-    yields one token per sequence); tokens_per_s = batch / that.
-    comm_share: time inside collectives / step time, per rank over all steps,
-    then the mean over ranks (comm_share_min: the smallest per-rank share).
-    comm_latency_share: the same for the time after the last rank arrived
+    yields one token per sequence); tokens_per_s = batch / that;
+    tokens_per_s_rounds: min, median and max of the rounds' tok/s
+    (``per_round``: the steps of each round, in order; default one round).
+    The split of a step is in means, so its columns add up:
+    compute_ms_per_token + comm_ms_per_token = mean_ms_per_token (mean over
+    steps and ranks), and comm_share = comm_ms_per_token / mean_ms_per_token.
+    comm_share_min: the smallest per-rank share (the rank that waits least).
+    comm_latency_*: the same for the time after the last rank arrived
     (see :func:`collective_latency_ns`), None when not measured.
-    compute_ms_per_token: the step outside the collectives; it differs between
-    backends when their waiting slows the compute (busy-polling a core that
-    shares a physical core or a CPU quota with the computing one).
+    compute_ms_per_token differs between backends when their waiting slows
+    the compute (busy-polling a core that shares a physical core or a CPU
+    quota with the computing one).
     """
     step_ns = np.asarray(step_ns, dtype=np.float64)
     comm_ns = np.asarray(comm_ns, dtype=np.float64)
     step_ms = np.median(step_ns.mean(axis=0)) / 1e6
-    step_total = step_ns.sum(axis=1)
-    shares = comm_ns.sum(axis=1) / step_total
+    mean_ms = step_ns.mean() / 1e6
+    comm_ms = comm_ns.mean() / 1e6
+    rounds = round_tokens_per_s(step_ns, per_round or [step_ns.shape[1]], batch)
     summary = {
         "ms_per_token": float(step_ms),
         "tokens_per_s": float(batch * 1e3 / step_ms),
-        "mean_ms_per_token": float(step_ns.mean() / 1e6),
-        "comm_share": float(shares.mean()),
-        "comm_share_min": float(shares.min()),
-        "comm_ms_per_token": float(np.median(comm_ns.mean(axis=0)) / 1e6),
-        "compute_ms_per_token": float(np.median((step_ns - comm_ns).mean(axis=0)) / 1e6),
+        "tokens_per_s_rounds": {"min": min(rounds), "median": float(np.median(rounds)),
+                                "max": max(rounds), "each": rounds},
+        "mean_ms_per_token": float(mean_ms),
+        "compute_ms_per_token": float(mean_ms - comm_ms),
+        "comm_ms_per_token": float(comm_ms),
+        "comm_share": float(comm_ms / mean_ms),
+        "comm_share_min": float((comm_ns.sum(axis=1) / step_ns.sum(axis=1)).min()),
         "comm_latency_share": None,
         "comm_latency_ms_per_token": None,
     }
     if latency_ns is not None:
-        latency_ns = np.asarray(latency_ns, dtype=np.float64)
-        summary["comm_latency_share"] = float((latency_ns.sum(axis=1) / step_total).mean())
-        summary["comm_latency_ms_per_token"] = float(np.median(latency_ns.mean(axis=0)) / 1e6)
+        latency_ms = np.asarray(latency_ns, dtype=np.float64).mean() / 1e6
+        summary["comm_latency_ms_per_token"] = float(latency_ms)
+        summary["comm_latency_share"] = float(latency_ms / mean_ms)
     return summary
 
 
@@ -313,21 +328,29 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _spread(row: dict) -> str:
+    spread = row.get("tokens_per_s_rounds")
+    return "-" if not spread else f"{spread['min']:.1f}-{spread['max']:.1f}"
+
+
 def format_decode_table(rows: Sequence[dict]) -> list[str]:
-    """The result table (rank 0 prints it)."""
+    """The result table (rank 0 prints it): tok/s and its rounds' range from
+    median steps; the split of the mean step (compute + collectives = mean)."""
     lines = [
-        f"{'#':<33}{'compute':>10}{'---- inside collectives ----':>30}"
-        f"{'- after last arrival -':>22}",
-        f"{'# comm':<14}{'tok/s':>9}{'ms/token':>10}{'ms/token':>10}{'ms/token':>10}"
-        f"{'share':>10}{'min rank':>10}{'ms/token':>12}{'share':>10}"
-        f"{'prefill ms':>12}{'ranks agree':>13}",
+        f"{'#':<14}{' median step '.center(30, '-'):>32}"
+        f"{' mean step = compute + collectives '.center(44, '-'):>46}"
+        f"{' after last arrival '.center(22, '-'):>22}",
+        f"{'# comm':<14}{'tok/s':>8}{'rounds min-max':>15}{'ms/token':>9}"
+        f"{'mean ms':>9}{'compute':>9}{'collect.':>10}{'share':>8}{'min rank':>10}"
+        f"{'ms/token':>12}{'share':>10}{'prefill ms':>12}{'ranks agree':>13}",
     ]
     for row in rows:
         agree = {None: "-", True: "yes", False: "NO"}[row.get("tokens_identical_across_ranks")]
         lines.append(
-            f"{row['comm']:<14}{row['tokens_per_s']:>9.1f}{row['ms_per_token']:>10.2f}"
-            f"{_ms(row.get('compute_ms_per_token')):>10}"
-            f"{_ms(row['comm_ms_per_token']):>10}{_pct(row['comm_share']):>10}"
+            f"{row['comm']:<14}{row['tokens_per_s']:>8.1f}{_spread(row):>15}"
+            f"{row['ms_per_token']:>9.2f}{_ms(row.get('mean_ms_per_token')):>9}"
+            f"{_ms(row.get('compute_ms_per_token')):>9}"
+            f"{_ms(row['comm_ms_per_token']):>10}{_pct(row['comm_share']):>8}"
             f"{_pct(row['comm_share_min']):>10}"
             f"{_ms(row.get('comm_latency_ms_per_token')):>12}"
             f"{_pct(row.get('comm_latency_share')):>10}"
@@ -898,17 +921,17 @@ def _threads_line(threads: _Threads, interop_threads: int) -> str:
 def _method_lines(same_host: bool) -> list[str]:
     lines = [
         "# tok/s = batch / median step time; ms/token = median step time (one token of every "
-        "sequence); compute = the step outside the collectives (it grows when waiting ranks "
-        "slow the computing ones)",
-        "# inside collectives: time per step in the 2 x layers all-reduces and the logits "
-        "gather, and its share of the step (mean over ranks; min rank: the rank that waits "
-        "least); it includes waiting for the last rank to arrive",
+        "sequence); rounds min-max: the lowest and highest round's tok/s",
+        "# mean step = compute + collectives (means over steps and ranks, so they add up); "
+        "collect.: time in the 2 x layers all-reduces and the logits gather, waiting for the "
+        "last rank included; share = collect. / mean ms; min rank: the share of the rank that "
+        "waits least; compute grows when waiting ranks slow the computing ones",
     ]
     if same_host:
         lines.append(
-            "# after last arrival: the part of it after the last rank entered each call (one "
-            "host, one clock): the collectives' own latency, without waiting for late or "
-            "descheduled peers"
+            "# after last arrival: the part of collect. after the last rank entered each call "
+            "(one host, one clock): the collectives' own latency, without waiting for late or "
+            "descheduled peers; share = its ms / mean ms"
         )
     else:
         lines.append(
@@ -927,8 +950,9 @@ def _run_rounds(models: dict, impls, prompt, plan: _Plan, comm,
     # Backends take turns, round by round, so a change in the machine's
     # load hits all of them alike; every round starts from the prompt.
     measured = {impl.name: _Measured() for impl in impls}
-    for n_steps in plan.per_round:
+    for round_index, n_steps in enumerate(plan.per_round):
         for impl in impls:
+            t0 = time.perf_counter()
             args = (models[impl.name], impl, prompt, plan.warmup_steps, n_steps, comm.Barrier)
             prof = (profiles or {}).get(impl.name)
             result = _decode(*args) if prof is None else prof.run(
@@ -937,7 +961,17 @@ def _run_rounds(models: dict, impls, prompt, plan: _Plan, comm,
             backend = measured[impl.name]
             backend.identical = backend.identical and len(set(digests)) == 1
             backend.rounds.append(result)
+            if comm.Get_rank() == 0:
+                tok_s = plan.batch * 1e9 / np.median(result.step_ns)
+                _progress(f"round {round_index + 1}/{len(plan.per_round)} {impl.name}: "
+                          f"{n_steps} steps, {tok_s:.1f} tok/s on rank 0, "
+                          f"{time.perf_counter() - t0:.1f} s")
     return measured
+
+
+def _progress(text: str) -> None:
+    """A progress line on stderr (rank 0), so stdout keeps only the report."""
+    print(f"# decode: {text}", file=sys.stderr, flush=True)
 
 
 def _gather_row(name: str, measured: _Measured, plan: _Plan, comm, same_host: bool):
@@ -955,7 +989,8 @@ def _gather_row(name: str, measured: _Measured, plan: _Plan, comm, same_host: bo
     if same_host:
         latency_ns = collective_latency_ns(np.stack(enter_ns), np.stack(exit_ns))
     row = {"comm": name}
-    row.update(summarize_backend(np.stack(step_ns), np.stack(comm_ns), plan.batch, latency_ns))
+    row.update(summarize_backend(np.stack(step_ns), np.stack(comm_ns), plan.batch, latency_ns,
+                                 [len(r.step_ns) for r in measured.rounds]))
     row.update(
         prefill_ms=float(np.max(prefill_ns) / 1e6),
         tokens_identical_across_ranks=measured.identical,
@@ -1168,8 +1203,8 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _T
         "one run per communication backend. Run under MPI: "
         "mpirun -np N python -m mpi4py -m bench.decode --comm harmpi,gloo,mpi"
     ),
-    context_settings={"help_option_names": ["-h", "--help"]},
 )
+@harness.help_option()
 @click.option("--comm", "comm_spec", default=None,
               help="Comma list of harmpi (harmpi.allreduce), torch:harmpi (torch.distributed "
                    "on a harmpi process group), gloo (= torch:gloo), mpi.  [default: "
@@ -1224,7 +1259,7 @@ def main(comm_spec, tp_api, hidden, layers, heads, kv_heads, ffn, vocab, batch, 
                                 steps=steps, warmup_steps=warmup_steps, seed=seed,
                                 threads=threads, json_path=json_path, rounds=rounds,
                                 tp_api=tp_api, profile=profile)
-    sys.exit(code)
+    harness.exit_all(code)
 
 
 def _parse_comms(spec: str, tp_api: bool = False) -> list[str]:

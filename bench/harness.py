@@ -33,6 +33,8 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import sys
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -64,6 +66,10 @@ __all__ = [
     "digest",
     "format_table",
     "rows_to_json",
+    "latency_fields",
+    "world_rank",
+    "help_option",
+    "exit_all",
 ]
 
 KIB = 1024
@@ -431,6 +437,19 @@ class Row:
         return dataclasses.asdict(self)
 
 
+def latency_fields(stat: str) -> dict:
+    """What each latency field of a row holds, for the JSON's meta (``stat``: mean or median)."""
+    _stat_label(stat)  # rejects an unknown statistic
+    per_rank = f"each rank's {stat} of its timed calls"
+    return {
+        "avg_us": f"mean over ranks of {per_rank}, microseconds "
+                  f"(the table's '{_stat_label(stat)} Latency(us)')",
+        "min_us": f"smallest over ranks of {per_rank}, microseconds",
+        "max_us": f"largest over ranks of {per_rank}, microseconds",
+        "busbw_gbps": "bytes per rank / avg_us x busbw_factor, GB/s",
+    }
+
+
 def _stat_label(stat: str) -> str:
     return {"mean": "Avg", "median": "Median"}[stat]
 
@@ -574,6 +593,48 @@ def plot_rows(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) 
     plt.close(fig)
 
 
+def world_rank() -> int:
+    """This process's rank in the job: the launcher's variables, else MPI's
+    when mpi4py already started it, else 0 (a plain ``python -m``)."""
+    for key in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        value = os.environ.get(key, "").strip()
+        if value.isdigit():
+            return int(value)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi.COMM_WORLD.Get_rank()
+    return 0
+
+
+def _show_help_on_rank0(ctx, _param, value) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    import click
+
+    if world_rank() == 0:
+        click.echo(ctx.get_help(), color=ctx.color)
+    ctx.exit()
+
+
+def help_option():
+    """``-h/--help`` that prints on rank 0 only (click's prints once per rank)."""
+    import click
+
+    return click.help_option("-h", "--help", callback=_show_help_on_rank0)
+
+
+def exit_all(code: int, comm=None):
+    """``sys.exit(code)`` on every rank, after a barrier: the code is agreed,
+    and no rank's exit (which ends the job under harmpi's fail-fast when the
+    code is non-zero) can cut rank 0's last lines."""
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    (MPI.COMM_WORLD if comm is None else comm).Barrier()
+    sys.exit(code)
+
+
 def run_or_abort(fn, *args, **kwargs):
     """Return fn(*args, **kwargs); on any error print it and abort the whole
     MPI job, so one failing rank never leaves the others waiting in a
@@ -583,7 +644,6 @@ def run_or_abort(fn, *args, **kwargs):
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException:
-        import sys
         import traceback
 
         from mpi4py import MPI

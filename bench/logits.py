@@ -17,12 +17,13 @@ every shard) and across ranks; a wrong value exits non-zero.
 
 from __future__ import annotations
 
-import sys
 import time
 import zlib
 
 import click
 import numpy as np
+
+from bench import harness
 
 ROUTES = ("allgather", "allreduce")
 DTYPES = ("bf16", "f16", "f32")
@@ -72,6 +73,7 @@ def _time(harmpi, comm, shard, iters, warmup, stat):
 
 
 @click.command()
+@harness.help_option()
 @click.option("--batch", "batches", default="1,2,4", help="batch sizes, comma separated")
 @click.option("--vocab", "vocabs", default="32768,65536,152064", help="vocabulary sizes")
 @click.option("--dtype", "dtype_name", type=click.Choice(DTYPES), default="bf16")
@@ -113,7 +115,7 @@ def main(batches, vocabs, dtype_name, iters, warmup, stat):
     if wrong:
         if rank == 0:
             print(f"# {wrong} wrong results (bitwise against torch.cat, or across ranks)")
-        sys.exit(1)
+    harness.exit_all(1 if wrong else 0)
 
 
 if __name__ == "__main__":

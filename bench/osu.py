@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -309,6 +308,7 @@ def _meta(settings: _Settings, title: str, impls, impl_names, topo: dict, env_li
         "title": title.lstrip("# "),
         "dtype": dtype.name,
         "stat": settings.stat,
+        "latency_fields": harness.latency_fields(settings.stat),
         "impls": impl_names,
         "topology": topo,
         "environment": [line.lstrip("# ") for line in env_lines],
@@ -428,8 +428,8 @@ def command(collective: Collective) -> click.Command:
             f"Run under MPI: mpirun -np N python -m mpi4py -m bench.osu_{collective.op} "
             "[options]. Only rank 0 prints."
         ),
-        context_settings={"help_option_names": ["-h", "--help"]},
     )
+    @harness.help_option()
     @click.option("-m", "--message-size", "message_size", default=None, metavar="[MIN:]MAX",
                   help="Sizes in bytes (K/M suffixes ok), doubling from MIN to MAX. "
                        "Default 2:4M.")
@@ -473,6 +473,6 @@ def command(collective: Collective) -> click.Command:
             run, collective, sizes=sizes, impl_names=impl_names, dtype_name=dtype_name,
             iterations=iterations, warmup=warmup, full=full, check=check, stat=stat,
             json_path=json_path, plot_path=plot_path, gloo_max_iters=gloo_max_iters, seed=seed)
-        sys.exit(code)
+        harness.exit_all(code)
 
     return main

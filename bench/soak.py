@@ -39,7 +39,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
 import zlib
 from typing import NamedTuple, Sequence
@@ -662,8 +661,8 @@ def run(plan: _Plan, json_path: str | None, comm=None) -> int:
         "mpirun -np 2 python -m mpi4py -m bench.soak [options]. Only rank 0 prints; "
         "exit 1 on any wrong value."
     ),
-    context_settings={"help_option_names": ["-h", "--help"]},
 )
+@harness.help_option()
 @click.option("--calls", type=click.IntRange(min=1), default=1_000_000, show_default=True,
               help="Mixed harmpi calls (the checks' calls come on top).")
 @click.option("--check-every", type=click.IntRange(min=1), default=1000, show_default=True,
@@ -678,7 +677,7 @@ def run(plan: _Plan, json_path: str | None, comm=None) -> int:
               default=None, help="Write the windows and the summary as JSON (rank 0).")
 def main(calls, check_every, window, warmup, seed, json_path):
     plan = _Plan(calls=calls, check_every=check_every, seed=seed, window=window, warmup=warmup)
-    sys.exit(harness.run_or_abort(run, plan, json_path))
+    harness.exit_all(harness.run_or_abort(run, plan, json_path))
 
 
 if __name__ == "__main__":

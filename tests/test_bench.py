@@ -20,6 +20,7 @@ from bench.decode import (
     first_divergence,
     format_decode_table,
     round_steps,
+    round_tokens_per_s,
     shard_layout,
     summarize_backend,
     threads_per_rank,
@@ -399,19 +400,33 @@ def test_summarize_backend_and_table():
     step_ns = np.array([[10e6, 12e6, 11e6], [10e6, 12e6, 11e6]])
     comm_ns = np.array([[1e6, 1e6, 1e6], [3e6, 3e6, 3e6]])
     latency_ns = np.array([[0.5e6, 0.5e6, 0.5e6], [1e6, 1e6, 1e6]])
-    summary = summarize_backend(step_ns, comm_ns, batch=4, latency_ns=latency_ns)
+    summary = summarize_backend(step_ns, comm_ns, batch=4, latency_ns=latency_ns,
+                                per_round=[2, 1])
     assert summary["ms_per_token"] == pytest.approx(11.0)
     assert summary["tokens_per_s"] == pytest.approx(4000 / 11)
-    assert summary["comm_share"] == pytest.approx((3 / 33 + 9 / 33) / 2)
-    assert summary["comm_share_min"] == pytest.approx(3 / 33)
-    assert summary["comm_latency_share"] == pytest.approx((1.5 / 33 + 3 / 33) / 2)
-    assert summary["comm_latency_ms_per_token"] == pytest.approx(0.75)
+    # rounds: steps [10, 12] (median 11) and [11]
+    rounds = summary["tokens_per_s_rounds"]
+    assert rounds["each"] == pytest.approx([4000 / 11, 4000 / 11])
+    assert rounds["min"] <= rounds["median"] <= rounds["max"]
+    # the split of the mean step adds up, and the shares are its columns' ratios
+    assert summary["mean_ms_per_token"] == pytest.approx(11.0)
+    assert summary["comm_ms_per_token"] == pytest.approx(2.0)
     assert summary["compute_ms_per_token"] == pytest.approx(9.0)
+    assert summary["comm_share"] == pytest.approx(2.0 / 11.0)
+    assert summary["comm_share_min"] == pytest.approx(3 / 33)
+    assert summary["comm_latency_ms_per_token"] == pytest.approx(0.75)
+    assert summary["comm_latency_share"] == pytest.approx(0.75 / 11.0)
     assert summarize_backend(step_ns, comm_ns, batch=1)["comm_latency_share"] is None
     row = dict(summary, comm="harmpi", prefill_ms=5.0, tokens_identical_across_ranks=True)
     lines = format_decode_table([row])
     assert lines[1].startswith("# comm") and "tok/s" in lines[1]
-    assert lines[2].split()[0] == "harmpi" and lines[2].split()[-1] == "yes" and "6.8%" in lines[2]
+    assert lines[2].split()[0] == "harmpi" and lines[2].split()[-1] == "yes" and "18.2%" in lines[2]
+    assert "363.6-363.6" in lines[2]
+
+
+def test_round_spread_of_tokens_per_s():
+    step_ns = np.array([[10e6, 20e6, 40e6, 40e6]])  # one rank, rounds of 1, 1 and 2 steps
+    assert round_tokens_per_s(step_ns, [1, 1, 2], batch=2) == pytest.approx([200, 100, 50])
 
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
@@ -859,3 +874,29 @@ def test_soak_under_mpirun(tmp_path):
     doc = json.loads(json_path.read_text())
     assert len(doc["windows"]) == 3 and doc["summary"]["wrong_values"] == 0
     assert doc["summary"]["passed"] is True and doc["meta"]["calls"] == 3000
+
+
+# --------------------------------------------------------------------------
+# Command-line behaviour shared by the bench tools
+# --------------------------------------------------------------------------
+
+
+def test_json_meta_says_which_statistic_each_latency_field_holds():
+    fields = harness.latency_fields("median")
+    assert "each rank's median" in fields["avg_us"] and "mean over ranks" in fields["avg_us"]
+    assert "Median Latency(us)" in fields["avg_us"]
+    assert "smallest over ranks" in fields["min_us"] and "largest" in fields["max_us"]
+    with pytest.raises(KeyError):
+        harness.latency_fields("p99")
+
+
+@pytest.mark.parametrize("rank, shown", [("0", True), ("1", False)])
+def test_help_prints_on_rank_0_only(monkeypatch, rank, shown):
+    from click.testing import CliRunner
+
+    from bench.osu_allreduce import main
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", rank)
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    assert ("--message-size" in result.output) is shown
