@@ -65,6 +65,7 @@ __all__ = [
     "f32_from_bf16_bits",
     "digest",
     "format_table",
+    "format_tables",
     "rows_to_json",
     "latency_fields",
     "world_rank",
@@ -495,15 +496,14 @@ def _row_cells(row: Row | None, full: bool, check: bool) -> list[str]:
     return cells
 
 
-def _names_line(impls: Sequence[str], group: Sequence[str], width: int) -> str:
+def _names_line(impls: Sequence[str], group_width: int, width: int) -> str:
     """The line naming the implementation above each group of columns."""
     top = f"{'#':<{SIZE_WIDTH}}"
     for name in impls:
-        if len(group) == 1:
+        if group_width == width:
             top += f"{name:>{width}}"
         else:  # a dashed rule over the group's columns, name in the middle
-            rule_width = width * len(group) - 4
-            top += "    " + f" {name} ".center(rule_width, "-")
+            top += "    " + f" {name} ".center(group_width - 4, "-")
     return top.rstrip()
 
 
@@ -522,7 +522,9 @@ def format_table(
     ``-f`` adding BusBW(GB/s) after Iterations.  Several: a first header line
     names the implementation above each group of columns, then one ratio
     column per other implementation, ``<impl>/<reference>`` = its latency
-    divided by the reference's (above 1: the reference is faster).
+    divided by the reference's (above 1: the reference is faster).  Each
+    column is as wide as its label and two spaces, so a one-implementation
+    ``-f`` table stays near 100 characters (see :func:`format_tables`).
     """
     label = f"{_stat_label(stat)} Latency(us)"
     width = max(FIELD_WIDTH, len(label) + 2)  # "Median Latency(us)" is 18 characters
@@ -531,14 +533,15 @@ def format_table(
         group += ["Min Latency(us)", "Max Latency(us)", "Iterations", "BusBW(GB/s)"]
     if check:
         group += ["Validation"]
+    widths = [width] + [max(12, len(col) + 2) for col in group[1:]]
     reference = reference_impl(impls)
     ratio_impls = [name for name in impls if name != reference] if len(impls) > 1 else []
     ratio_labels = [f"{name}/{reference}" for name in ratio_impls]
     ratio_widths = [max(width, len(text) + 2) for text in ratio_labels]
 
-    lines = [_names_line(impls, group, width)] if len(impls) > 1 else []
+    lines = [_names_line(impls, sum(widths), width)] if len(impls) > 1 else []
     header = f"{'# Size':<{SIZE_WIDTH}}"
-    header += "".join(f"{col:>{width}}" for _ in impls for col in group)
+    header += "".join(f"{col:>{w}}" for _ in impls for col, w in zip(group, widths))
     header += "".join(f"{text:>{w}}" for text, w in zip(ratio_labels, ratio_widths))
     lines.append(header)
     by_key = {(row.impl, row.size): row for row in rows}
@@ -546,13 +549,26 @@ def format_table(
         line = f"{size:<{SIZE_WIDTH}}"
         for name in impls:
             cells = _row_cells(by_key.get((name, size)), full, check)
-            line += "".join(f"{cell:>{width}}" for cell in cells)
+            line += "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths))
         ref_row = by_key.get((reference, size))
         for name, w in zip(ratio_impls, ratio_widths):
             row = by_key.get((name, size))
             value = ratio(row.avg_us if row else None, ref_row.avg_us if ref_row else None)
             line += f"{'n/a' if value is None else f'{value:.2f}':>{w}}"
         lines.append(line)
+    return lines
+
+
+def format_tables(rows: Sequence[Row], impls: Sequence[str], *, check: bool = False,
+                  stat: str = "mean") -> list[str]:
+    """``-f`` with several implementations: one OSU ``-f`` table per
+    implementation, each under a ``# <impl>`` line, as the OSU suite prints
+    one table per run (a single grouped table would not fit a terminal)."""
+    lines: list[str] = []
+    for name in impls:
+        own = [row for row in rows if row.impl == name]
+        lines += ["#", f"# {name}"]
+        lines += format_table(own, [name], full=True, check=check, stat=stat)
     return lines
 
 

@@ -250,6 +250,9 @@ def _run_sizes(comm, settings: _Settings, impls, impl_names, sizes, say):
     every implementation has run it, as OSU does.  Returns (rows, notes):
     notes maps (implementation, message) to the sizes it applies to."""
     table = settings.table_options()
+    # -f with several implementations: the compact table while running, then
+    # one full table per implementation (see _full_tables)
+    table["full"] = settings.full and len(impl_names) == 1
     header = harness.format_table([], impl_names, **table)
     for line in header:
         say(line)
@@ -278,6 +281,9 @@ def _header_lines(settings: _Settings, env_lines, impls, impl_names) -> list[str
     )
     if full:
         timing += f"; BusBW = Size/t x {'2(n-1)/n' if op == 'allreduce' else '(n-1)'}"
+        if len(impls) > 1:
+            timing += ("; -f: latencies side by side while running, then one table per "
+                       "implementation with every column")
     lines.append(timing)
     if len(impls) > 1:
         reference = harness.reference_impl(impl_names)
@@ -368,6 +374,10 @@ def run(
         for line in [title, *_header_lines(settings, env_lines, impls, impl_names)]:
             say(line)
         rows, notes = _run_sizes(comm, settings, impls, impl_names, sizes, say)
+        if settings.full and len(impl_names) > 1:
+            for line in harness.format_tables(rows, impl_names, check=settings.check,
+                                              stat=settings.stat):
+                say(line)
 
         exit_code = 0 if _all_ranks_ok(comm, all(row.valid is not False for row in rows)) else 1
         for line in _footer_lines(notes, sizes, check, exit_code):

@@ -233,6 +233,15 @@ def test_single_impl_table_has_osu_columns():
     assert full[1].split() == ["1024", "1.50", "1.35", "1.65", "100", "1.250", "Pass"]
 
 
+def test_full_tables_one_per_implementation_fit_a_terminal():
+    rows = [_row(name, size, 2.0, True) for name in ("harmpi", "mpi") for size in (8, 10240)]
+    lines = harness.format_tables(rows, ["harmpi", "mpi"], check=True, stat="median")
+    assert lines[1] == "# harmpi" and lines[6] == "# mpi"
+    assert lines[2].startswith("# Size") and "Median Latency(us)" in lines[2]
+    assert lines[8].split() == ["8", "2.00", "1.80", "2.20", "100", "1.250", "Pass"]
+    assert max(len(line) for line in lines) <= 110
+
+
 def test_median_header():
     lines = harness.format_table([_row("mpi", 8, 1.0)], ["mpi"], stat="median")
     assert "Median Latency(us)" in lines[0]
@@ -553,10 +562,18 @@ def test_osu_allreduce_under_mpirun(tmp_path):
     assert any(line.startswith("# Size") and "Avg Latency(us)" in line and "Validation" in line
                for line in lines)
     assert "mpi: MPI_Allreduce(MPI_IN_PLACE, SUM) float32, same bytes" in proc.stdout
-    table = [line.split() for line in lines if line[:1].isdigit()]
+    # -f with several implementations: the compact table, then one OSU table per implementation
+    compact = lines[: lines.index("#")]
+    table = [line.split() for line in compact if line[:1].isdigit()]
     assert [int(row[0]) for row in table] == [1024, 2048, 4096]
     assert all(row.count("Pass") == len(_impls().split(",")) for row in table), proc.stdout
+    for name in _impls().split(","):
+        at = lines.index(f"# {name}")
+        assert "Min Latency(us)" in lines[at + 1] and "BusBW(GB/s)" in lines[at + 1]
+        assert [line.split()[-1] for line in lines[at + 2: at + 5]] == ["Pass"] * 3
+    assert max(len(line) for line in lines[lines.index("#"):]) <= 110
     doc = json.loads(json_path.read_text())
+    assert doc["meta"]["latency_fields"]["avg_us"].startswith("mean over ranks")
     assert {row["impl"] for row in doc["rows"]} == set(_impls().split(","))
     assert all(row["valid"] is True and row["avg_us"] > 0 for row in doc["rows"])
 
