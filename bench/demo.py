@@ -3,7 +3,8 @@
     python -m bench.demo [--out out/demo] [--impls harmpi,torch:harmpi,mpi,gloo]
 
 1. all-reduce table, 2 ranks on one node, harmpi vs torch:harmpi (dist.all_reduce on a harmpi
-   process group) vs mpi vs gloo (bf16, 2 KiB .. 4 MiB and 10240 B);
+   process group) vs mpi vs gloo, bound as mpirun binds the ranks and unbound
+   (``gloo:unbound``: its threads may use every CPU) (bf16, 2 KiB .. 4 MiB and 10240 B);
 2. the same with 4 ranks as 2 virtual nodes x 2 (HARMPI_RANKS_PER_NODE=2, --oversubscribe),
    once with MPI on shared memory (its best case on one host) and once with
    MPI over TCP (``btl tcp,self``: what it does between nodes without RDMA);
@@ -147,7 +148,7 @@ def _fmt_x(value) -> str:
 
 
 #: the summary's columns, in order (those no job ran are left out)
-SUMMARY_IMPLS = ("harmpi", "torch:harmpi", "mpi", "gloo")
+SUMMARY_IMPLS = ("harmpi", "torch:harmpi", "mpi", "gloo", "gloo:unbound")
 
 
 def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
@@ -262,7 +263,7 @@ def _read_docs(jobs: Sequence[dict]):
 @click.command(name="demo", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="out/demo",
               show_default=True, help="Directory for the jobs' JSON files.")
-@click.option("--impls", default="harmpi,torch:harmpi,mpi,gloo", show_default=True,
+@click.option("--impls", default="harmpi,torch:harmpi,mpi,gloo,gloo:unbound", show_default=True,
               help="Implementations of the all-reduce tables (mpi,gloo runs the rivals alone).")
 @click.option("--decode-comms", default=None,
               help="Backends of the decode run (default: --impls reordered "

@@ -34,10 +34,17 @@ One adapter class per implementation, shared by every benchmark:
     other a ``dist.new_group`` over all ranks (``TorchGroups``).  Tensors of
     the requested dtype.  Gloo takes milliseconds per call, so its
     iterations are capped (``--gloo-max-iters``).
+``gloo:unbound``
+    gloo again, on a group of its own whose threads were started with every
+    CPU of the host allowed (the calling thread stays bound like every other
+    implementation's).  Gloo works in threads of its own that, under
+    mpirun's default binding, share the rank's one core with the caller;
+    comparing the two says what the binding costs gloo.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from typing import Callable, Sequence
@@ -61,6 +68,7 @@ __all__ = [
     "torch_backend",
     "IMPL_KINDS",
     "TORCH_BACKENDS",
+    "GLOO_UNBOUND",
 ]
 
 IMPL_KINDS = ("harmpi", "mpi", "gloo", "torch")
@@ -426,6 +434,26 @@ def _import_harmpi():
     return harmpi
 
 
+#: the variant of gloo whose threads may run on every CPU of the host
+GLOO_UNBOUND = "gloo:unbound"
+
+
+@contextlib.contextmanager
+def _every_cpu_allowed():
+    """Threads started inside inherit every CPU of the host (the calling
+    thread's binding is restored on leaving)."""
+    bound = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:  # a cgroup or a launcher forbids it: say so in the description
+        bound = None
+    try:
+        yield
+    finally:
+        if bound is not None:
+            os.sched_setaffinity(0, bound)
+
+
 class TorchGroups:
     """The torch.distributed process groups of one job, one per backend.
 
@@ -445,32 +473,39 @@ class TorchGroups:
         self.address: str | None = None
         self.port: int | None = None
 
-    def acquire(self, backend: str):
-        """The process group of ``backend`` (made on first use); pair with ``release``."""
-        import torch.distributed as dist
+    def acquire(self, backend: str, unbound: bool = False):
+        """The process group of ``backend`` (made on first use); pair with ``release``.
+        ``unbound``: a group of its own whose threads start with every CPU allowed."""
 
         if backend not in TORCH_BACKENDS:
             raise ValueError(f"no torch.distributed backend {backend!r} here; "
                              f"choose from {', '.join(TORCH_BACKENDS)}")
         if backend == "harmpi":
             _import_harmpi()  # registers the backend
-        group = self._groups.get(backend)
+        key = f"{backend}:unbound" if unbound else backend
+        group = self._groups.get(key)
         if group is None:
-            if not dist.is_initialized():
-                self.address, self.port = _init_default_group(self._comm, backend)
-                self._owner = True
-            if dist.get_backend() == backend:
-                group = dist.group.WORLD
-            else:
-                group = dist.new_group(backend=backend)
-            self._groups[backend] = group
+            with _every_cpu_allowed() if unbound else contextlib.nullcontext():
+                group = self._new_group(backend)
+            self._groups[key] = group
         self._users += 1
         return group
 
-    def is_default(self, backend: str) -> bool:
+    def _new_group(self, backend: str):
         import torch.distributed as dist
 
-        return self._groups.get(backend) is dist.group.WORLD
+        if not dist.is_initialized():
+            self.address, self.port = _init_default_group(self._comm, backend)
+            self._owner = True
+        world_taken = any(group is dist.group.WORLD for group in self._groups.values())
+        if dist.get_backend() == backend and not world_taken:
+            return dist.group.WORLD
+        return dist.new_group(backend=backend)
+
+    def is_default(self, key: str) -> bool:
+        import torch.distributed as dist
+
+        return self._groups.get(key) is dist.group.WORLD
 
     def rendezvous(self) -> str:
         if self.address is None:
@@ -501,7 +536,7 @@ class TorchImpl(Impl):
     this one class with a different backend word."""
 
     def __init__(self, name: str, backend: str, groups: TorchGroups,
-                 max_iterations: int | None = None):
+                 max_iterations: int | None = None, unbound: bool = False):
         import torch
         import torch.distributed as dist
 
@@ -511,17 +546,23 @@ class TorchImpl(Impl):
         self.backend = backend
         self.max_iterations = max_iterations
         self._groups = groups
+        self.unbound = unbound
+        self._key = f"{backend}:unbound" if unbound else backend
         #: the process group every call names (group=)
-        self.group = groups.acquire(backend)
+        self.group = groups.acquire(backend, unbound)
         self._gather = _allgather_function()
         self._n_ranks = dist.get_world_size(self.group)
         self._gather_outs: dict[tuple, object] = {}  # (shape, dtype) -> allgather output
 
     def group_description(self) -> str:
         """'a harmpi process group (the default group, TCPStore tcp://...)'."""
-        which = "the default group" if self._groups.is_default(self.backend) else (
+        which = "the default group" if self._groups.is_default(self._key) else (
             "a new_group over all ranks")
-        return f"a {self.backend} process group ({which}, {self._groups.rendezvous()})"
+        text = f"a {self.backend} process group ({which}, {self._groups.rendezvous()})"
+        if self.backend == "gloo":
+            text += ("; its threads started with every host CPU allowed, the caller bound"
+                     if self.unbound else "; its threads bound as the rank is")
+        return text
 
     def describe(self, op: str, dtype: DType) -> str:
         call = "all_reduce" if op == "allreduce" else self._gather.__name__
@@ -571,7 +612,7 @@ class TorchImpl(Impl):
     def info(self) -> dict | None:
         if self.backend != "harmpi":
             return None
-        comm = None if self._groups.is_default("harmpi") else self.group.comm
+        comm = None if self._groups.is_default(self._key) else self.group.comm
         return dict(_import_harmpi().info(comm=comm))
 
     def close(self) -> None:
@@ -586,7 +627,7 @@ class TorchImpl(Impl):
 def torch_backend(name: str) -> str | None:
     """'gloo' and 'torch:gloo' -> 'gloo', 'torch:harmpi' -> 'harmpi'; None for the others."""
     kind, _, rest = name.partition(":")
-    if kind == "gloo":
+    if kind == "gloo" and rest in ("", "unbound"):
         return "gloo"
     return rest if kind == "torch" else None
 
@@ -608,11 +649,14 @@ def parse_impls(spec: str) -> list[str]:
         if kind == "torch" and algorithm not in TORCH_BACKENDS:
             raise ValueError(f"torch takes a backend, one of {', '.join(TORCH_BACKENDS)}, "
                              f"not {name!r}")
-        if algorithm and kind not in ("harmpi", "torch"):
+        if kind == "gloo" and algorithm not in ("", "unbound"):
+            raise ValueError(f"gloo takes no option but unbound, not {name!r}")
+        if algorithm and kind not in ("harmpi", "torch", "gloo"):
             raise ValueError(f"only harmpi takes an algorithm, not {name!r}")
         if kind == "harmpi" and ":" in name and not algorithm:
             raise ValueError(f"empty algorithm in {name!r}")
-    keys = [("torch", torch_backend(n)) if torch_backend(n) else n for n in names]
+    keys = [("torch", torch_backend(n), n == GLOO_UNBOUND) if torch_backend(n) else n
+            for n in names]
     if len(set(keys)) != len(keys):
         raise ValueError(f"duplicate implementation in {spec!r}")
     return names
@@ -629,7 +673,7 @@ def make_impls(names: Sequence[str], comm, *, gloo_max_iterations: int | None = 
         if backend is not None:
             groups = groups or TorchGroups(comm)
             cap = gloo_max_iterations if backend == "gloo" else None
-            impls.append(TorchImpl(name, backend, groups, cap))
+            impls.append(TorchImpl(name, backend, groups, cap, unbound=name == GLOO_UNBOUND))
         elif kind == "harmpi":
             impl = HarmpiImpl(comm, algorithm or None)
             if harmpi_module is None:

@@ -459,6 +459,7 @@ def command(collective: Collective) -> click.Command:
                        "Pass/Fail column; exit 1 on any Fail.")
     @click.option("--impl", "impl_spec", default="harmpi,mpi,gloo", show_default=True,
                   help="Comma list of harmpi, harmpi:<algorithm>, mpi, gloo (= torch:gloo), "
+                       "gloo:unbound (gloo's threads on every CPU, the caller bound), "
                        "torch:harmpi (torch.distributed on a harmpi process group).")
     @click.option("--dtype", "dtype_name", type=click.Choice(["bf16", "f16", "f32"]),
                   default="bf16", show_default=True)

@@ -290,6 +290,11 @@ def test_plot_writes_a_png(tmp_path):
 def test_parse_impls():
     assert parse_impls("harmpi, harmpi:shm,mpi,gloo") == ["harmpi", "harmpi:shm", "mpi", "gloo"]
     assert parse_impls("torch:harmpi,torch:gloo") == ["torch:harmpi", "torch:gloo"]
+    assert parse_impls("gloo,gloo:unbound") == ["gloo", "gloo:unbound"]
+    assert torch_backend("gloo:unbound") == "gloo"
+    for bad in ("gloo:x", "gloo:unbound,gloo:unbound", "torch:gloo:unbound"):
+        with pytest.raises(ValueError):
+            parse_impls(bad)
     for bad in ("", "nccl", "mpi:ring", "mpi,mpi", "harmpi:", "torch", "torch:nccl",
                 "gloo,torch:gloo", "torch:harmpi,torch:harmpi"):
         with pytest.raises(ValueError):
@@ -544,7 +549,8 @@ def _mpirun(n_ranks, module, args, env=None, timeout_s=150):
 
 
 def _impls():
-    return "harmpi,torch:harmpi,mpi,gloo" if HAVE_HARMPI else "mpi,gloo"
+    return ("harmpi,torch:harmpi,mpi,gloo,gloo:unbound" if HAVE_HARMPI
+            else "mpi,gloo,gloo:unbound")
 
 
 @pytest.mark.timeout(180)
