@@ -250,6 +250,35 @@ def first_divergence(a: np.ndarray, b: np.ndarray) -> int | None:
     return int(np.argmax(differ)) if differ.any() else None
 
 
+#: a greedy token whose top two logits are this many bf16 ulps apart or fewer
+#: is a near tie: reductions summing bf16 in another order may flip it
+NEAR_TIE_ULPS = 16
+
+
+def top2_margin_ulps(logits: np.ndarray) -> float:
+    """[batch, vocab] logits -> the smallest gap between the top two logits of
+    a row, in bf16 ulps of that row's top logit (ulp = 2^(exponent - 7))."""
+    logits = np.asarray(logits, dtype=np.float64)
+    top2 = -np.sort(-logits, axis=-1)[:, :2]
+    exponent = np.floor(np.log2(np.maximum(np.abs(top2[:, 0]), 2.0**-126)))
+    return float(((top2[:, 0] - top2[:, 1]) / 2.0 ** (exponent - 7)).min())
+
+
+def divergence_note(position: int | None, margin_ulps: float | None) -> str:
+    """Why two backends' greedy tokens differ from ``position`` on (or that they do not)."""
+    if position is None:
+        return "yes"
+    text = f"no (first divergence at generated token {position}"
+    if margin_ulps is None:
+        return text + ")"
+    if margin_ulps <= NEAR_TIE_ULPS:
+        return (text + f": there the reference's top two logits were {margin_ulps:.1f} bf16 "
+                f"ulps apart, a near tie (<= {NEAR_TIE_ULPS}) that bf16 sums in another order "
+                "flip; the tokens after it follow another path, not a wrong result)")
+    return (text + f": CHECK, the reference's top two logits were {margin_ulps:.1f} bf16 ulps "
+            f"apart there, more than summation order explains (> {NEAR_TIE_ULPS}))")
+
+
 def collective_latency_ns(enter_ns: np.ndarray, exit_ns: np.ndarray) -> np.ndarray:
     """Each rank's time in each collective after the last rank arrived.
 
@@ -507,7 +536,8 @@ class TPDecoder:
             x = x + self._attn_out(i, attn.transpose(1, 2).reshape(batch, length, -1), comm)
             x = x + self._mlp(i, self._rms(x, layer.ln2), comm)
         last = self._rms(x[:, -1], self.ln_f)
-        return self._logits(last, comm).argmax(dim=-1)
+        self.last_logits = self._logits(last, comm)  # read after the timed step (_decode)
+        return self.last_logits.argmax(dim=-1)
 
     # The tensor-parallel layers: hand-written here, torch's parallelize_module
     # in DTensorDecoder.  Each returns this rank's local tensor.
@@ -787,6 +817,7 @@ class _Round(NamedTuple):
     enter_ns: np.ndarray  # [steps, calls]
     exit_ns: np.ndarray  # [steps, calls]
     prefill_ns: int
+    margin_ulps: np.ndarray  # [1 + warmup + steps]: top-two logit gap (top2_margin_ulps)
 
 
 @dataclasses.dataclass
@@ -797,8 +828,11 @@ class _Measured:
     #: every rank generated the same tokens in every round so far
     identical: bool = True
 
+    def longest(self) -> _Round:
+        return max(self.rounds, key=lambda r: r.tokens.shape[1])
+
     def longest_tokens(self) -> np.ndarray:
-        return max((r.tokens for r in self.rounds), key=lambda t: t.shape[1])
+        return self.longest().tokens
 
     def concatenated(self, field: str) -> np.ndarray:
         return np.concatenate([getattr(r, field) for r in self.rounds])
@@ -818,6 +852,7 @@ def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, ba
         token = model.forward(prompt, 0, comm)
         prefill_ns = time.perf_counter_ns() - t0
         generated = [token]
+        margins = [top2_margin_ulps(model.last_logits.float().numpy())]
         position = prompt.shape[1]
         step_ns = np.zeros(steps, dtype=np.int64)
         comm_ns = np.zeros(steps, dtype=np.int64)
@@ -829,11 +864,13 @@ def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, ba
             elapsed = time.perf_counter_ns() - t0
             position += 1
             generated.append(token)
+            margins.append(top2_margin_ulps(model.last_logits.float().numpy()))
             if timed >= 0:
                 step_ns[timed] = elapsed
                 comm_ns[timed] = comm.ns
     tokens = torch.stack(generated, dim=1).numpy()
-    return _Round(tokens, step_ns, comm_ns, comm.enter_ns, comm.exit_ns, prefill_ns)
+    return _Round(tokens, step_ns, comm_ns, comm.enter_ns, comm.exit_ns, prefill_ns,
+                  np.array(margins))
 
 
 def _host_info(comm):
@@ -1061,14 +1098,20 @@ def _profile_lines(profiles: dict, comm) -> list[str]:
     return lines
 
 
-def _mark_agreement(rows: list[dict], tokens: dict[str, np.ndarray]) -> None:
-    """Compare every backend's tokens with the first backend's (rank 0)."""
+def _mark_agreement(rows: list[dict], tokens: dict[str, np.ndarray],
+                    margins: dict[str, np.ndarray] | None = None) -> None:
+    """Compare every backend's tokens with the first backend's (rank 0); where
+    they part, note how near a tie the first backend's top two logits were."""
     first = rows[0]["comm"]
     for row in rows:
         divergence = first_divergence(tokens[first], tokens[row["comm"]])
         row["agrees_with"] = first
         row["first_divergence"] = divergence
         row["tokens_agree"] = divergence is None
+        row["divergence_margin_ulps"] = None
+        if divergence is not None and margins is not None and divergence < len(margins[first]):
+            row["divergence_margin_ulps"] = float(margins[first][divergence])
+        row["divergence_note"] = divergence_note(divergence, row["divergence_margin_ulps"])
 
 
 def _report_lines(rows: Sequence[dict]) -> list[str]:
@@ -1081,12 +1124,8 @@ def _report_lines(rows: Sequence[dict]) -> list[str]:
             lines.append(
                 f"# note: {row['comm']}: rounds from the same prompt generated different tokens"
             )
-    agreement = [
-        f"{row['comm']} vs {row['agrees_with']}: "
-        + ("yes" if row["tokens_agree"]
-           else f"no (first divergence at generated token {row['first_divergence']})")
-        for row in rows[1:]
-    ]
+    agreement = [f"{row['comm']} vs {row['agrees_with']}: {row['divergence_note']}"
+                 for row in rows[1:]]
     if agreement:
         lines.append("# tokens agree across backends: " + "; ".join(agreement))
     reference = next((row for row in rows if row["comm"] == "harmpi"), None)
@@ -1172,7 +1211,8 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _T
     rows = [_gather_row(impl.name, measured[impl.name], plan, comm, same_host) for impl in impls]
     split = _profile_lines(profiles, comm) if profiles else []
     if rank == 0:
-        _mark_agreement(rows, {name: m.longest_tokens() for name, m in measured.items()})
+        _mark_agreement(rows, {name: m.longest_tokens() for name, m in measured.items()},
+                        {name: m.longest().margin_ulps for name, m in measured.items()})
         print("\n".join(_report_lines(rows) + split), flush=True)
         if json_path:
             meta = {

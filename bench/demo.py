@@ -205,15 +205,43 @@ def _decode_summary(label: str, decode_doc: dict) -> list[str]:
                f", {latency * 100:.1f}% after the last rank arrived "
                "(the collectives' own latency)")
         )
+    lines += _decode_losses(harmpi, present)
     compared = list(rows.values())
     if len(compared) > 1:
         agree = [
             f"{row['comm']} "
             + ("yes" if row.get("tokens_agree")
-               else f"no (first divergence at generated token {row.get('first_divergence')})")
+               else row.get("divergence_note")
+               or f"no (first divergence at generated token {row.get('first_divergence')})")
             for row in compared[1:]
         ]
         lines.append(f"# tokens agree with {compared[0]['comm']}: " + "; ".join(agree))
+    return lines
+
+
+def _decode_losses(harmpi: dict | None, present: Sequence[dict]) -> list[str]:
+    """Where harmpi decodes slower than another backend, why, from the run's own numbers."""
+    lines = []
+    for row in present:
+        if harmpi is None or row is harmpi or row["tokens_per_s"] <= harmpi["tokens_per_s"]:
+            continue
+        mine, theirs = harmpi.get("tokens_per_s_rounds"), row.get("tokens_per_s_rounds")
+        text = (f"# harmpi loses to {row['comm']} here ({harmpi['tokens_per_s']:.1f} vs "
+                f"{row['tokens_per_s']:.1f} tok/s): ")
+        d_compute = harmpi.get("compute_ms_per_token", 0) - row.get("compute_ms_per_token", 0)
+        d_comm = harmpi["comm_ms_per_token"] - row["comm_ms_per_token"]
+        if mine and theirs and mine["max"] >= theirs["min"]:
+            text += (f"within the spread across rounds (harmpi {mine['min']:.1f}-"
+                     f"{mine['max']:.1f}, {row['comm']} {theirs['min']:.1f}-"
+                     f"{theirs['max']:.1f} tok/s): noise of a loaded machine, not a difference")
+        elif d_compute > d_comm:
+            text += (f"its compute is {d_compute:.2f} ms/token slower while its collectives "
+                     f"differ by {d_comm:+.2f} ms: ranks waiting in harmpi slow the computing "
+                     "ones (they share cores)")
+        else:
+            text += (f"its collectives take {d_comm:.2f} ms/token more (see 'after last "
+                     "arrival' in the table: their own latency vs waiting for a late rank)")
+        lines.append(text)
     return lines
 
 

@@ -17,6 +17,7 @@ from bench.decode import (
     VOCAB_UNIT,
     ModelConfig,
     collective_latency_ns,
+    divergence_note,
     first_divergence,
     format_decode_table,
     round_steps,
@@ -24,6 +25,7 @@ from bench.decode import (
     shard_layout,
     summarize_backend,
     threads_per_rank,
+    top2_margin_ulps,
     unit_seed,
 )
 from bench.demo import mpirun_argv, mpirun_env, mpirun_path, summary_lines
@@ -923,3 +925,30 @@ def test_help_prints_on_rank_0_only(monkeypatch, rank, shown):
     result = CliRunner().invoke(main, ["--help"])
     assert result.exit_code == 0
     assert ("--message-size" in result.output) is shown
+
+
+def test_divergence_is_explained_by_a_near_tie_or_flagged():
+    # top logit 4.0: a bf16 ulp there is 2^(2-7) = 1/32
+    assert top2_margin_ulps(np.array([[4.0, 4.0 - 2 / 32, 0.0], [1.0, -1.0, 0.0]])) == 2.0
+    assert divergence_note(None, None) == "yes"
+    assert "near tie" in divergence_note(5, 2.0) and "token 5" in divergence_note(5, 2.0)
+    assert "CHECK" in divergence_note(5, 100.0)
+
+
+def test_demo_says_why_harmpi_loses_a_decode():
+    def row(comm, tok_s, low, high, compute_ms, comm_ms):
+        return {"comm": comm, "tokens_per_s": tok_s, "ms_per_token": 4000 / tok_s,
+                "comm_share": 0.1, "compute_ms_per_token": compute_ms,
+                "comm_ms_per_token": comm_ms, "tokens_agree": True,
+                "tokens_per_s_rounds": {"min": low, "median": tok_s, "max": high}}
+
+    noisy = {"meta": {"ranks": 4}, "rows": [row("harmpi", 90.0, 80.0, 100.0, 9.0, 1.0),
+                                            row("mpi", 95.0, 85.0, 105.0, 9.0, 1.0)]}
+    text = "\n".join(summary_lines([], noisy))
+    assert "harmpi loses to mpi here" in text and "within the spread across rounds" in text
+    slower = {"meta": {"ranks": 4}, "rows": [row("harmpi", 50.0, 49.0, 51.0, 12.0, 1.0),
+                                             row("mpi", 90.0, 89.0, 91.0, 9.0, 1.5)]}
+    assert "its compute is 3.00 ms/token slower" in "\n".join(summary_lines([], slower))
+    faster = {"meta": {"ranks": 4}, "rows": [row("harmpi", 90.0, 89.0, 91.0, 9.0, 1.0),
+                                             row("mpi", 50.0, 49.0, 51.0, 9.0, 1.5)]}
+    assert "loses" not in "\n".join(summary_lines([], faster))
