@@ -164,8 +164,10 @@ def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
         + "".join(f"{name:>{width[name]}}" for name in impl_order)
         + "".join(f"{name + '/harmpi':>{ratio_width[name]}}" for name in others),
     ]
+    notes = []
     for label, doc in allreduce_docs:
         rows = {(row["impl"], row["size"]): row for row in doc.get("rows", [])}
+        notes += _allreduce_notes(label, rows)
         for size in SUMMARY_SIZES:
             values = {name: (rows.get((name, size)) or {}).get("avg_us") for name in impl_order}
             base = values["harmpi"]
@@ -178,6 +180,36 @@ def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
                 + "".join(f"{_fmt_us(values[name]):>{width[name]}}" for name in impl_order)
                 + "".join(f"{_fmt_x(ratio[name]):>{ratio_width[name]}}" for name in others)
             )
+    return lines + notes
+
+
+def _allreduce_notes(label: str, rows: dict) -> list[str]:
+    """Lines naming every size where another implementation beat harmpi, and
+    what binding cost gloo (gloo vs gloo:unbound), from one job's rows."""
+    def latency(name, size):
+        return (rows.get((name, size)) or {}).get("avg_us")
+
+    sizes = sorted({size for _, size in rows})
+    losses = []
+    for name in sorted({impl for impl, _ in rows} - {"harmpi"}):
+        lost = [size for size in sizes
+                if latency(name, size) and latency("harmpi", size)
+                and latency(name, size) < latency("harmpi", size)]
+        if lost:
+            losses.append(f"{name} at " + ", ".join(
+                f"{size} B ({latency(name, size) / latency('harmpi', size):.2f}x)"
+                for size in lost))
+    lines = []
+    if losses:
+        lines.append(f"# {label}: harmpi is slower than " + "; ".join(losses)
+                     + " (other/harmpi below 1; on a loaded machine a ratio near 1 can "
+                       "flip from run to run, so rerun before reading it as a trend)")
+    both = [size for size in sizes if latency("gloo", size) and latency("gloo:unbound", size)]
+    if both:
+        size = 10240 if 10240 in both else both[-1]
+        lines.append(f"# {label}: gloo bound as the ranks / gloo:unbound at {size} B: "
+                     f"{latency('gloo', size) / latency('gloo:unbound', size):.2f}x "
+                     "(bound, gloo's own threads share the rank's core with the caller)")
     return lines
 
 

@@ -952,3 +952,14 @@ def test_demo_says_why_harmpi_loses_a_decode():
     faster = {"meta": {"ranks": 4}, "rows": [row("harmpi", 90.0, 89.0, 91.0, 9.0, 1.0),
                                              row("mpi", 50.0, 49.0, 51.0, 9.0, 1.5)]}
     assert "loses" not in "\n".join(summary_lines([], faster))
+
+
+def test_demo_names_allreduce_losses_and_what_binding_costs_gloo():
+    rows = [{"impl": impl, "size": size, "avg_us": us} for impl, size, us in
+            [("harmpi", 10240, 4.0), ("mpi", 10240, 8.0), ("gloo", 10240, 3000.0),
+             ("gloo:unbound", 10240, 1000.0), ("harmpi", 4194304, 1000.0),
+             ("mpi", 4194304, 800.0)]]
+    text = "\n".join(summary_lines([("1 node x 2", {"rows": rows})], None))
+    assert "harmpi is slower than mpi at 4194304 B (0.80x)" in text
+    assert "gloo bound as the ranks / gloo:unbound at 10240 B: 3.00x" in text
+    assert "gloo:unbound/harmpi" in text
