@@ -264,6 +264,15 @@ def top2_margin_ulps(logits: np.ndarray) -> float:
     return float(((top2[:, 0] - top2[:, 1]) / 2.0 ** (exponent - 7)).min())
 
 
+def logits_gap_ulps(reference: np.ndarray, other: np.ndarray) -> float:
+    """Largest |difference| of two [batch, vocab] logit arrays, in bf16 ulps of
+    the reference's largest |logit| (ulp = 2^(exponent - 7))."""
+    reference = np.asarray(reference, dtype=np.float64)
+    scale = max(float(np.abs(reference).max()), 2.0**-126)
+    ulp = 2.0 ** (np.floor(np.log2(scale)) - 7)
+    return float(np.abs(reference - np.asarray(other, dtype=np.float64)).max() / ulp)
+
+
 def divergence_note(position: int | None, margin_ulps: float | None) -> str:
     """Why two backends' greedy tokens differ from ``position`` on (or that they do not)."""
     if position is None:
@@ -818,6 +827,7 @@ class _Round(NamedTuple):
     exit_ns: np.ndarray  # [steps, calls]
     prefill_ns: int
     margin_ulps: np.ndarray  # [1 + warmup + steps]: top-two logit gap (top2_margin_ulps)
+    prefill_logits: np.ndarray  # [batch, vocab] float32: every backend's from the same prompt
 
 
 @dataclasses.dataclass
@@ -852,7 +862,8 @@ def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, ba
         token = model.forward(prompt, 0, comm)
         prefill_ns = time.perf_counter_ns() - t0
         generated = [token]
-        margins = [top2_margin_ulps(model.last_logits.float().numpy())]
+        prefill_logits = model.last_logits.float().numpy().copy()
+        margins = [top2_margin_ulps(prefill_logits)]
         position = prompt.shape[1]
         step_ns = np.zeros(steps, dtype=np.int64)
         comm_ns = np.zeros(steps, dtype=np.int64)
@@ -870,7 +881,7 @@ def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, ba
                 comm_ns[timed] = comm.ns
     tokens = torch.stack(generated, dim=1).numpy()
     return _Round(tokens, step_ns, comm_ns, comm.enter_ns, comm.exit_ns, prefill_ns,
-                  np.array(margins))
+                  np.array(margins), prefill_logits)
 
 
 def _host_info(comm):
@@ -1099,7 +1110,8 @@ def _profile_lines(profiles: dict, comm) -> list[str]:
 
 
 def _mark_agreement(rows: list[dict], tokens: dict[str, np.ndarray],
-                    margins: dict[str, np.ndarray] | None = None) -> None:
+                    margins: dict[str, np.ndarray] | None = None,
+                    prefill: dict[str, np.ndarray] | None = None) -> None:
     """Compare every backend's tokens with the first backend's (rank 0); where
     they part, note how near a tie the first backend's top two logits were."""
     first = rows[0]["comm"]
@@ -1112,6 +1124,9 @@ def _mark_agreement(rows: list[dict], tokens: dict[str, np.ndarray],
         if divergence is not None and margins is not None and divergence < len(margins[first]):
             row["divergence_margin_ulps"] = float(margins[first][divergence])
         row["divergence_note"] = divergence_note(divergence, row["divergence_margin_ulps"])
+        row["prefill_logits_gap_ulps"] = None
+        if prefill is not None:
+            row["prefill_logits_gap_ulps"] = logits_gap_ulps(prefill[first], prefill[row["comm"]])
 
 
 def _report_lines(rows: Sequence[dict]) -> list[str]:
@@ -1128,6 +1143,12 @@ def _report_lines(rows: Sequence[dict]) -> list[str]:
                  for row in rows[1:]]
     if agreement:
         lines.append("# tokens agree across backends: " + "; ".join(agreement))
+    gaps = [f"{row['comm']} {row['prefill_logits_gap_ulps']:.1f}" for row in rows[1:]
+            if row.get("prefill_logits_gap_ulps") is not None]
+    if gaps:
+        lines.append(f"# logits from the same prompt (prefill, round 1) vs {rows[0]['comm']}: "
+                     "largest difference in bf16 ulps of the largest logit: " + "; ".join(gaps)
+                     + " (0: bitwise equal)")
     reference = next((row for row in rows if row["comm"] == "harmpi"), None)
     if reference is not None and len(rows) > 1:
         ratios = [
@@ -1212,7 +1233,8 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _T
     split = _profile_lines(profiles, comm) if profiles else []
     if rank == 0:
         _mark_agreement(rows, {name: m.longest_tokens() for name, m in measured.items()},
-                        {name: m.longest().margin_ulps for name, m in measured.items()})
+                        {name: m.longest().margin_ulps for name, m in measured.items()},
+                        {name: m.rounds[0].prefill_logits for name, m in measured.items()})
         print("\n".join(_report_lines(rows) + split), flush=True)
         if json_path:
             meta = {

@@ -20,6 +20,7 @@ from bench.decode import (
     divergence_note,
     first_divergence,
     format_decode_table,
+    logits_gap_ulps,
     round_steps,
     round_tokens_per_s,
     shard_layout,
@@ -963,3 +964,9 @@ def test_demo_names_allreduce_losses_and_what_binding_costs_gloo():
     assert "harmpi is slower than mpi at 4194304 B (0.80x)" in text
     assert "gloo bound as the ranks / gloo:unbound at 10240 B: 3.00x" in text
     assert "gloo:unbound/harmpi" in text
+
+
+def test_logits_gap_in_bf16_ulps_of_the_largest_logit():
+    reference = np.array([[4.0, -1.0], [0.5, 2.0]])  # largest 4.0: ulp 1/32
+    assert logits_gap_ulps(reference, reference) == 0.0
+    assert logits_gap_ulps(reference, reference + [[0, 3 / 32], [0, 0]]) == pytest.approx(3.0)
