@@ -248,6 +248,11 @@ def _decode_summary(label: str, decode_doc: dict) -> list[str]:
             for row in compared[1:]
         ]
         lines.append(f"# tokens agree with {compared[0]['comm']}: " + "; ".join(agree))
+        gaps = [f"{row['comm']} {row['prefill_logits_gap_ulps']:.1f}" for row in compared[1:]
+                if row.get("prefill_logits_gap_ulps") is not None]
+        if gaps:
+            lines.append(f"# logits from the same prompt vs {compared[0]['comm']}, largest "
+                         "difference in bf16 ulps of the largest logit: " + "; ".join(gaps))
     return lines
 
 

@@ -528,6 +528,9 @@ def test_summary_lines_from_json_documents():
     assert "2.00x" in text and "400.00x" in text  # mpi/harmpi and gloo/harmpi at 10 KB
     assert "harmpi/gloo 8.00x" in text
     assert "gloo no (first divergence at generated token 7)" in text
+    decode["rows"][1]["prefill_logits_gap_ulps"] = 2.0
+    text_gap = "\n".join(summary_lines([], decode))
+    assert "largest difference in bf16 ulps of the largest logit: gloo 2.0" in text_gap
     assert ("harmpi: compute 9.0 ms/token; 20.0% of the step inside collectives, "
             "5.0% after the last rank arrived") in text
     # several decode runs, each under its label
