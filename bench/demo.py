@@ -270,7 +270,8 @@ def _decode_losses(harmpi: dict | None, present: Sequence[dict]) -> list[str]:
         if mine and theirs and mine["max"] >= theirs["min"]:
             text += (f"within the spread across rounds (harmpi {mine['min']:.1f}-"
                      f"{mine['max']:.1f}, {row['comm']} {theirs['min']:.1f}-"
-                     f"{theirs['max']:.1f} tok/s): noise of a loaded machine, not a difference")
+                     f"{theirs['max']:.1f} tok/s): the ranges overlap, so this run "
+                     "cannot tell them apart")
         elif d_compute > d_comm:
             text += (f"its compute is {d_compute:.2f} ms/token slower while its collectives "
                      f"differ by {d_comm:+.2f} ms: ranks waiting in harmpi slow the computing "
