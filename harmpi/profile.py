@@ -3,7 +3,7 @@
     with harmpi.profile() as p:          # collective over COMM_WORLD
         for _ in range(steps):
             decode_step()
-    print(p.summary())                   # collective; every rank gets the text
+    text = p.summary()                   # collective; every rank gets the text
     s = p.stats()                        # the same figures as a dict
     p.write_trace("trace.json")          # collective; rank 0 writes the file
 
@@ -46,7 +46,7 @@ p50/p99): a million collectives take no more memory than a thousand.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
 
 import numpy as np
@@ -54,6 +54,8 @@ from mpi4py import MPI
 
 from . import dtypes, kind, profrec
 from ._callable import make_module_callable
+
+log = logging.getLogger("harmpi")
 
 __all__ = ["profile", "Profile", "clock_offsets"]
 
@@ -373,7 +375,9 @@ def finish(prof):
         prof.write_trace(prof.trace_path)
     text = prof.summary()
     if prof.ctx.comm.Get_rank() == 0 and prof.ctx.config.profile:
-        print(text, file=sys.stderr, flush=True)
+        # a warning-level record: shown on stderr even where the program set
+        # up no logging (Python's last-resort handler), routable where it did
+        log.warning("harmpi profile (HARMPI_PROFILE=1):\n%s", text)
 
 
 make_module_callable(__name__, profile)

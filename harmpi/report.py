@@ -73,7 +73,6 @@ def main(argv=None):
     with open(args.trace) as f:
         doc = json.load(f)
     draw(doc, args.output, args.first, args.count)
-    print(args.output)
     return 0
 
 
