@@ -386,7 +386,7 @@ class Context:
         try:
             self._raise(rc, call, state)
         except HarmpiMismatchError as exc:
-            if not self._mismatch_is_clean(rc):
+            if not self._mismatch_is_clean(rc) or getattr(exc, "unclean", False):
                 self._give_up(f"{exc} (after a disagreement across nodes or between "
                               "algorithms, the ranks' step counters may differ)")
             raise

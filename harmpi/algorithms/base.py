@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 from mpi4py import MPI
 
@@ -110,8 +112,13 @@ def rail_allreduce(transport, comm_rank, comm_size, addr, m, call, recv_buf, tag
     if g >= P:
         # extra rank: hand our data to the partner, get the total back
         transport.complete(transport.post([(g - P, data, send_tag())], []), timeout_s, call)
-        (got,) = transport.complete(transport.post([], [(g - P, data)]), timeout_s, call)
-        return poisoned or recv_check(got, nbytes, tag)
+        # the total lands in the whole receive buffer too (not in place): a
+        # poisoned partner may send a larger tensor back
+        (got,) = transport.complete(transport.post([], [(g - P, recv)]), timeout_s, call)
+        if poisoned or recv_check(got, nbytes, tag):
+            return True
+        ctypes.memmove(addr, recv_addr, nbytes)
+        return False
     if g < G - P:
         (got,) = transport.complete(transport.post([], [(g + P, recv)]), timeout_s, call)
         if recv_check(got, nbytes, tag):

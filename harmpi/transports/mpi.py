@@ -82,9 +82,13 @@ class MpiTransport(Transport):
                     self._timeout(pending, timeout_s, what)
         except MPI.Exception as exc:
             if exc.Get_error_class() == MPI.ERR_TRUNCATE:
-                raise HarmpiMismatchError(
+                err = HarmpiMismatchError(
                     f"rank {self.rank}: {what}: a peer sent more bytes than this rank expects; "
-                    "ranks passed tensors of different sizes") from None
+                    "ranks passed tensors of different sizes")
+                # raised mid-algorithm: the node's flag rounds are left
+                # unfinished, so the context gives up (its peers fail at once)
+                err.unclean = True
+                raise err from None
             raise
         self._check_abandoned(pending, statuses, what)
         return [(st.Get_count(MPI.BYTE), st.Get_tag()) for st in statuses[: pending.nrecv]]

@@ -48,13 +48,18 @@ def test_op_and_algorithm_are_checked(small_comm, topo):
     assert torch.all(x == small_comm.Get_size())
 
 
+@pytest.mark.parametrize("odd", ["last", "first"])
 @pytest.mark.parametrize("algorithm", ["auto", "leader", "flat_ring"])
-def test_mismatched_sizes_raise_on_every_rank(small_comm, algorithm):
+def test_mismatched_sizes_raise_on_every_rank(small_comm, algorithm, odd):
+    """The odd rank out is the last rank, or rank 0 (a node leader: with
+    three nodes its larger tensor travels over the rail to the extra node
+    of the recursive doubling, which must not fail alone)."""
     r, n_ranks = small_comm.Get_rank(), small_comm.Get_size()
     if n_ranks == 1:
         pytest.skip("needs two ranks")  # same on every rank (n_ranks is global)
-    for n_last in (11, 3000):  # one chunk, and more chunks than the others
-        n = n_last if r == n_ranks - 1 else 10
+    odd_rank = n_ranks - 1 if odd == "last" else 0
+    for n_odd in (11, 3000):  # one chunk, and more chunks than the others
+        n = n_odd if r == odd_rank else 10
         x = torch.full((n,), 7.0)
         with pytest.raises(harmpi.HarmpiMismatchError, match="ranks disagree"):
             harmpi.allreduce(x, comm=small_comm, algorithm=algorithm)
