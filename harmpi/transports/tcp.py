@@ -32,7 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import mpiprogress
-from ..errors import HarmpiMismatchError, HarmpiTimeoutError, HarmpiTransportError
+from ..errors import HarmpiTimeoutError, HarmpiTransportError
 from ..topology import arrive
 from . import sockio
 from .base import Pending, Transport
