@@ -113,12 +113,14 @@ def test_results_bitwise_identical(world):
 
 
 def test_memory_bounded(world):
+    """The ring wraps many times (3000 calls into 64 records: enough to show
+    the bound; 100k calls took 36 s at 6 oversubscribed ranks)."""
     x = np.zeros(1, np.float32)
     with harmpi.profile(records=64) as p:
         before = p.state.nbytes
-        for _ in range(100_000):
+        for _ in range(3000):
             harmpi.allreduce(x)
     assert p.state.nbytes == before
     assert p.state.nbytes < 64 * profrec.REC_WORDS * 8 + 16384
     assert len(p.records()) == 64
-    assert p.stats()["calls"] == 100_000
+    assert p.stats()["calls"] == 3000
