@@ -4,10 +4,14 @@
 
 1. all-reduce table, 2 ranks on one node, harmpi vs torch:harmpi (dist.all_reduce on a harmpi
    process group) vs mpi vs gloo, bound as mpirun binds the ranks and unbound
-   (``gloo:unbound``: its threads may use every CPU) (bf16, 2 KiB .. 4 MiB and 10240 B);
+   (``gloo:unbound``: its threads may use every CPU), vs DeepSpeed's shm all-reduce
+   (``deepspeed``, when installed: ``pip install 'harmpi[deepspeed]'``; else the demo
+   says it left it out) (bf16, 2 KiB .. 4 MiB and 10240 B);
 2. the same with 4 ranks as 2 virtual nodes x 2 (HARMPI_RANKS_PER_NODE=2, --oversubscribe),
    once with MPI on shared memory (its best case on one host) and once with
    MPI over TCP (``btl tcp,self``: what it does between nodes without RDMA);
+   deepspeed refuses virtual nodes (its op sums over the whole host), and the
+   tables' notes say so;
 3. the decode benchmark on 4 ranks as 2 virtual nodes x 2, harmpi vs torch:harmpi vs gloo vs
    mpi, with MPI
    on shared memory and with MPI over TCP.
@@ -20,6 +24,7 @@ their tables are printed as they come and their ``--json`` files (in
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -31,7 +36,8 @@ from typing import Sequence
 
 import click
 
-__all__ = ["mpirun_path", "mpirun_argv", "mpirun_env", "demo_jobs", "summary_lines", "main"]
+__all__ = ["mpirun_path", "mpirun_argv", "mpirun_env", "demo_jobs", "default_impls",
+           "summary_lines", "main"]
 
 #: Environment every job gets (Open MPI as root, no UCX on these machines).
 MPI_ENV = {
@@ -42,6 +48,19 @@ MPI_ENV = {
 }
 
 SUMMARY_SIZES = (10240, 4 * 1024 * 1024)
+
+#: the all-reduce tables' implementations; deepspeed joins them when installed
+BASE_IMPLS = "harmpi,torch:harmpi,mpi,gloo,gloo:unbound"
+
+
+def default_impls(have_deepspeed: bool | None = None) -> tuple[str, str]:
+    """(the demo's --impl list, a note saying why deepspeed is left out, or "")."""
+    if have_deepspeed is None:
+        have_deepspeed = importlib.util.find_spec("deepspeed") is not None
+    if have_deepspeed:
+        return f"{BASE_IMPLS},deepspeed", ""
+    return BASE_IMPLS, ("# deepspeed left out: it is not installed "
+                        "(pip install 'harmpi[deepspeed]'; make setup installs it)")
 
 
 def mpirun_path() -> str:
@@ -148,7 +167,7 @@ def _fmt_x(value) -> str:
 
 
 #: the summary's columns, in order (those no job ran are left out)
-SUMMARY_IMPLS = ("harmpi", "torch:harmpi", "mpi", "gloo", "gloo:unbound")
+SUMMARY_IMPLS = ("harmpi", "torch:harmpi", "mpi", "gloo", "gloo:unbound", "deepspeed")
 
 
 def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
@@ -329,8 +348,9 @@ def _read_docs(jobs: Sequence[dict]):
 @click.command(name="demo", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="out/demo",
               show_default=True, help="Directory for the jobs' JSON files.")
-@click.option("--impls", default="harmpi,torch:harmpi,mpi,gloo,gloo:unbound", show_default=True,
-              help="Implementations of the all-reduce tables (mpi,gloo runs the rivals alone).")
+@click.option("--impls", default=None,
+              help=f"Implementations of the all-reduce tables (mpi,gloo runs the rivals alone). "
+                   f"Default: {BASE_IMPLS}, plus deepspeed when it is installed.")
 @click.option("--decode-comms", default=None,
               help="Backends of the decode run (default: --impls reordered "
                    "harmpi,torch:harmpi,gloo,mpi).")
@@ -340,6 +360,9 @@ def main(out_dir, impls, decode_comms, timeout_s):
     """Run the README's benchmarks on this machine and print a summary with ratios."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    left_out = ""
+    if impls is None:
+        impls, left_out = default_impls()
     names = [name.strip() for name in impls.split(",") if name.strip()]
     if decode_comms is None:
         decode_comms = ",".join(name for name in ("harmpi", "torch:harmpi", "gloo", "mpi")
@@ -349,6 +372,8 @@ def main(out_dir, impls, decode_comms, timeout_s):
     print(f"# harmpi demo: {os.cpu_count()} CPUs, load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
           f"(other work on the machine slows every number below)", flush=True)
+    if left_out:
+        print(left_out, flush=True)
     t_start = time.monotonic()
     failures = []
     jobs = demo_jobs(out, impls, decode_comms)

@@ -85,6 +85,7 @@ __all__ = [
     "deepspeed_wire",
     "deepspeed_refusal",
     "load_deepspeed_op",
+    "deepspeed_status",
     "harmpi_info_of",
     "torch_backend",
     "IMPL_KINDS",
@@ -684,8 +685,8 @@ def deepspeed_wire(dtype: DType, flags) -> tuple[DType | None, str]:
     if need in flags:
         return dtype, ""
     if dtype.name != "f32" and DEEPSPEED_KERNEL_FLAGS["f32"] in flags:
-        return DTYPES["f32"], (f"float32, same bytes: this CPU has no {need}, which "
-                               f"DeepSpeed's {dtype.name} kernel needs (it would die with SIGILL)")
+        return DTYPES["f32"], (f"float32, same bytes: this CPU has no {need}, without which "
+                               f"DeepSpeed's {dtype.name} kernel dies with SIGILL")
     return None, f"this CPU has no {need}, which DeepSpeed's {dtype.name} kernel needs"
 
 
@@ -750,6 +751,15 @@ def load_deepspeed_op():
         except Exception as exc:  # compiler or ninja missing or failing: the reason goes out
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             raise ImplUnavailable(f"DeepSpeed's shm op did not build: {lines[-1]}") from exc
+
+
+def deepspeed_status() -> str:
+    """One line: the op is built and loads, or why not (``make setup`` prints it)."""
+    try:
+        load_deepspeed_op()
+    except ImplUnavailable as exc:
+        return f"unavailable: {exc}"
+    return f"built (DeepSpeed {_deepspeed_version()})"
 
 
 def _deepspeed_version() -> str:

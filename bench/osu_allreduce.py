@@ -1,6 +1,7 @@
-"""OSU-style all-reduce latency: harmpi vs MPI_Allreduce vs gloo, same ranks.
+"""OSU-style all-reduce latency: harmpi vs MPI_Allreduce vs gloo vs DeepSpeed, same ranks.
 
     mpirun -np 2 python -m mpi4py -m bench.osu_allreduce -c --impl harmpi,mpi,gloo
+    mpirun -np 2 --bind-to core python -m mpi4py -m bench.osu_allreduce --impl harmpi,deepspeed,mpi
     HARMPI_RANKS_PER_NODE=2 mpirun --oversubscribe -np 4 python -m mpi4py -m bench.osu_allreduce -f
 
 Options follow OSU: ``-m MIN:MAX`` sizes, ``-i``/``-x`` iterations and

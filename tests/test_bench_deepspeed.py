@@ -1,0 +1,139 @@
+"""The deepspeed adapter of bench.impls: its pure decisions, then runs under mpirun.
+
+The mpirun runs need DeepSpeed (``pip install 'harmpi[deepspeed]'``, which
+``make setup`` installs) and its shm op built (``make setup`` builds it
+once); without either they skip and say why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench.demo import default_impls, mpirun_argv, mpirun_env, mpirun_path
+from bench.harness import DTYPES
+from bench.impls import cpu_flags, deepspeed_refusal, deepspeed_wire, parse_impls
+
+REPO = Path(__file__).resolve().parents[1]
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+AVX512 = frozenset({"sse2", "avx", "avx2", "avx512f", "avx512bw"})
+AVX2 = frozenset({"sse2", "avx", "avx2"})
+
+
+def _topo(hosts=1, virtual=False, ranks=2):
+    return {"ranks": ranks, "hosts": hosts, "nodes": 2 if virtual else hosts,
+            "ranks_per_node": [ranks], "virtual": virtual, "max_ranks_per_host": ranks}
+
+
+def test_bf16_needs_avx512bw():
+    bf16, f16, f32 = DTYPES["bf16"], DTYPES["f16"], DTYPES["f32"]
+    assert deepspeed_wire(bf16, AVX512) == (bf16, "")
+    assert deepspeed_wire(f16, AVX512) == (f16, "")
+    assert deepspeed_wire(f32, AVX512) == (f32, "")
+    wire, why = deepspeed_wire(bf16, AVX2)
+    assert wire is f32
+    assert why.startswith("float32, same bytes") and "avx512bw" in why and "SIGILL" in why
+    assert deepspeed_wire(f32, AVX2) == (f32, "")
+
+
+def test_no_avx2_or_float64_is_not_reduced():
+    wire, why = deepspeed_wire(DTYPES["bf16"], frozenset({"sse2"}))
+    assert wire is None and "avx512bw" in why
+    wire, why = deepspeed_wire(DTYPES["f32"], frozenset({"sse2"}))
+    assert wire is None and "avx2" in why
+    wire, why = deepspeed_wire(DTYPES["f64"], AVX512)
+    assert wire is None and "f64" in why
+
+
+def test_refused_across_hosts_and_under_virtual_nodes(monkeypatch):
+    assert deepspeed_refusal(_topo()) is None
+    assert "2 hosts" in deepspeed_refusal(_topo(hosts=2, ranks=4))
+    monkeypatch.setenv("HARMPI_RANKS_PER_NODE", "1")
+    why = deepspeed_refusal(_topo(virtual=True))
+    assert "virtual nodes (HARMPI_RANKS_PER_NODE=1)" in why
+
+
+def test_cpu_flags_read_from_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512bw\n\n"
+                       "processor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(str(cpuinfo)) == {"fpu", "avx2", "avx512bw"}
+    assert cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_parse_impls_knows_deepspeed():
+    assert parse_impls("harmpi,deepspeed,mpi") == ["harmpi", "deepspeed", "mpi"]
+    for bad in ("deepspeed:x", "deepspeed:", "deepspeed,deepspeed"):
+        with pytest.raises(ValueError):
+            parse_impls(bad)
+
+
+def test_demo_includes_deepspeed_only_when_installed():
+    impls, note = default_impls(have_deepspeed=True)
+    assert impls.split(",")[-1] == "deepspeed" and note == ""
+    impls, note = default_impls(have_deepspeed=False)
+    assert "deepspeed" not in impls and "pip install 'harmpi[deepspeed]'" in note
+
+
+# --------------------------------------------------------------------------
+# Under mpirun
+# --------------------------------------------------------------------------
+
+
+def _mpirun(n_ranks, module, args, env=None, timeout_s=240):
+    try:
+        mpirun = mpirun_path()
+    except FileNotFoundError:
+        pytest.skip("no mpirun")
+    argv = mpirun_argv(n_ranks, module, args, mpirun=mpirun)
+    return subprocess.run(argv, env=mpirun_env(env), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def _skip_if_unavailable(stdout: str) -> None:
+    for line in stdout.splitlines():
+        if line.startswith("deepspeed unavailable: "):
+            pytest.skip(line)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed not installed "
+                    "(pip install 'harmpi[deepspeed]'; make setup installs it)")
+def test_deepspeed_adapter_under_mpirun():
+    proc = _mpirun(2, "tests.deepspeed_check", [])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _skip_if_unavailable(proc.stdout)
+    assert "deepspeed ok: deepspeed: torch.ops.deepspeed.inference_all_reduce_" in proc.stdout
+    assert "deepspeed ok without avx512bw:" in proc.stdout, proc.stdout
+    if "avx512bw" in cpu_flags():
+        assert "on a torch bfloat16 tensor" in proc.stdout.splitlines()[0], proc.stdout
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_deepspeed_refused_under_virtual_nodes():
+    # refused before anything is built: runs without deepspeed installed too
+    proc = _mpirun(2, "tests.deepspeed_check", ["refused"], env={"HARMPI_RANKS_PER_NODE": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "deepspeed refused: DeepSpeed's shm op has no notion of nodes" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed not installed "
+                    "(pip install 'harmpi[deepspeed]'; make setup installs it)")
+def test_osu_allreduce_with_deepspeed_under_mpirun():
+    proc = _mpirun(2, "bench.osu_allreduce",
+                   ["-m", "1024:4096", "-i", "5", "-x", "2", "-c",
+                    "--impl", "harmpi,deepspeed,mpi"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if "# note: deepspeed (every size): not run:" in proc.stdout:
+        pytest.skip(proc.stdout.split("# note: deepspeed (every size): ")[1].splitlines()[0])
+    assert "# deepspeed: torch.ops.deepspeed.inference_all_reduce_" in proc.stdout
+    table = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
+    assert [int(row[0]) for row in table] == [1024, 2048, 4096]
+    assert all(row.count("Pass") == 3 for row in table), proc.stdout
