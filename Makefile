@@ -32,7 +32,8 @@ all: test
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml setup.py harmpi/_native.cpp
+$(STAMP): requirements.txt requirements-deepspeed.txt pyproject.toml setup.py \
+          harmpi/_native.cpp
 	@if ! command -v ip >/dev/null 2>&1 || ! command -v unshare >/dev/null 2>&1 || ! command -v pkill >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES); \
@@ -47,6 +48,12 @@ $(STAMP): requirements.txt pyproject.toml setup.py harmpi/_native.cpp
 	@# compile the numba kernels once, in one process, before ranks race for them
 	$(PY) -c "import harmpi, harmpi.reduce"
 	$(PY) -c "from harmpi import native; native.load(); print('harmpi native:', native.status())"
+	@# DeepSpeed, the rival `--impl deepspeed` times (optional, harmpi[deepspeed]):
+	@# if it does not install or its shm op does not build, its tests skip and say
+	@# why. The op is built here, once (~1 min), not by test ranks racing for it.
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-deepspeed.txt \
+	  || echo "note: deepspeed did not install: the deepspeed comparison and its tests skip"
+	$(PY) -c "from bench.impls import deepspeed_status; print('deepspeed shm op:', deepspeed_status())"
 	touch $(STAMP)
 
 test: setup lint unit-test mpi-test
