@@ -26,7 +26,7 @@ NPS ?= 1 2 3 4
 # more ranks than cores is the point of some tests: oversubscribe, do not bind
 MPI_FLAGS ?= --map-by :OVERSUBSCRIBE --bind-to none
 
-.PHONY: all setup lint test unit-test mpi-test demo clean
+.PHONY: all setup lint test unit-test mpi-test demo clean pyverbs test-verbs
 
 all: test
 
@@ -54,7 +54,33 @@ $(STAMP): requirements.txt requirements-deepspeed.txt pyproject.toml setup.py \
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-deepspeed.txt \
 	  || echo "note: deepspeed did not install: the deepspeed comparison and its tests skip"
 	$(PY) -c "from bench.impls import deepspeed_status; print('deepspeed shm op:', deepspeed_status())"
+	@$(MAKE) --no-print-directory pyverbs
 	touch $(STAMP)
+
+# pyverbs for the verbs transport: Debian's python3-pyverbs (the PyPI sdist
+# does not build against Debian's rdma-core), made importable from the venv
+# by a .pth file naming a directory that holds only a link to it (the rest of
+# Debian's dist-packages stays out of the venv). Without apt or without the
+# package, the verbs transport reports "pyverbs is not importable".
+PYVERBS_DIR := /usr/lib/python3/dist-packages/pyverbs
+pyverbs:
+	@if [ ! -d $(PYVERBS_DIR) ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pyverbs >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pyverbs; } || true; fi
+	@if [ -d $(PYVERBS_DIR) ]; then \
+	  mkdir -p $(VENV)/debian-pyverbs && ln -sfn $(PYVERBS_DIR) $(VENV)/debian-pyverbs/pyverbs && \
+	  echo $(VENV)/debian-pyverbs > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/harmpi-debian-pyverbs.pth"; fi
+	@$(PY) -c "from harmpi import transports as t; print('harmpi verbs:', t.verbs_status()[1])"
+
+# The verbs transport on a host with an RDMA device (a Soft-RoCE device
+# will do: README "RDMA verbs transport"): the device tests, then the MPI
+# tests over HARMPI_TRANSPORT=verbs with two one-rank virtual nodes.
+test-verbs: setup
+	$(PY) -m pytest -q -p no:cacheprovider --color=no -m verbs_device -rs tests/test_verbs_device.py
+	HARMPI_RANKS_PER_NODE=1 HARMPI_TRANSPORT=verbs timeout -k 10 $(MPI_TEST_TIMEOUT) \
+	  $(MPIRUN) -np 2 $(MPI_FLAGS) -x HARMPI_RANKS_PER_NODE -x HARMPI_TRANSPORT \
+	  $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi/test_allreduce.py \
+	  tests/mpi/test_verbs_rail.py
 
 test: setup lint unit-test mpi-test
 

@@ -40,6 +40,14 @@ HARMPI_PROFILE_RECORDS     16384      profiling: the ring of records kept per
                                       rank (older calls only in the aggregates)
 HARMPI_TRACE               (unset)    profiling: write a Chrome trace to this
                                       file at finalize (turns profiling on)
+HARMPI_IB_DEVICE           (first)    verbs transport: RDMA device name; a comma
+                                      list gives local rank l entry l % len
+HARMPI_IB_PORT             (first     verbs transport: port number (comma list
+                           ACTIVE)    per local rank as above)
+HARMPI_IB_GID_INDEX        (RoCE v2)  verbs transport: GID index (comma list per
+                                      local rank); default: a RoCE v2 GID where
+                                      the link layer is Ethernet, none (LID) on
+                                      InfiniBand
 =========================  =========  ==========================================
 """
 
@@ -87,6 +95,24 @@ def _float(env, name, default, minimum):
     return value
 
 
+def _list(env, name, conv, minimum=None):
+    """A comma list (per local rank) of ``conv`` values; () when unset."""
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return ()
+    out = []
+    for item in raw.split(","):
+        item = item.strip()
+        try:
+            value = conv(item)
+        except ValueError:
+            raise HarmpiArgumentError(f"{name}={raw!r}: {item!r} is not valid") from None
+        if minimum is not None and value < minimum:
+            raise HarmpiArgumentError(f"{name}={raw!r}: {value} must be >= {minimum}")
+        out.append(value)
+    return tuple(out)
+
+
 def _switch(env, name, default):
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -125,6 +151,11 @@ class Config:
     profile_records: int = 16384
     #: a file to write the profile's Chrome trace to at finalize (None: none)
     trace: str | None = None
+    #: verbs transport: device, port and GID index, per local rank (an entry
+    #: each, cycled); empty: first device with an ACTIVE port, RoCE v2 GID
+    ib_devices: tuple = ()
+    ib_ports: tuple = ()
+    ib_gid_indexes: tuple = ()
 
     def __post_init__(self):
         if self.algorithm != "auto" and self.algorithm not in ALGORITHMS:
@@ -171,4 +202,7 @@ class Config:
             profile=_switch(env, "HARMPI_PROFILE", cls.profile),
             profile_records=_int(env, "HARMPI_PROFILE_RECORDS", cls.profile_records, 0),
             trace=env.get("HARMPI_TRACE") or None,
+            ib_devices=_list(env, "HARMPI_IB_DEVICE", str),
+            ib_ports=_list(env, "HARMPI_IB_PORT", int, 1),
+            ib_gid_indexes=_list(env, "HARMPI_IB_GID_INDEX", int, 0),
         )

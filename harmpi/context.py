@@ -170,7 +170,7 @@ class Context:
         if self.topo.node_count > 1:
             self._rail_transport, self.transport_reason = transports.select(
                 self.config.transport, self.rail_comm, self.transport_spin_count,
-                self.config.timeout_s)
+                self.config.timeout_s, self.config, self.topo.local_rank)
             self.log_once(f"cross-node transport: {self._rail_transport.name} "
                           f"({self.transport_reason})")
             if isinstance(self._rail_transport, transports.TcpTransport):
@@ -274,7 +274,8 @@ class Context:
         if self._world_transport is None:
             self._world_transport, _ = transports.select(self.config.transport, self.comm,
                                                          self.transport_spin_count,
-                                                         self.config.timeout_s)
+                                                         self.config.timeout_s, self.config,
+                                                         self.topo.local_rank)
             if isinstance(self._world_transport, transports.TcpTransport):
                 self._world_transport.watch_signals(self.sigfd)
         return self._world_transport
@@ -404,7 +405,7 @@ class Context:
         # the rail peers learn at once: a closed socket, or an MPI notice
         self.close_transports()
         for t in (self._rail_transport, self._world_transport):
-            if isinstance(t, transports.MpiTransport):
+            if isinstance(t, (transports.MpiTransport, transports.VerbsTransport)):
                 t.give_up()
 
     def close_transports(self):

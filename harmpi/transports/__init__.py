@@ -1,13 +1,15 @@
 """Cross-node transports and their selection (``HARMPI_TRANSPORT``).
 
-``auto`` takes the TCP transport when every rank of the communicator can
+``auto`` takes the RDMA verbs transport when pyverbs imports and every rank
+of the communicator has a usable ACTIVE port (agreed by an allreduce, so
+every rank picks the same); otherwise the TCP transport when every rank can
 connect to every other (compiled socket I/O that sleeps in poll(2) while it
-waits), and the portable MPI transport when it cannot; its reason also says
-why an RDMA verbs transport could not run (there is none in this build).
-The reason for the choice is logged once and reported by
-``harmpi.info()``. Asking for ``verbs`` is an error that says why, never a
-silent fallback; ``mpi`` keeps MPI's own network path (UCX,
-libfabric, ...), which beats TCP on fabrics MPI drives natively.
+waits), and the portable MPI transport when it cannot. The reason for the
+choice, verbs' included either way, is logged once and reported by
+``harmpi.info()``. Asking for ``verbs`` where it cannot run fails on every
+rank at set-up, saying what each rank looked for and found - never a silent
+fallback; ``mpi`` keeps MPI's own network path (UCX, libfabric, ...), which
+beats TCP on fabrics MPI drives natively.
 """
 
 from __future__ import annotations
@@ -21,44 +23,99 @@ from ..topology import arrive
 from .base import MAX_TAG, POISON_TAG, Pending, Transport
 from .mpi import MpiTransport
 from .tcp import TcpTransport
+from .verbs import VerbsTransport
 
-__all__ = ["Transport", "Pending", "MpiTransport", "TcpTransport", "select", "verbs_status",
-           "POISON_TAG", "MAX_TAG"]
+__all__ = ["Transport", "Pending", "MpiTransport", "TcpTransport", "VerbsTransport", "select",
+           "verbs_status", "verbs_probe", "POISON_TAG", "MAX_TAG"]
 
 log = logging.getLogger(__name__)
 
 
-def verbs_status():
-    """(usable, reason): whether an RDMA verbs transport could run on this host."""
+def _local_settings(config, local_rank):
+    """(device, port, gid index) this local rank asks for (None: any)."""
+    from . import verbs_proto  # noqa: PLC0415
+
+    pick = verbs_proto.pick_for_local_rank
+    if config is None:
+        return None, None, None
+    return (pick(config.ib_devices, local_rank), pick(config.ib_ports, local_rank),
+            pick(config.ib_gid_indexes, local_rank))
+
+
+def verbs_probe(config=None, local_rank=0):
+    """(PortChoice or None, reason): the port an RDMA verbs transport would
+    use on this rank (HARMPI_IB_* settings in ``config``), or why none."""
     try:
-        from pyverbs import device as _device  # noqa: PLC0415 - optional dependency
+        import pyverbs  # noqa: F401, PLC0415 - optional dependency
+
+        from . import verbs_nic  # noqa: PLC0415 - imports pyverbs lazily
     except ImportError as exc:
-        return False, f"pyverbs is not importable ({exc})"
+        return None, f"pyverbs is not importable ({exc})"
+    device, port, gid_index = _local_settings(config, local_rank)
+    choice, wanted, found = verbs_nic.probe(device, port, gid_index)
+    if choice is None:
+        return None, f"looked for {wanted}; found {found}"
+    return choice, f"{choice.describe()} is ACTIVE"
+
+
+def verbs_status(config=None, local_rank=0):
+    """(usable, reason): whether an RDMA verbs transport could run on this rank."""
+    choice, why = verbs_probe(config, local_rank)
+    return choice is not None, why
+
+
+def _open_verbs(choice, comm, spin_count, timeout_s):
+    """The verbs transport over the real NIC (tests replace this function
+    to drive the transport over a stand-in NIC)."""
+    from .verbs_nic import PyverbsNic  # noqa: PLC0415
+
+    return VerbsTransport(comm, spin_count, timeout_s, PyverbsNic(choice))
+
+
+def _verbs_everywhere(comm, config, local_rank):
+    """(PortChoice or None, reason), the same verdict on every rank: usable
+    only if usable on every rank of ``comm``."""
+    choice, why = verbs_probe(config, local_rank)
+    rank = comm.Get_rank()
+    if comm.allreduce(1 if choice is not None else 0, op=MPI.MIN):
+        return choice, f"verbs: every rank has an ACTIVE port (this rank: {why})"
+    whys = comm.allgather(None if choice is not None else why)
+    bad = [f"rank {r}: {w}" for r, w in enumerate(whys) if w is not None]
+    mine = "" if choice is None else f" (this rank {rank}: {why})"
+    return None, f"verbs not usable on every rank: {'; '.join(bad)}{mine}"
+
+
+def _select_verbs(requested, comm, spin_count, timeout_s, config, local_rank):
+    """(transport or None, reason) of the verbs transport; forced: raises."""
+    choice, why = _verbs_everywhere(comm, config, local_rank)
+    if choice is None:
+        if requested == "verbs":
+            raise HarmpiTransportError(f"HARMPI_TRANSPORT=verbs cannot be used: {why}; "
+                                       "set HARMPI_TRANSPORT=tcp, mpi or auto")
+        return None, why
     try:
-        devices = _device.get_device_list()
-    except Exception as exc:  # pyverbs raises PyverbsRDMAError when no device exists  # noqa: BLE001
-        return False, f"no RDMA device ({type(exc).__name__}: {exc})"
-    if not devices:
-        return False, "no RDMA device (pyverbs lists none)"
-    names = ", ".join(d.name.decode() if isinstance(d.name, bytes) else str(d.name)
-                      for d in devices)
-    return False, (f"RDMA device(s) {names} found, but this build of harmpi has no verbs "
-                   "transport yet")
+        return _open_verbs(choice, comm, spin_count, timeout_s), why
+    except HarmpiTransportError as exc:  # raised on every rank (a collective verdict)
+        if requested == "verbs":
+            raise HarmpiTransportError(f"HARMPI_TRANSPORT=verbs: {exc}") from None
+        return None, f"{why}, but {exc}"
 
 
-def select(requested: str, comm, spin_count: int, timeout_s: float = 30.0):
+def select(requested: str, comm, spin_count: int, timeout_s: float = 30.0, config=None,
+           local_rank: int = 0):
     """Return ``(transport, reason)`` for ``requested`` in auto|tcp|mpi|verbs
-    (collective over ``comm``; a rank that never comes is a timeout)."""
+    (collective over ``comm``; a rank that never comes is a timeout).
+    ``config`` holds the HARMPI_IB_* settings (None: defaults); a per-local-rank
+    list gives this rank entry ``local_rank`` % len."""
     arrive(comm, timeout_s, f"setting up the {requested} transport")
     if requested == "mpi":
         return MpiTransport(comm, spin_count), "HARMPI_TRANSPORT=mpi"
     if requested == "tcp":
         return TcpTransport(comm, spin_count, timeout_s), "HARMPI_TRANSPORT=tcp"
-    usable, why = verbs_status()
-    if requested == "verbs":
-        if not usable:
-            raise HarmpiTransportError(f"HARMPI_TRANSPORT=verbs cannot be used: {why}; "
-                                       "set HARMPI_TRANSPORT=tcp, mpi or auto")
+    transport, why = _select_verbs(requested, comm, spin_count, timeout_s, config, local_rank)
+    if transport is not None:
+        return transport, (f"HARMPI_TRANSPORT=verbs: {why}" if requested == "verbs"
+                           else f"auto: {why}; using the verbs transport")
     transport, failure = None, None
     try:
         transport = TcpTransport(comm, spin_count, timeout_s)

@@ -26,12 +26,16 @@ ENV = {
     "HARMPI_PROFILE": "1",
     "HARMPI_PROFILE_RECORDS": "100",
     "HARMPI_TRACE": "/nonexistent/trace.json",
+    "HARMPI_IB_DEVICE": "mlx5_0,mlx5_1",
+    "HARMPI_IB_PORT": "2",
+    "HARMPI_IB_GID_INDEX": "3",
 }
 GIVEN = harmpi.Config(timeout_s=30.0, spin_count=12345, slot_nbytes=16384, small_max_nbytes=4096,
                       har_latency_max_nbytes=8192, algorithm="leader", transport="tcp",
                       ranks_per_node=1, stream_stores="flush", native=True,
                       logits_route="allgather", logits_allreduce_max_nbytes=12345,
-                      abort_on_exception=True, profile=False, profile_records=16384, trace=None)
+                      abort_on_exception=True, profile=False, profile_records=16384, trace=None,
+                      ib_devices=("rxe0",), ib_ports=(1,), ib_gid_indexes=(1,))
 
 
 def test_a_config_given_to_init_wins_over_the_environment(world, monkeypatch):
