@@ -43,16 +43,22 @@ interface names receive buffers only at post time; the buffer the node step
 reads (the context's rail receive buffer) is allocated by the context, not
 the transport. So a chunk lands in the transport's registered ring and is
 copied out (and a send is staged into registered memory). Measured here
-(numpy/ctypes memmove, 2-core x86 VM): ~0.4 us at 10 KB, ~40-80 us at 1 MB
-per copy; the Python around one exchange (below) costs more than the 10 KB
-copies. Landing straight in the node's buffer needs the context to take its
-rail receive buffer from :meth:`VerbsTransport.landing_view` (one peer, one
-slot: a two-node rail) - not done here.
+(ctypes.memmove between numpy buffers, 2-vCPU x86 VM, best of 5): 0.54 us
+at 10 KB, 26-34 us at 1 MB per copy, so two copies per exchange; the Python
+around one exchange (below) costs far more than the 10 KB copies. Reading
+the peer's chunk where it landed (:meth:`VerbsTransport.landing_view`) and
+returning its credit only after the node sum would remove the receive
+copy; the algorithms do not ask for that yet.
 
-Completion polling runs in Python: pyverbs exposes no C handle of its CQ
-that numba could call ibv_poll_cq on, so each poll is a pyverbs call
-(~1 us per empty poll expected; this module's own bookkeeping per exchange
-measured ~10-20 us over the tests' stand-in NIC). Waiting spins
+Completion polling runs in Python: pyverbs keeps its ibv_cq pointer in a
+Cython attribute that Python cannot read, so numba cannot call ibv_poll_cq
+on it, and each poll is a pyverbs call (CQ.poll: one ibv_poll_cq plus a WC
+object per completion; not measured here, where no device exists). Over
+the tests' stand-in NIC (whose empty poll costs 0.26 us) a 10 KB exchange
+between two processes took 42 us and a 1 MB one 365 us, against 40 us and
+477 us for the MPI transport in the same run (2-vCPU VM under a load
+average of ~5: read them as an upper bound of the Python protocol's cost,
+which does not depend on the NIC). Waiting spins
 ``spin_count`` polls, then yields the core on every further poll
 (sched_yield), until ``timeout_s``. Errors: a completion with any status
 other than success raises HarmpiTransportError naming the peer, operation
