@@ -50,8 +50,12 @@ class Transport(abc.ABC):
         """Wait for everything in ``pending``; return [(nbytes, tag)] per receive.
 
         Raises HarmpiTimeoutError naming the peers still outstanding after
-        ``timeout_s``, and HarmpiMismatchError when a message is larger than
-        its receive buffer.
+        ``timeout_s``. A message larger than its receive buffer should fill
+        the buffer, drop the rest and report the sender's count, so that the
+        algorithm's recv_check poisons the step on every rank (tcp does). A
+        transport that cannot (MPI truncates) raises HarmpiMismatchError with
+        ``unclean = True``: the context then gives up, so its peers fail at
+        once instead of waiting for a flag round this rank never posts.
         """
 
     def close(self):
