@@ -80,8 +80,13 @@ def _verbs_everywhere(comm, config, local_rank):
     if comm.allreduce(1 if choice is not None else 0, op=MPI.MIN):
         return choice, f"verbs: every rank has an ACTIVE port (this rank: {why})"
     whys = comm.allgather(None if choice is not None else why)
-    bad = [f"rank {r}: {w}" for r, w in enumerate(whys) if w is not None]
-    mine = "" if choice is None else f" (this rank {rank}: {why})"
+    try:  # errors name the ranks users know
+        names = MPI.Group.Translate_ranks(comm.Get_group(), list(range(len(whys))),
+                                          MPI.COMM_WORLD.Get_group())
+    except MPI.Exception:
+        names = list(range(len(whys)))
+    bad = [f"rank {names[r]}: {w}" for r, w in enumerate(whys) if w is not None]
+    mine = "" if choice is None else f" (this rank {names[rank]}: {why})"
     return None, f"verbs not usable on every rank: {'; '.join(bad)}{mine}"
 
 

@@ -19,12 +19,17 @@ import tempfile
 import numpy as np
 import pytest
 from conftest import DTYPES, as_f64, assert_same_everywhere, error_bound, make_input
+from mpi4py import MPI
 
 import harmpi
 from harmpi import transports
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from verbs_double import LoopbackNic, loop_port  # noqa: E402
+
+#: the library's own probe (the fixture below replaces it for this file's
+#: stand-in contexts)
+REAL_PROBE = transports.verbs_probe
 
 #: tiny slots and RDMA chunks, so that both kinds of chunking are reached
 CFG = dict(ranks_per_node=1, transport="verbs", slot_nbytes=16384, small_max_nbytes=1024,
@@ -112,3 +117,26 @@ def test_a_size_mismatch_fails_on_every_rank(world, fabric):
     n = 3000 if comm.Get_rank() == 0 else 1000
     with pytest.raises(harmpi.HarmpiMismatchError):
         harmpi.allreduce(np.ones(n), comm=comm, algorithm="har_latency")
+
+
+def test_forced_verbs_without_a_device_fails_at_init_on_every_rank(world, monkeypatch):
+    """The library's real probe: here (no RDMA device) a forced verbs
+    context fails at set-up on every rank, naming what each rank found; on
+    a host with a device (make test-verbs) it runs."""
+    monkeypatch.setattr(transports, "verbs_probe", REAL_PROBE)
+    usable = world.allreduce(1 if REAL_PROBE()[0] is not None else 0, op=MPI.MIN)
+    comm = world.Dup()
+    cfg = dataclasses.replace(harmpi.Config.from_env(), ranks_per_node=1, transport="verbs")
+    if usable or world.Get_size() == 1:
+        harmpi.init(comm, config=cfg)
+        return
+    with pytest.raises(harmpi.HarmpiTransportError) as exc:
+        harmpi.init(comm, config=cfg)
+    msg = str(exc.value)
+    assert msg.startswith("HARMPI_TRANSPORT=verbs cannot be used: verbs not usable on every rank")
+    for r in range(world.Get_size()):
+        assert f"rank {r}: " in msg, msg
+    # the failed set-up left the world usable
+    x = np.ones(10)
+    harmpi.allreduce(x, comm=world)
+    assert np.all(x == world.Get_size())
