@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.demo import default_impls, mpirun_argv, mpirun_env, mpirun_path
+from bench.demo import default_impls, mpirun_argv, mpirun_env, mpirun_path, summary_lines
 from bench.harness import DTYPES
 from bench.impls import cpu_flags, deepspeed_refusal, deepspeed_wire, parse_impls
 
@@ -78,6 +78,22 @@ def test_demo_includes_deepspeed_only_when_installed():
     assert impls.split(",")[-1] == "deepspeed" and note == ""
     impls, note = default_impls(have_deepspeed=False)
     assert "deepspeed" not in impls and "pip install 'harmpi[deepspeed]'" in note
+
+
+def test_demo_summary_has_a_deepspeed_column():
+    rows = [{"impl": impl, "size": size, "avg_us": us} for impl, size, us in
+            [("harmpi", 10240, 4.0), ("deepspeed", 10240, 9.0), ("mpi", 10240, 14.0),
+             ("harmpi", 4194304, 600.0), ("deepspeed", 4194304, 1800.0)]]
+    refused = [{"impl": "harmpi", "size": 10240, "avg_us": 20.0},
+               {"impl": "deepspeed", "size": 10240, "avg_us": None}]
+    lines = summary_lines([("1 node x 2", {"rows": rows}),
+                           ("2 vnodes x 2", {"rows": refused})], None)
+    header = next(line for line in lines if line.startswith("# setup"))
+    assert "deepspeed" in header and "deepspeed/harmpi" in header
+    ours = [line for line in lines if line.startswith("1 node x 2")]
+    assert "2.25x" in ours[0] and "3.50x" in ours[0]  # deepspeed, mpi / harmpi at 10 KB
+    assert "3.00x" in ours[1]  # deepspeed / harmpi at 4 MB
+    assert any(line.startswith("2 vnodes x 2") and "n/a" in line for line in lines), lines
 
 
 # --------------------------------------------------------------------------
