@@ -205,7 +205,16 @@ class Profile:
         the summed time from the first rank's arrival to its own then, over
         the collectives in which every rank heard of every rank (one node;
         two nodes over tcp); ``wait_s`` / ``own_s``: summed over ranks."""
-        return _merge(self.ctx.comm.allgather(self.local()), self.ctx, self.offsets)
+        every = self.ctx.comm.allgather((self.local(), self._arrivals()))
+        return _merge([p for p, _ in every], self.ctx, self.offsets, [a for _, a in every])
+
+    def _arrivals(self):
+        """(calls written, entry times on rank 0's clock, arrivals heard) of
+        this rank's ring: what the ranks' records say about arrivals the
+        collective itself did not hear (see merged_arrivals)."""
+        rec = self.records()
+        return (int(self.state[profrec.H_WRITTEN]), rec["enter_ns"].copy(),
+                rec["arrivals"].copy())
 
     def summary(self):
         """The stats as a table (collective)."""
@@ -215,7 +224,8 @@ class Profile:
         """Chrome trace / Perfetto JSON of every rank's ring, merged by rank 0
         (collective; one track per rank). Returns the path on rank 0."""
         comm = self.ctx.comm
-        mine = (self.ctx.topo.rank, self.ctx.topo.node_index, self.records())
+        mine = (self.ctx.topo.rank, self.ctx.topo.node_index, self.records(),
+                int(self.state[profrec.H_WRITTEN]))
         every = comm.gather(mine, root=0)
         if comm.Get_rank() != 0:
             return None
@@ -224,11 +234,48 @@ class Profile:
         return path
 
 
-def _merge(parts, ctx, offsets):
+def merged_arrivals(rings, size):
+    """Last arrivals from the ranks' records, for the collectives whose
+    path did not hear every rank (the mpi transport, more than two nodes,
+    uneven nodes, forced algorithms: each rank hears its own node only).
+
+    ``rings``: per rank, (calls written, entry times on one clock, arrivals
+    heard) of its ring, oldest first. Every rank records every collective of
+    the context in the same order, so the i-th call of one rank is the i-th
+    of every other: the calls all rings still hold are aligned by number.
+    Returns (first call number, mask of the calls to attribute here: no
+    rank heard every rank in them, and every entry time is known; last
+    rank, first and last entry time per aligned call), or None."""
+    if size < 2 or len(rings) != size:
+        return None
+    start = max(w - len(e) for w, e, _ in rings)
+    end = min(w for w, _, _ in rings)
+    if end <= start:
+        return None
+    enters = np.stack([e[start - (w - len(e)):end - (w - len(e))] for w, e, _ in rings])
+    heard = np.stack([a[start - (w - len(e)):end - (w - len(e))] for w, e, a in rings])
+    # a call in which some rank heard every rank was counted by that rank
+    # already (profrec.record): leave it to the in-band count
+    todo = (heard < size).all(axis=0) & (enters > 0).all(axis=0)
+    return (start, todo, enters.argmax(axis=0), enters.min(axis=0), enters.max(axis=0))
+
+
+def _merge(parts, ctx, offsets, rings=None):
     topo = ctx.topo
     size = topo.size
     count = np.max([p["last_count"] for p in parts], axis=0)
     delay = np.max([p["last_delay_ns"] for p in parts], axis=0)
+    attributed = max(p["straggled"] for p in parts)
+    merged = merged_arrivals(rings, size) if rings is not None else None
+    from_records = 0
+    if merged is not None:
+        _, todo, who, first, last = merged
+        from_records = int(todo.sum())
+        if from_records:
+            count = count + np.bincount(who[todo], minlength=size)
+            delay = delay + np.bincount(who[todo], weights=(last - first)[todo],
+                                        minlength=size).astype(np.int64)
+    unattributed = max(0, parts[0]["calls"] - attributed - from_records) if size > 1 else 0
     hist = np.sum([p["hist"] for p in parts], axis=0)
     node_of = {r: g for g, ranks in enumerate(topo.node_ranks) for r in ranks}
     rail_of = {r: lr for ranks in topo.node_ranks for lr, r in enumerate(ranks)}
@@ -261,6 +308,13 @@ def _merge(parts, ctx, offsets):
         "last_arrival_by_node": {g: v[0] for g, v in sorted(per_node.items())},
         "last_arrival_by_rail": {lr: v[0] for lr, v in sorted(per_rail.items())},
         "clock_bound_s": max(o[2] for o in offsets) / 1e9,
+        # how the last arrivals were found: heard by the collective itself
+        # (every call, aggregated), or merged from the ranks' records after
+        # the fact (the calls still in every ring), or neither (older calls
+        # of a path that hears its own node only)
+        "last_arrival_in_band": int(attributed),
+        "last_arrival_from_records": from_records,
+        "last_arrival_unattributed": unattributed,
     }
 
 
@@ -297,6 +351,13 @@ def format_summary(s):
             f"{g}: {n}" for g, n in s["last_arrival_by_node"].items()))
         lines.append("last arrivals by rail: " + ", ".join(
             f"{lr}: {n}" for lr, n in s["last_arrival_by_rail"].items()))
+    if s.get("last_arrival_from_records"):
+        lines.append(f"last arrivals of {s['last_arrival_from_records']} collectives merged "
+                     "from the ranks' records (their path hears its own node's arrivals only; "
+                     "wait/own there count from the node's last arrival)")
+    if s.get("last_arrival_unattributed"):
+        lines.append(f"{s['last_arrival_unattributed']} older collectives left the record "
+                     "ring unattributed (HARMPI_PROFILE_RECORDS keeps more)")
     lines.append("wait: from entry to the last rank's arrival; own: from then to exit; "
                  "last: collectives where the rank arrived last; late by: summed time from "
                  "the first rank's arrival to its own then")
@@ -321,31 +382,48 @@ def _describe_code(code):
 
 
 def trace_events(every, ctx):
-    """The Chrome trace dict of ``every`` = [(rank, node, records), ...]:
-    one track (pid) per rank; per collective an event for the whole call
-    and one for its wait for the last arrival."""
-    starts = [int(rec["enter_ns"][0]) for _, _, rec in every if len(rec)]
+    """The Chrome trace dict of ``every`` = [(rank, node, records[, calls
+    written]), ...]: one track (pid) per rank; per collective an event for
+    the whole call and one for its wait for the last arrival (with the
+    calls written, collectives whose path heard its own node only get their
+    last arrival from the merged records: see merged_arrivals)."""
+    every = sorted(every, key=lambda e: e[0])
+    starts = [int(e[2]["enter_ns"][0]) for e in every if len(e[2])]
     t0 = min(starts) if starts else 0
     transport = ctx.rail_transport()
+    merged = None
+    if every and all(len(e) > 3 for e in every):
+        merged = merged_arrivals([(e[3], e[2]["enter_ns"], e[2]["arrivals"]) for e in every],
+                                 ctx.topo.size)
     events = []
-    for rank, node, rec in sorted(every, key=lambda e: e[0]):
+    for entry in every:
+        rank, node, rec = entry[:3]
         events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
                        "args": {"name": f"rank {rank} (node {node})"}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
                        "args": {"sort_index": rank}})
-        for row in rec:
+        fix = {}
+        if merged is not None:
+            start, todo, who, _, last_all = merged
+            first_call = entry[3] - len(rec)
+            for j in np.flatnonzero(todo):
+                fix[start + int(j) - first_call] = (int(who[j]), int(last_all[j]))
+        for i, row in enumerate(rec):
             enter, exit_ = int(row["enter_ns"]), int(row["exit_ns"])
             last = int(row["last_ns"]) if row["arrivals"] >= 2 else enter
+            last_rank = int(row["last_rank"])
+            if i in fix:
+                last_rank, last = fix[i]
             coll, dtype, algo = _describe_code(int(row["code"]))
             args = {"bytes": int(row["nbytes"]), "dtype": dtype, "algorithm": algo,
                     "transport": transport.name if transport else "none",
-                    "last_rank": int(row["last_rank"]),
+                    "last_rank": last_rank,
                     "wait_us": max(0, last - enter) / 1e3,
                     "own_us": (exit_ - max(last, enter)) / 1e3}
             events.append({"name": coll, "ph": "X", "pid": rank, "tid": 0,
                            "ts": (enter - t0) / 1e3, "dur": (exit_ - enter) / 1e3, "args": args})
             if last > enter:
-                events.append({"name": f"wait for rank {int(row['last_rank'])}", "ph": "X",
+                events.append({"name": f"wait for rank {last_rank}", "ph": "X",
                                "pid": rank, "tid": 0, "ts": (enter - t0) / 1e3,
                                "dur": (min(last, exit_) - enter) / 1e3,
                                "args": {}})

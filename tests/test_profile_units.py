@@ -110,3 +110,26 @@ def test_trace_and_png(tmp_path):
     assert {e["pid"] for e in doc["traceEvents"]} == {0, 1}
     out = report.draw(doc, str(tmp_path / "t.png"), count=3)
     assert (tmp_path / "t.png").stat().st_size > 1000 and out.endswith(".png")
+
+
+def test_merged_arrivals_align_calls_and_skip_heard_ones():
+    """Rings of different lengths are aligned by call number; calls some
+    rank heard in band are left to the in-band count."""
+    import numpy as np  # noqa: PLC0415
+
+    size = 3
+    # call k: rank (k % 3) enters last, 10*k ns after the first
+    enters = {r: np.array([1000 * k + (10 * k if k % 3 == r else 0) for k in range(10)])
+              for r in range(size)}
+    heard = {r: np.full(10, 2) for r in range(size)}
+    heard[1][9] = 3  # call 9: rank 1 heard every rank
+    # rank 0 keeps its last 6 calls, the others their last 8
+    rings = [(10, enters[0][4:], heard[0][4:]), (10, enters[1][2:], heard[1][2:]),
+             (10, enters[2][2:], heard[2][2:])]
+    start, todo, who, first, last = hprofile.merged_arrivals(rings, size)
+    assert start == 4 and len(todo) == 6
+    assert list(todo) == [True] * 5 + [False]
+    assert list(who[:5]) == [k % 3 for k in range(4, 9)]
+    assert list((last - first)[:5]) == [10 * k for k in range(4, 9)]
+    assert hprofile.merged_arrivals(rings[:2], size) is None
+    assert hprofile.merged_arrivals([(5, enters[0][:0], heard[0][:0])] * 3, size) is None

@@ -21,14 +21,16 @@ def _x(rank, n=2560):
     return np.full(n, rank + 1, np.float32)
 
 
-def test_sleeper_is_named_last(world):
+def test_sleeper_is_named_last(world, tmp_path_factory):
+    """On every topology: in band where the collective hears every rank
+    (one node; two equal nodes over tcp), merged from the ranks' records
+    elsewhere (stats and trace)."""
     size, rank = world.Get_size(), world.Get_rank()
     if size < 2:
         pytest.skip("needs two ranks")
     info = harmpi.info()
-    if info["nodes"] > 2 or (info["nodes"] == 2 and (info["transport"] != "tcp"
-                                                     or len(set(info["ranks_per_node"])) > 1)):
-        pytest.skip("this topology's path hears its own node's arrivals only")
+    in_band = info["nodes"] == 1 or (info["nodes"] == 2 and info["transport"] == "tcp"
+                                     and len(set(info["ranks_per_node"])) == 1)
     late = size - 1
     chosen = {3, 7, 11}
     x = _x(rank)
@@ -44,13 +46,39 @@ def test_sleeper_is_named_last(world):
     rec = p.records()
     assert s["last_arrival_count"][late] >= len(chosen)
     assert s["last_arrival_delay_s"][late] >= 0.9 * SLEEP_S * len(chosen)
-    for i in sorted(chosen):
-        r = rec[i]
-        assert r["last_rank"] == late, (i, r)
-        delay = (r["last_ns"] - r["first_ns"]) / 1e9
-        assert 0.9 * SLEEP_S <= delay <= SLEEP_S + 0.5, (i, delay)
-        if rank != late:  # it waited for the sleeper at least that long
-            assert (r["last_ns"] - r["enter_ns"]) / 1e9 >= 0.8 * SLEEP_S
+    assert s["last_arrival_unattributed"] == 0
+    if in_band:
+        assert s["last_arrival_in_band"] == 14 and s["last_arrival_from_records"] == 0
+        for i in sorted(chosen):
+            r = rec[i]
+            assert r["last_rank"] == late, (i, r)
+            delay = (r["last_ns"] - r["first_ns"]) / 1e9
+            assert 0.9 * SLEEP_S <= delay <= SLEEP_S + 0.5, (i, delay)
+            if rank != late:  # it waited for the sleeper at least that long
+                assert (r["last_ns"] - r["enter_ns"]) / 1e9 >= 0.8 * SLEEP_S
+    else:
+        assert s["last_arrival_in_band"] == 0 and s["last_arrival_from_records"] == 14
+        assert "merged from the ranks' records" in p.summary()
+    _check_trace_names(world, p, tmp_path_factory, late, chosen)
+
+
+def _check_trace_names(world, p, tmp_path_factory, late, chosen):
+    """Every other rank's trace shows the chosen calls waiting for ``late``."""
+    rank = world.Get_rank()
+    path = str(tmp_path_factory.mktemp("sleeper") / "trace.json") if rank == 0 else None
+    path = world.bcast(path)
+    p.write_trace(path)
+    if rank == 0:
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        calls = [e for e in events if e["ph"] == "X" and e["name"] == "allreduce"
+                 and e["pid"] != late]
+        for pid in {e["pid"] for e in calls}:
+            mine = [e for e in calls if e["pid"] == pid]
+            for i in sorted(chosen):
+                assert mine[i]["args"]["last_rank"] == late, (pid, i, mine[i])
+                assert mine[i]["args"]["wait_us"] >= 0.5 * SLEEP_S * 1e6, (pid, i, mine[i])
+    world.Barrier()
 
 
 def test_counts_equal_calls(world):
