@@ -202,9 +202,12 @@ class Profile:
         every rank gets the same dict). ``calls``: collectives recorded (as
         rank 0 counts them; ``calls_by_rank`` for each); ``last_arrival_count``
         and ``last_arrival_delay_s``: rank -> how often it arrived last, and
-        the summed time from the first rank's arrival to its own then, over
-        the collectives in which every rank heard of every rank (one node;
-        two nodes over tcp); ``wait_s`` / ``own_s``: summed over ranks."""
+        the summed time from the first rank's arrival to its own then, as
+        rank 0 saw them: heard by the collective itself where it hears every
+        rank (one node; two equal nodes over tcp), else merged from the
+        ranks' records (``last_arrival_in_band`` / ``_from_records`` /
+        ``_unattributed`` count the calls of each kind); ``wait_s`` /
+        ``own_s``: summed over ranks."""
         every = self.ctx.comm.allgather((self.local(), self._arrivals()))
         return _merge([p for p, _ in every], self.ctx, self.offsets, [a for _, a in every])
 
@@ -243,8 +246,8 @@ def merged_arrivals(rings, size):
     heard) of its ring, oldest first. Every rank records every collective of
     the context in the same order, so the i-th call of one rank is the i-th
     of every other: the calls all rings still hold are aligned by number.
-    Returns (first call number, mask of the calls to attribute here: no
-    rank heard every rank in them, and every entry time is known; last
+    Returns (first call number, mask of the calls to attribute here: rank
+    0 did not hear every rank in them, and every entry time is known; last
     rank, first and last entry time per aligned call), or None."""
     if size < 2 or len(rings) != size:
         return None
@@ -254,18 +257,21 @@ def merged_arrivals(rings, size):
         return None
     enters = np.stack([e[start - (w - len(e)):end - (w - len(e))] for w, e, _ in rings])
     heard = np.stack([a[start - (w - len(e)):end - (w - len(e))] for w, e, a in rings])
-    # a call in which some rank heard every rank was counted by that rank
-    # already (profrec.record): leave it to the in-band count
-    todo = (heard < size).all(axis=0) & (enters > 0).all(axis=0)
+    # a call in which rank 0 heard every rank is in its in-band count
+    # (profrec.record; the stats take rank 0's view): leave it there
+    todo = (heard[0] < size) & (enters > 0).all(axis=0)
     return (start, todo, enters.argmax(axis=0), enters.min(axis=0), enters.max(axis=0))
 
 
 def _merge(parts, ctx, offsets, rings=None):
     topo = ctx.topo
     size = topo.size
-    count = np.max([p["last_count"] for p in parts], axis=0)
-    delay = np.max([p["last_delay_ns"] for p in parts], axis=0)
-    attributed = max(p["straggled"] for p in parts)
+    # rank 0's view: across nodes each rank places the peer node's arrival
+    # by its own clocks, so two ranks may name different ranks last in a
+    # close call; one view counts every call once
+    count = parts[0]["last_count"].copy()
+    delay = parts[0]["last_delay_ns"].copy()
+    attributed = parts[0]["straggled"]
     merged = merged_arrivals(rings, size) if rings is not None else None
     from_records = 0
     if merged is not None:

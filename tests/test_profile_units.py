@@ -113,8 +113,8 @@ def test_trace_and_png(tmp_path):
 
 
 def test_merged_arrivals_align_calls_and_skip_heard_ones():
-    """Rings of different lengths are aligned by call number; calls some
-    rank heard in band are left to the in-band count."""
+    """Rings of different lengths are aligned by call number; calls rank 0
+    heard in band are left to its in-band count."""
     import numpy as np  # noqa: PLC0415
 
     size = 3
@@ -122,7 +122,8 @@ def test_merged_arrivals_align_calls_and_skip_heard_ones():
     enters = {r: np.array([1000 * k + (10 * k if k % 3 == r else 0) for k in range(10)])
               for r in range(size)}
     heard = {r: np.full(10, 2) for r in range(size)}
-    heard[1][9] = 3  # call 9: rank 1 heard every rank
+    heard[0][9] = 3  # call 9: rank 0 heard every rank (its in-band count has it)
+    heard[1][8] = 3  # another rank's view does not count
     # rank 0 keeps its last 6 calls, the others their last 8
     rings = [(10, enters[0][4:], heard[0][4:]), (10, enters[1][2:], heard[1][2:]),
              (10, enters[2][2:], heard[2][2:])]
