@@ -37,7 +37,7 @@ from typing import Sequence
 import click
 
 __all__ = ["mpirun_path", "mpirun_argv", "mpirun_env", "demo_jobs", "default_impls",
-           "summary_lines", "main"]
+           "summary_lines", "loss_reasons", "main"]
 
 #: Environment every job gets (Open MPI as root, no UCX on these machines).
 MPI_ENV = {
@@ -186,7 +186,7 @@ def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
     notes = []
     for label, doc in allreduce_docs:
         rows = {(row["impl"], row["size"]): row for row in doc.get("rows", [])}
-        notes += _allreduce_notes(label, rows)
+        notes += _allreduce_notes(label, rows, doc)
         for size in SUMMARY_SIZES:
             values = {name: (rows.get((name, size)) or {}).get("avg_us") for name in impl_order}
             base = values["harmpi"]
@@ -202,7 +202,30 @@ def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
     return lines + notes
 
 
-def _allreduce_notes(label: str, rows: dict) -> list[str]:
+def loss_reasons(doc: dict) -> list[str]:
+    """What about a job's set-up, from its JSON document, puts harmpi at a
+    disadvantage that is not the library's speed (pure)."""
+    meta = doc.get("meta", {})
+    topo = meta.get("topology", {})
+    info = meta.get("harmpi_info", {})
+    env = doc.get("demo", {}).get("env", {})
+    reasons = []
+    if topo.get("virtual") and topo.get("hosts") == 1 and "tcp" not in env.get("OMPI_MCA_btl", ""):
+        reasons.append(
+            "MPI sees one host and moves every byte through shared memory, while harmpi's "
+            "virtual nodes exchange over loopback TCP as two hosts would (every rail message "
+            "goes through the kernel's socket copies): harmpi's multi-node path against MPI's "
+            "one-host path, not like for like; the 'MPI on TCP' rows put both on TCP")
+    if info.get("oversubscribed"):
+        reasons.append(
+            f"{topo.get('ranks', 'the')} ranks share this host's cores: a collective ends only "
+            "after every rank has had a time slice, so at small sizes the latency is mostly "
+            "waiting for descheduled ranks, and it swings from run to run; speed is judged "
+            "with a core per rank (the 1 node x 2 rows, and the 2-rank decode in the README)")
+    return reasons
+
+
+def _allreduce_notes(label: str, rows: dict, doc: dict | None = None) -> list[str]:
     """Lines naming every size where another implementation beat harmpi, and
     what binding cost gloo (gloo vs gloo:unbound), from one job's rows."""
     def latency(name, size):
@@ -223,6 +246,7 @@ def _allreduce_notes(label: str, rows: dict) -> list[str]:
         lines.append(f"# {label}: harmpi is slower than " + "; ".join(losses)
                      + " (other/harmpi below 1; on a loaded machine a ratio near 1 can "
                        "flip from run to run, so rerun before reading it as a trend)")
+        lines += [f"# {label}: why: {why}" for why in loss_reasons(doc or {})]
     both = [size for size in sizes if latency("gloo", size) and latency("gloo:unbound", size)]
     if both:
         size = 10240 if 10240 in both else both[-1]
@@ -338,6 +362,7 @@ def _read_docs(jobs: Sequence[dict]):
         if not job["json"].exists():
             continue
         doc = json.loads(job["json"].read_text())
+        doc["demo"] = {"env": job["env"]}  # how the demo ran it (loss_reasons reads it)
         if job["module"] == "bench.decode":
             decode_docs.append((job["label"], doc))
         else:

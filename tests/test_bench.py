@@ -973,3 +973,25 @@ def test_logits_gap_in_bf16_ulps_of_the_largest_logit():
     reference = np.array([[4.0, -1.0], [0.5, 2.0]])  # largest 4.0: ulp 1/32
     assert logits_gap_ulps(reference, reference) == 0.0
     assert logits_gap_ulps(reference, reference + [[0, 3 / 32], [0, 0]]) == pytest.approx(3.0)
+
+
+def test_demo_says_why_harmpi_loses_in_set_ups_that_are_not_like_for_like():
+    """Virtual nodes against MPI on shared memory, and more ranks than
+    cores, are named as the reason next to the sizes harmpi lost."""
+    from bench.demo import loss_reasons
+
+    meta = {"topology": {"ranks": 4, "hosts": 1, "virtual": True},
+            "harmpi_info": {"oversubscribed": True}}
+    rows = [{"impl": "harmpi", "size": 2048, "avg_us": 50.0},
+            {"impl": "mpi", "size": 2048, "avg_us": 25.0}]
+    shm = {"meta": meta, "rows": rows, "demo": {"env": {"HARMPI_RANKS_PER_NODE": "2"}}}
+    tcp = {"meta": meta, "rows": rows,
+           "demo": {"env": {"HARMPI_RANKS_PER_NODE": "2", "OMPI_MCA_btl": "tcp,self"}}}
+    assert len(loss_reasons(shm)) == 2 and "shared memory" in loss_reasons(shm)[0]
+    assert len(loss_reasons(tcp)) == 1 and "time slice" in loss_reasons(tcp)[0]
+    quiet = {"meta": {"topology": {"ranks": 2, "hosts": 1, "virtual": False},
+                      "harmpi_info": {"oversubscribed": False}}}
+    assert loss_reasons(quiet) == []
+    text = "\n".join(summary_lines([("2 vnodes x 2, MPI on shm", shm)], None))
+    assert "harmpi is slower than mpi at 2048 B (0.50x)" in text
+    assert "why: MPI sees one host" in text and "why: 4 ranks share" in text
