@@ -169,3 +169,31 @@ def test_memory_bounded(world):
         assert p.state.nbytes < 64 * profrec.REC_WORDS * 8 + 16384
         assert len(p.records()) == 64
         assert p.stats()["calls"] == calls
+
+
+def test_clock_offsets_across_hosts_within_their_bound(world, monkeypatch):
+    """Hosts simulated two ranks each (their own boot ids), host h's
+    CLOCK_MONOTONIC 1000*h s ahead: every rank gets its host's offset to
+    rank 0's clock within the bound it states (half the best round trip),
+    and the ranks of a host share one estimate."""
+    from harmpi import profile as hprofile
+
+    rank = world.Get_rank()
+    host = rank // 2
+    skew = host * 1000 * 10**9
+    real_mono = hprofile._mono
+    monkeypatch.setattr(hprofile, "_boot_id", lambda: f"test-host-{host}")
+    monkeypatch.setattr(hprofile, "_mono", lambda: real_mono() + skew)
+    offsets = hprofile.clock_offsets(world)
+    assert len(offsets) == world.Get_size()
+    for r, (mono_off, rt_off, bound) in enumerate(offsets):
+        h = r // 2
+        if h == 0:
+            assert (mono_off, rt_off, bound) == (0, 0, 0)
+            continue
+        assert 0 < bound < 10**9, (r, bound)
+        # rank 0's clock minus this host's: -1000*h s, within the bound
+        assert abs(mono_off + h * 1000 * 10**9) <= bound + 1000, (r, mono_off, bound)
+        # realtime is one clock here: the estimate of its offset is ~0
+        assert abs(rt_off) <= bound + 1000, (r, rt_off, bound)
+        assert offsets[r] == offsets[2 * h], "a host's ranks share its estimate"
