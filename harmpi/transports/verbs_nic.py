@@ -25,7 +25,7 @@ import numpy as np
 
 from . import verbs_proto as proto
 
-__all__ = ["probe", "PyverbsNic"]
+__all__ = ["probe", "PyverbsNic", "qp_attr", "set_rtr", "set_rts", "recv_wr", "write_wr"]
 
 
 def _name(dev):
@@ -89,6 +89,85 @@ def probe(device=None, port=None, gid_index=None):
     return proto.choose_port(devices, device, port, gid_index)
 
 
+# -- the pyverbs objects the adapter builds (no device needed to build them:
+#    tests/test_verbs_device.py checks them against the installed pyverbs)
+
+def qp_attr(port_num, path_mtu):
+    """The QPAttr that moves a QP to INIT (more fields are set for RTR/RTS)."""
+    from pyverbs import enums, qp  # noqa: PLC0415 - optional dependency
+
+    attr = qp.QPAttr()
+    attr.port_num = port_num
+    attr.path_mtu = path_mtu
+    attr.qp_access_flags = enums.IBV_ACCESS_LOCAL_WRITE | enums.IBV_ACCESS_REMOTE_WRITE
+    attr.pkey_index = 0
+    return attr
+
+
+def set_rtr(attr, port: proto.PortChoice, remote: proto.ConnInfo):
+    """INIT -> RTR fields of ``attr``: the peer's QP, PSN and address."""
+    from pyverbs import addr  # noqa: PLC0415
+
+    attr.dest_qp_num = remote.qpn
+    attr.rq_psn = remote.psn
+    attr.max_dest_rd_atomic = 1
+    attr.min_rnr_timer = proto.QP_MIN_RNR_TIMER
+    if port.gid_index >= 0:
+        gr = addr.GlobalRoute(dgid=addr.GID(_gid_str(remote.gid)), sgid_index=port.gid_index,
+                              hop_limit=64)
+        attr.ah_attr = addr.AHAttr(dlid=remote.lid, is_global=1, port_num=port.port, gr=gr)
+    else:
+        attr.ah_attr = addr.AHAttr(dlid=remote.lid, port_num=port.port)
+    return attr
+
+
+def set_rts(attr, psn):
+    """RTR -> RTS fields of ``attr``: our PSN, ACK timeout and retries."""
+    attr.sq_psn = psn
+    attr.timeout = proto.QP_TIMEOUT
+    attr.retry_cnt = proto.QP_RETRY_CNT
+    attr.rnr_retry = proto.QP_RNR_RETRY
+    attr.max_rd_atomic = 1
+    return attr
+
+
+def recv_wr(wr_id, addr_, lkey):
+    """A receive for a WRITE WITH IMM: the write lands where its sender
+    aimed it, the receive only carries the immediate; pyverbs refuses a
+    receive without a scatter entry, so it names a small registered scratch
+    that nothing is written to."""
+    from pyverbs import wr  # noqa: PLC0415
+
+    return wr.RecvWR(wr_id=wr_id, num_sge=1, sg=[wr.SGE(addr_, _SCRATCH_NBYTES, lkey)])
+
+
+def write_wr(wr_id, addr_, nbytes, lkey, remote_addr, rkey, imm):
+    """A signaled RDMA WRITE (``imm`` None) or WRITE WITH IMM of nbytes at addr_."""
+    from pyverbs import enums, wr  # noqa: PLC0415
+
+    sge = wr.SGE(addr_, nbytes, lkey)
+    if imm is None:
+        w = wr.SendWR(wr_id=wr_id, opcode=enums.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge],
+                      send_flags=enums.IBV_SEND_SIGNALED)
+    else:
+        w = wr.SendWR(wr_id=wr_id, opcode=enums.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1,
+                      sg=[sge], imm_data=imm, send_flags=enums.IBV_SEND_SIGNALED)
+    w.set_wr_rdma(rkey, remote_addr)
+    return w
+
+
+_SCRATCH_NBYTES = 64
+
+
+class _Qp:
+    """A pyverbs QP and its number (pyverbs' QP takes no new attributes)."""
+
+    __slots__ = ("qp", "qpn")
+
+    def __init__(self, q):
+        self.qp, self.qpn = q, q.qp_num
+
+
 class _Region:
     __slots__ = ("buf", "addr", "lkey", "rkey", "mr")
 
@@ -111,6 +190,7 @@ class PyverbsNic:
         self.cq = cq.CQ(self.ctx, cq_depth, None, None, 0)
         self._objs = [self.cq, self.pd, self.ctx]
         self._qps, self._mrs = [], []
+        self._scratch = self.register(_SCRATCH_NBYTES)  # receives' scatter entry
 
     def register(self, nbytes):
         from pyverbs import enums, mr  # noqa: PLC0415
@@ -132,54 +212,22 @@ class PyverbsNic:
                        max_recv_sge=1)
         init = qp.QPInitAttr(qp_type=enums.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap,
                              sq_sig_all=0)
-        q = qp.QP(self.pd, init)
-        q.qpn = q.qp_num
-        self._qps.append(q)
+        q = _Qp(qp.QP(self.pd, init))
+        self._qps.append(q.qp)
         return q
 
     def connect(self, q, psn, remote: proto.ConnInfo):
-        from pyverbs import addr, enums, qp  # noqa: PLC0415
-
-        attr = qp.QPAttr(port_num=self.port.port, path_mtu=min(self.port.mtu, remote.mtu))
-        attr.qp_access_flags = enums.IBV_ACCESS_LOCAL_WRITE | enums.IBV_ACCESS_REMOTE_WRITE
-        attr.pkey_index = 0
-        q.to_init(attr)
-        attr.dest_qp_num = remote.qpn
-        attr.rq_psn = remote.psn
-        attr.max_dest_rd_atomic = 1
-        attr.min_rnr_timer = proto.QP_MIN_RNR_TIMER
-        if self.port.gid_index >= 0:
-            gr = addr.GlobalRoute(dgid=addr.GID(_gid_str(remote.gid)),
-                                  sgid_index=self.port.gid_index, hop_limit=64)
-            attr.ah_attr = addr.AHAttr(dlid=remote.lid, is_global=1, port_num=self.port.port,
-                                       gr=gr)
-        else:
-            attr.ah_attr = addr.AHAttr(dlid=remote.lid, port_num=self.port.port)
-        q.to_rtr(attr)
-        attr.sq_psn = psn
-        attr.timeout = proto.QP_TIMEOUT
-        attr.retry_cnt = proto.QP_RETRY_CNT
-        attr.rnr_retry = proto.QP_RNR_RETRY
-        attr.max_rd_atomic = 1
-        q.to_rts(attr)
+        attr = qp_attr(self.port.port, min(self.port.mtu, remote.mtu))
+        q.qp.to_init(attr)
+        q.qp.to_rtr(set_rtr(attr, self.port, remote))
+        q.qp.to_rts(set_rts(attr, psn))
 
     def post_recv(self, q, wr_id):
-        from pyverbs import wr  # noqa: PLC0415
-
-        q.post_recv(wr.RecvWR(wr_id=wr_id, num_sge=0))
+        q.qp.post_recv(recv_wr(wr_id, self._scratch.addr, self._scratch.lkey))
 
     def post_write(self, q, wr_id, region, offset, nbytes, remote_addr, rkey, imm):
-        from pyverbs import enums, wr  # noqa: PLC0415
-
-        sge = wr.SGE(region.addr + offset, nbytes, region.lkey)
-        if imm is None:
-            w = wr.SendWR(wr_id=wr_id, opcode=enums.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge],
-                          send_flags=enums.IBV_SEND_SIGNALED)
-        else:
-            w = wr.SendWR(wr_id=wr_id, opcode=enums.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1,
-                          sg=[sge], imm_data=imm, send_flags=enums.IBV_SEND_SIGNALED)
-        w.set_wr_rdma(rkey, remote_addr)
-        q.post_send(w)
+        q.qp.post_send(write_wr(wr_id, region.addr + offset, nbytes, region.lkey, remote_addr,
+                                rkey, imm))
 
     def poll(self, max_n):
         n, wcs = self.cq.poll(max_n)
