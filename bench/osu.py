@@ -460,7 +460,9 @@ def command(collective: Collective) -> click.Command:
     @click.option("--impl", "impl_spec", default="harmpi,mpi,gloo", show_default=True,
                   help="Comma list of harmpi, harmpi:<algorithm>, mpi, gloo (= torch:gloo), "
                        "gloo:unbound (gloo's threads on every CPU, the caller bound), "
-                       "torch:harmpi (torch.distributed on a harmpi process group).")
+                       "torch:harmpi (torch.distributed on a harmpi process group), "
+                       "deepspeed (DeepSpeed's CPU shared-memory all-reduce op, one host; "
+                       "pip install 'harmpi[deepspeed]').")
     @click.option("--dtype", "dtype_name", type=click.Choice(["bf16", "f16", "f32"]),
                   default="bf16", show_default=True)
     @click.option("--stat", type=click.Choice(["mean", "median"]), default="mean",
@@ -474,7 +476,8 @@ def command(collective: Collective) -> click.Command:
                        "(PNG, needs matplotlib).")
     @click.option("--gloo-max-iters", type=click.IntRange(min=1), default=50, show_default=True,
                   help="Cap on gloo's timed iterations per size (gloo takes milliseconds "
-                       "per call).")
+                       "per call); deepspeed gets the same cap with more ranks than CPUs "
+                       "(it spins without yielding).")
     @click.option("--seed", type=int, default=20240607, show_default=True,
                   help="Seed of the check pass's data.")
     def main(message_size, extra_sizes, iterations, warmup, full, check, impl_spec, dtype_name,
