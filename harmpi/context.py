@@ -136,9 +136,6 @@ class Context:
         self.comm = comm
         arrive(comm, self.config.timeout_s, "setting up harmpi on this communicator")
         self.topo, self.node_comm, self.rail_comm = discover(comm, self.config.ranks_per_node)
-        # harmpi's own duplicate, for the agreement before the collective free
-        # (registry): its messages cannot match any other context's or the user's
-        self.free_comm = comm.Dup()
         self.oversubscribed = _oversubscribed(comm)
         spin = self.config.spin_count
         if spin is None:
@@ -539,8 +536,8 @@ class Context:
         self._rail_transport = self._world_transport = None
         if not self.arena.freed:
             self.arena.free()
-        for c in (self.node_comm, self.rail_comm, self.free_comm):
+        for c in (self.node_comm, self.rail_comm):
             if c is not None and c != MPI.COMM_NULL:
                 c.Free()
-        self.node_comm = self.rail_comm = self.free_comm = None
+        self.node_comm = self.rail_comm = None
         self.broken = "finalized"

@@ -171,38 +171,34 @@ class Registry:
 
     def _healthy_everywhere(self, ctx):
         """Whether every rank of ``ctx`` may free it collectively: its ranks
-        agree (a non-blocking allreduce of "broken here" on the context's
-        own duplicate communicator, so it can only meet the same context's
-        agreement) before the collective Win_free. A context broken on some
-        ranks only (a rank that timed out while its peers completed, a
-        failure a peer never saw) is then left to MPI_Finalize on every
-        rank, instead of the healthy ranks waiting in Win_free for ranks
-        that skip it. A broken rank posts its vote and goes on at once; a
-        healthy one waits for the votes under the context's deadline."""
-        if ctx.topo.size == 1 or ctx.free_comm is None:
+        agree (a non-blocking allreduce of "broken here", under the
+        context's deadline) before the collective Win_free. A context
+        broken on some ranks only (a rank that timed out while its peers
+        completed, a failure a peer never saw) is then left to MPI_Finalize
+        on every rank, instead of the healthy ranks waiting in Win_free for
+        ranks that skip it; so is one whose peers do not come in time."""
+        if ctx.topo.size == 1:
             return ctx.broken is None
         mine = np.array([0 if ctx.broken is None else 1], np.int32)
         every = np.ones(1, np.int32)
-        req = ctx.free_comm.Iallreduce(mine, every, op=MPI.MAX)
-        if ctx.broken is not None:
-            self._stranded.append((req, mine, every))  # MPI owns the buffers until it ends
-            return False
+        req = ctx.comm.Iallreduce(mine, every, op=MPI.MAX)
         deadline = time.monotonic() + ctx.config.timeout_s
         pause = 1e-5
         while not req.Test():
             if time.monotonic() > deadline:
+                # MPI may still complete it: keep its buffers alive
                 self._stranded.append((req, mine, every))
-                log.warning("harmpi.finalize: the other ranks of a context did not come "
+                log.warning("harmpi.finalize: the other ranks of a context did not arrive "
                             "within %g s; its window is left to MPI_Finalize",
                             ctx.config.timeout_s)
-                ctx.broken = "finalize: peers did not come"
+                ctx.broken = ctx.broken or "finalize: peers did not arrive"
                 return False
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
         if every[0]:
             ctx.close_transports()
-            ctx.broken = ("finalize: the context is broken on another rank; its window is left "
-                          "to MPI_Finalize")
+            ctx.broken = ctx.broken or ("finalize: the context is broken on another rank; its "
+                                        "window is left to MPI_Finalize")
             return False
         return True
 
