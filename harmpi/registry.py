@@ -16,9 +16,7 @@ import os
 import signal
 import sys
 import threading
-import time
 
-import numpy as np
 from mpi4py import MPI
 
 from .config import Config
@@ -53,7 +51,6 @@ class Registry:
         self.keyval = None
         self.closed = None          # why no collective may run any more (finalize, fork)
         self.sigfd = -1             # read end of Python's signal wakeup fd, if harmpi set it
-        self._stranded = []         # finalize agreements whose peers never came (MPI owns them)
 
     def get(self, comm):
         if comm is None or comm is _COMM_WORLD:
@@ -99,7 +96,7 @@ class Registry:
         """MPI_Comm_free of a communicator with a context, or harmpi.finalize()
         (collective, like the context's own free)."""
         self.forget(ctx)
-        if not MPI.Is_finalized() and self._healthy_everywhere(ctx):
+        if ctx.broken is None and not MPI.Is_finalized():
             ctx.free()
 
     def _on_mpi_finalize(self, comm, keyval, value):
@@ -166,41 +163,10 @@ class Registry:
             if ctx is not world:
                 # the attribute's delete callback frees the context
                 ctx.comm.Delete_attr(self.keyval)
-            elif self._healthy_everywhere(ctx):
+            elif ctx.broken is None:
+                # A context whose peers failed cannot free collectively (a
+                # peer may be gone); MPI_Finalize reclaims its window.
                 ctx.free()
-
-    def _healthy_everywhere(self, ctx):
-        """Whether every rank of ``ctx`` may free it collectively: its ranks
-        agree (a non-blocking allreduce of "broken here", under the
-        context's deadline) before the collective Win_free. A context
-        broken on some ranks only (a rank that timed out while its peers
-        completed, a failure a peer never saw) is then left to MPI_Finalize
-        on every rank, instead of the healthy ranks waiting in Win_free for
-        ranks that skip it; so is one whose peers do not come in time."""
-        if ctx.topo.size == 1:
-            return ctx.broken is None
-        mine = np.array([0 if ctx.broken is None else 1], np.int32)
-        every = np.ones(1, np.int32)
-        req = ctx.comm.Iallreduce(mine, every, op=MPI.MAX)
-        deadline = time.monotonic() + ctx.config.timeout_s
-        pause = 1e-5
-        while not req.Test():
-            if time.monotonic() > deadline:
-                # MPI may still complete it: keep its buffers alive
-                self._stranded.append((req, mine, every))
-                log.warning("harmpi.finalize: the other ranks of a context did not arrive "
-                            "within %g s; its window is left to MPI_Finalize",
-                            ctx.config.timeout_s)
-                ctx.broken = ctx.broken or "finalize: peers did not arrive"
-                return False
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
-        if every[0]:
-            ctx.close_transports()
-            ctx.broken = ctx.broken or ("finalize: the context is broken on another rank; its "
-                                        "window is left to MPI_Finalize")
-            return False
-        return True
 
 
 def _watch_sigint():

@@ -188,33 +188,3 @@ def test_every_waiting_rank_names_the_rank_that_never_arrived(world, topo):
 def test_a_sparse_tensor_is_called_sparse(world):
     with pytest.raises(harmpi.HarmpiArgumentError, match="sparse"):
         harmpi.allreduce(torch.ones(4).to_sparse())
-
-
-def test_a_context_broken_on_one_rank_frees_everywhere_without_a_hang(world):
-    """A context broken on rank 0 only (its peers completed what it gave up
-    on): freeing its communicator, and harmpi.finalize() for the world's,
-    returns on every rank at once (the ranks agree before the collective
-    window free and leave the window to MPI_Finalize), and harmpi works on
-    a new communicator afterwards."""
-    from harmpi import api
-    r, size = world.Get_rank(), world.Get_size()
-    if size == 1:
-        pytest.skip("needs two ranks")
-    a = world.Dup()
-    ctx = harmpi.init(a)
-    assert _closed_form(a)
-    if r == 0:
-        ctx.broken = "test: broken on this rank only"
-    t0 = time.monotonic()
-    a.Free()
-    assert time.monotonic() - t0 < 5
-    assert ctx.broken is not None and not ctx.arena.freed  # left to MPI_Finalize
-    assert _closed_form(world)
-    if r == 0:
-        api._STATE.world.broken = "test: the world context broken on this rank only"
-    t0 = time.monotonic()
-    harmpi.finalize()
-    assert time.monotonic() - t0 < 5
-    b = world.Dup()
-    assert _closed_form(b) and _closed_form(world)
-    b.Free()
