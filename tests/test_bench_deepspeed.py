@@ -7,13 +7,14 @@ once); without either they skip and say why.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import subprocess
 from pathlib import Path
 
 import pytest
+from test_bench import _mpirun as _bench_mpirun
 
-from bench.demo import default_impls, mpirun_argv, mpirun_env, mpirun_path, summary_lines
+from bench.demo import default_impls, summary_lines
 from bench.harness import DTYPES
 from bench.impls import cpu_flags, deepspeed_refusal, deepspeed_wire, parse_impls
 
@@ -101,14 +102,8 @@ def test_demo_summary_has_a_deepspeed_column():
 # --------------------------------------------------------------------------
 
 
-def _mpirun(n_ranks, module, args, env=None, timeout_s=240):
-    try:
-        mpirun = mpirun_path()
-    except FileNotFoundError:
-        pytest.skip("no mpirun")
-    argv = mpirun_argv(n_ranks, module, args, mpirun=mpirun)
-    return subprocess.run(argv, env=mpirun_env(env), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s)
+#: test_bench's mpirun helper, with room for the op's first build
+_mpirun = functools.partial(_bench_mpirun, timeout_s=240)
 
 
 def _skip_if_unavailable(stdout: str) -> None:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import abc
 
+from ..errors import HarmpiTimeoutError
 from ..kind import MAX_TAG, POISON_TAG
 
-__all__ = ["Transport", "Pending", "POISON_TAG", "MAX_TAG"]
+__all__ = ["Transport", "Pending", "POISON_TAG", "MAX_TAG", "timeout_error"]
 
 
 class Pending(abc.ABC):
@@ -60,3 +61,14 @@ class Transport(abc.ABC):
 
     def close(self):
         """Release resources (connections, registered memory)."""
+
+
+def timeout_error(rank, what, timeout_s, transport, waiting, late):
+    """The HarmpiTimeoutError of a rail exchange past its deadline: ``rank``
+    (world rank) waited for ``waiting`` ("a message from rank 3", "delivery
+    to rank 3"); ``late``: their world ranks, the first becomes the culprit."""
+    return HarmpiTimeoutError(
+        f"rank {rank}: {what}: waited {timeout_s:g} s for {', '.join(waiting)} over the "
+        f"{transport} transport; that rank crashed, hangs, or called a different collective "
+        "(HARMPI_TIMEOUT_S sets the deadline)",
+        culprit=late[0] if late else -1)

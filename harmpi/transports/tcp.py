@@ -35,7 +35,7 @@ from .. import mpiprogress
 from ..errors import HarmpiTimeoutError, HarmpiTransportError
 from ..topology import arrive
 from . import sockio
-from .base import Pending, Transport
+from .base import Pending, Transport, timeout_error
 
 __all__ = ["TcpTransport", "host_key", "local_ipv4_addresses"]
 
@@ -325,11 +325,7 @@ class TcpTransport(Transport):
                 kind = "a message from" if i < recv_rows else "delivery to"
                 waiting.append(f"{kind} rank {self._world[peers[i]]}")
                 late.append(self._world[peers[i]])
-        raise HarmpiTimeoutError(
-            f"rank {self._world[self.rank]}: {what}: waited {timeout_s:g} s for "
-            f"{', '.join(waiting)} over the {self.name} transport; that rank crashed, hangs, or "
-            "called a different collective (HARMPI_TIMEOUT_S sets the deadline)",
-            culprit=late[0] if late else -1)
+        raise timeout_error(self._world[self.rank], what, timeout_s, self.name, waiting, late)
 
     def close(self):
         for i, s in enumerate(self.socks):

@@ -83,7 +83,7 @@ from ..errors import HarmpiTimeoutError, HarmpiTransportError
 from ..kind import ABANDON_TAG
 from ..topology import arrive
 from . import verbs_proto as proto
-from .base import Pending, Transport
+from .base import Pending, Transport, timeout_error
 
 __all__ = ["VerbsTransport", "CHUNK_NBYTES", "NSLOTS"]
 
@@ -436,11 +436,7 @@ class VerbsTransport(Transport):
             if s.last_seq < 0 or self.peers[s.peer].tx_done <= s.last_seq:
                 waiting.append(f"delivery to rank {self._world[s.peer]}")
                 late.append(self._world[s.peer])
-        raise HarmpiTimeoutError(
-            f"rank {self._world[self.rank]}: {what}: waited {timeout_s:g} s for "
-            f"{', '.join(waiting)} over the {self.name} transport; that rank crashed, hangs, or "
-            "called a different collective (HARMPI_TIMEOUT_S sets the deadline)",
-            culprit=late[0] if late else -1)
+        raise timeout_error(self._world[self.rank], what, timeout_s, self.name, waiting, late)
 
     def give_up(self):
         """This rank gives up on the collective in progress: tell every peer
