@@ -65,10 +65,13 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import socket
+import time
 from urllib.parse import parse_qs, urlparse
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -76,8 +79,14 @@ from torch.futures import Future
 
 from . import api
 from .context import AUTO_CODE
-from .errors import HarmpiArgumentError, HarmpiError
+from .errors import (
+    HarmpiArgumentError,
+    HarmpiError,
+    HarmpiMismatchError,
+    HarmpiTimeoutError,
+)
 from .registry import STATE
+from .topology import arrive
 
 __all__ = ["BACKEND", "MIN_TORCH", "ProcessGroupHarmpi", "register"]
 
@@ -226,9 +235,207 @@ def _contiguous_cpu(t, what):
     return t
 
 
+def _cpu(t, what):
+    if t.device.type != "cpu":
+        raise HarmpiArgumentError(f"harmpi backend: {what}: tensor is on {t.device}; harmpi "
+                                  "works on CPU tensors")
+    return t
+
+
+def _async(opts):
+    return bool(opts is not None and getattr(opts, "asyncOp", False))
+
+
+def _copy_back(buf, t):
+    """What completes an op that worked on a contiguous copy of ``t`` (None: no copy)."""
+    if buf is t:
+        return None
+    return lambda _statuses: t.copy_(buf)
+
+
+def _split_bytes(t, splits, n, which):
+    """Bytes to or from each rank of all_to_all_single: rows of dim 0."""
+    if t.dim() == 0:
+        raise HarmpiArgumentError(f"harmpi backend: all_to_all_single: the {which} needs at "
+                                  "least one dimension")
+    rows = t.size(0)
+    row_bytes = math.prod(t.shape[1:]) * t.element_size()
+    if not splits:
+        if rows % n:
+            raise HarmpiArgumentError(
+                f"harmpi backend: all_to_all_single: the {which} has {rows} rows, not a "
+                f"multiple of the group size {n}; pass split sizes")
+        return [rows // n * row_bytes] * n
+    splits = list(splits)
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+        raise HarmpiArgumentError(
+            f"harmpi backend: all_to_all_single: {which} split sizes {splits} must be {n} "
+            f"counts that add up to its {rows} rows")
+    return [s * row_bytes for s in splits]
+
+
+#: the calls that agree on a header first (the codes ranks compare)
+_CALL_NAMES = dict(enumerate(("all_reduce", "broadcast", "scatter", "gather", "all_gather",
+                              "all_gather_into_tensor", "all_to_all", "all_to_all_single"), 1))
+_CALLS = {name: code for code, name in _CALL_NAMES.items()}
+#: tags of the backend's own messages on its private communicator (users'
+#: messages travel on another one)
+_HEADER_TAG = 1
+_MONITOR_TAG = 2
+
+
+def _user_tag(tag):
+    upper = _WORLD.Get_attr(MPI.TAG_UB)
+    if not 0 <= tag <= upper:
+        raise HarmpiArgumentError(f"harmpi backend: tag {tag} is outside MPI's 0..{upper}")
+    return tag
+
+
 def _bytes_of(t):
     """The tensor's memory as a writable numpy byte view (any dtype, no copy)."""
     return t.view(-1).view(torch.uint8).numpy() if t.numel() else bytearray(0)
+
+
+# -- the MPI channel: dtypes, deadline waits, work objects -------------------------------------
+
+def _dtype_table():
+    """torch dtype -> (code agreed between ranks, MPI datatype for MPI's own
+    reductions or None). Floats reduce in harmpi or in rank order here, never
+    in MPI (whose float reductions may differ between ranks)."""
+    ints = [(torch.int8, MPI.INT8_T), (torch.uint8, MPI.UINT8_T), (torch.int16, MPI.INT16_T),
+            (torch.int32, MPI.INT32_T), (torch.int64, MPI.INT64_T), (torch.bool, MPI.C_BOOL)]
+    for name, mpi_type in (("uint16", MPI.UINT16_T), ("uint32", MPI.UINT32_T),
+                           ("uint64", MPI.UINT64_T)):
+        if hasattr(torch, name):
+            ints.append((getattr(torch, name), mpi_type))
+    others = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex64,
+              torch.complex128, getattr(torch, "float8_e4m3fn", None),
+              getattr(torch, "float8_e5m2", None)]
+    table = {dt: (code, mpi_type) for code, (dt, mpi_type) in enumerate(ints, 1)}
+    for dt in others:
+        if dt is not None:
+            table[dt] = (len(table) + 1, None)
+    return table
+
+
+#: every fact about a dtype the MPI channel needs, in one table
+_DTYPES = _dtype_table()
+_DTYPE_BY_CODE = {code: dt for dt, (code, _) in _DTYPES.items()}
+
+#: reductions MPI does for integers and bools (torch op -> MPI op); AVG has no
+#: integer meaning (gloo refuses it too)
+_INT_OPS = {_RED.SUM: MPI.SUM, _RED.PRODUCT: MPI.PROD, _RED.MIN: MPI.MIN, _RED.MAX: MPI.MAX,
+            _RED.BAND: MPI.BAND, _RED.BOR: MPI.BOR, _RED.BXOR: MPI.BXOR}
+#: the same on bool tensors, as gloo computes them (a sum of bools is their OR)
+_BOOL_OPS = {_RED.SUM: MPI.LOR, _RED.PRODUCT: MPI.LAND, _RED.MIN: MPI.LAND, _RED.MAX: MPI.LOR,
+             _RED.BAND: MPI.LAND, _RED.BOR: MPI.LOR, _RED.BXOR: MPI.LXOR}
+#: float reductions other than SUM/AVG: gather every rank's tensor, reduce in rank order
+_FLOAT_REDUCE = {_RED.MIN: lambda g: g.amin(dim=0), _RED.MAX: lambda g: g.amax(dim=0),
+                 _RED.PRODUCT: lambda g: g.prod(dim=0, dtype=g.dtype)}
+
+
+def _dtype_code(dtype):
+    entry = _DTYPES.get(dtype)
+    return entry[0] if entry is not None else 1000 + len(str(dtype))
+
+
+def _op_name(kind):
+    return getattr(kind, "name", str(kind))
+
+
+#: polls of a wait before it starts yielding the core; yields before it sleeps
+_SPIN_POLLS = 1000
+_YIELD_S = 0.01
+
+
+def wait_requests(reqs, timeout_s, on_timeout):
+    """Wait until every MPI request in ``reqs`` completes, polling (spin,
+    then yield, then short sleeps: a long wait does not burn its core), and
+    call ``on_timeout(reqs)`` (which raises) once ``timeout_s`` has passed.
+    The backend's one wait on MPI: every MPI operation it starts is
+    non-blocking and completes here, under the deadline. Returns the statuses."""
+    statuses = [MPI.Status() for _ in reqs]
+    polls = 0
+    deadline = calm = None
+    pause = 1e-5
+    while not MPI.Request.Testall(reqs, statuses):
+        polls += 1
+        if polls < _SPIN_POLLS:
+            continue
+        now = time.monotonic()
+        if deadline is None:
+            deadline, calm = now + timeout_s, now + _YIELD_S
+        elif now > deadline:
+            on_timeout(reqs)
+            deadline = now + timeout_s  # on_timeout found everything complete after all
+        if now < calm:
+            os.sched_yield()
+        else:
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+    return statuses
+
+
+class _MpiWork(dist._Work):
+    """MPI requests in flight (a collective or a message); wait() completes
+    them under the deadline, then runs ``finish(statuses)`` (the copy-out), once."""
+
+    def __init__(self, pg, reqs, finish, result, what, peer=None):
+        super().__init__()
+        self._pg = pg
+        self._reqs = reqs
+        self._finish = finish
+        self._result = result
+        self._what = what
+        self._peer = peer           # a message's peer (group rank); None: a collective
+        self._error = None
+        self._done = False
+        self._source = -1
+
+    def _complete(self):
+        if self._done:
+            if self._error is not None:
+                raise self._error
+            return
+        self._done = True
+        pg = self._pg
+        if pg._pending is self:
+            pg._pending = None
+        try:
+            statuses = pg._wait(self._reqs, self._what, self._peer)
+            self._source = statuses[0].Get_source() if statuses else -1
+            if self._finish is not None:
+                self._finish(statuses)
+        except HarmpiError as exc:
+            self._error = exc
+            raise
+
+    def wait(self, timeout=None):
+        self._complete()
+        return True
+
+    def is_completed(self):
+        return self._done
+
+    def is_success(self):
+        return self._done and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        return self._result
+
+    def _source_rank(self):
+        """The group rank a receive from any source heard (dist.recv(src=None))."""
+        self._complete()
+        return self._source
+
+    def get_future(self):
+        self._complete()
+        fut = Future()
+        fut.set_result(self._result)
+        return fut
 
 
 class ProcessGroupHarmpi(dist.ProcessGroup):
@@ -241,6 +448,14 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         #: what harmpi's API takes as this group's communicator
         self._harmpi_comm = None if self._default else comm
         self._ctx = STATE.get(self._harmpi_comm)
+        self._timeout_s = self._ctx.config.timeout_s
+        #: private duplicates: the backend's own collectives and headers, and
+        #: users' messages (send/recv), kept apart from the application's MPI
+        self._mpi, self._p2p = _private_comms(comm, self._timeout_s)
+        self._world_ranks = _world_ranks(comm)
+        #: why the MPI channel may not be used any more (a timed-out collective)
+        self._broken = None
+        self._closed = False
         self._pending = None
         self._group_name = ""
         self._group_desc = ""
@@ -291,6 +506,131 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         if work is not None:
             work.wait()
 
+    # -- the MPI channel -------------------------------------------------------
+
+    def _check_usable(self):
+        if self._broken is not None:
+            raise HarmpiError(f"harmpi backend: this process group is unusable: {self._broken}")
+
+    def _wait(self, reqs, what, peer=None):
+        """Complete ``reqs`` under the deadline (wait_requests); a collective
+        that times out or fails leaves the group unusable (its peers may still
+        be inside it), a message that times out is cancelled."""
+        try:
+            return wait_requests(reqs, self._timeout_s,
+                                 lambda pending: self._timed_out(pending, what, peer))
+        except MPI.Exception as exc:
+            err = self._mpi_error(exc, what, peer)
+        if peer is None:
+            self._broken = str(err)
+        raise err
+
+    def _mpi_error(self, exc, what, peer):
+        me = self._who()
+        if exc.Get_error_class() == MPI.ERR_TRUNCATE:
+            src = "" if peer is None else f" from world rank {self._world_rank(peer)}"
+            return HarmpiMismatchError(
+                f"{me}: harmpi backend {what}: a message{src} is larger than this rank's tensor; "
+                "the ranks passed tensors of different sizes")
+        return HarmpiError(f"{me}: harmpi backend {what}: MPI failed: {exc}")
+
+    def _timed_out(self, reqs, what, peer, late=None):
+        if MPI.Request.Testall(reqs):
+            return  # completed just now
+        timeout_s = self._timeout_s
+        if peer is not None:
+            for req in reqs:
+                if req != MPI.REQUEST_NULL:
+                    try:
+                        req.Cancel()
+                    except MPI.Exception:
+                        pass  # already complete, or a send MPI cannot cancel
+            raise HarmpiTimeoutError(
+                f"{self._who()}: harmpi backend {what}: world rank {self._world_rank(peer)} did "
+                f"not complete the message within {timeout_s:g} s (it crashed, hangs, or "
+                "never posted the matching call; HARMPI_TIMEOUT_S sets the deadline)",
+                culprit=self._world_rank(peer))
+        if late:
+            who = "world rank" + ("s " if len(late) > 1 else " ") + \
+                ", ".join(str(self._world_rank(r)) for r in late)
+            why = f"{who} did not arrive within {timeout_s:g} s (it crashed, hangs, raised " \
+                  "before the call, or called another collective)"
+        else:
+            why = f"the other ranks did not complete it within {timeout_s:g} s (a rank " \
+                  "crashed or hangs)"
+        self._broken = f"{what} timed out: {why}"
+        raise HarmpiTimeoutError(
+            f"{self._who()}: harmpi backend {what}: {why}; this group is unusable now "
+            "(HARMPI_TIMEOUT_S sets the deadline)",
+            culprit=self._world_rank(late[0]) if late else -1)
+
+    def _who(self):
+        return f"rank {self._world_rank(self.rank())} (group rank {self.rank()} of {self.size()})"
+
+    def _world_rank(self, r):
+        return self._world_ranks[r] if 0 <= r < len(self._world_ranks) else r
+
+    _HEADER = ("call", "dtype", "bytes", "op/root", "refused")
+
+    def _agree(self, what, dtype=None, nbytes=0, extra=0, problem=None):
+        """Before any data moves, every rank learns what every other passes:
+        a header sent to each peer (so a rank that never comes is named at
+        the deadline). A difference, or an argument some rank refused
+        (``problem``), raises on every rank, naming the ranks and their values.
+        Returns the headers (rows by group rank)."""
+        self._check_usable()
+        n, me = self.size(), self.rank()
+        mine = np.array([_CALLS[what], _dtype_code(dtype) if dtype is not None else 0, nbytes,
+                         extra, problem is not None], np.int64)
+        seen = np.empty((n, len(mine)), np.int64)
+        seen[me] = mine
+        if n > 1:
+            peers = [r for r in range(n) if r != me]
+            reqs = [self._mpi.Irecv(seen[r], source=r, tag=_HEADER_TAG) for r in peers]
+            reqs += [self._mpi.Isend(mine, dest=r, tag=_HEADER_TAG) for r in peers]
+
+            def late(pending):
+                self._timed_out(pending, what, None,
+                                [r for r, q in zip(peers, pending) if q != MPI.REQUEST_NULL])
+
+            try:
+                wait_requests(reqs, self._timeout_s, late)
+            except MPI.Exception as exc:
+                err = self._mpi_error(exc, what, None)
+                self._broken = str(err)
+                raise err from None
+        if problem is not None:
+            raise HarmpiArgumentError(f"{self._who()}: harmpi backend {what}: {problem}")
+        if seen[:, 4].any():
+            bad = [self._world_rank(r) for r in np.flatnonzero(seen[:, 4])]
+            raise HarmpiArgumentError(
+                f"{self._who()}: harmpi backend {what}: world rank(s) {bad} refused their "
+                "arguments (see their error); no data moved")
+        differ = np.flatnonzero((seen != seen[0]).any(axis=1))
+        if differ.size:
+            raise HarmpiMismatchError(
+                f"{self._who()}: harmpi backend {what}: ranks disagree: "
+                + "; ".join(self._describe_header(r, seen[r]) for r in (0, *differ))
+                + ". Every rank must make the same call with a tensor of the same size and "
+                "dtype (and the same op or root); no data moved.")
+        return seen
+
+    def _describe_header(self, r, row):
+        call = _CALL_NAMES.get(int(row[0]), f"call #{row[0]}")
+        dtype = _DTYPE_BY_CODE.get(int(row[1]), f"dtype #{row[1]}")
+        return f"world rank {self._world_rank(r)} calls {call} with {dtype}, {row[2]} bytes, " \
+               f"op/root {row[3]}"
+
+    def _run(self, reqs, finish, result, what, async_op):
+        """The MPI requests of one collective: a work object to wait on later
+        (async_op; the group's next call completes it first), or completed now."""
+        work = _MpiWork(self, reqs, finish, result, what)
+        if async_op:
+            self._pending = work
+        else:
+            work.wait()
+        return work
+
     # -- all-reduce --------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
@@ -322,36 +662,61 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
                     return _DONE
                 if rc > 0:
                     api._native_failed(t, rc)
-            api.allreduce(_float_tensor(t, "all_reduce"), comm=self._harmpi_comm)
-            return _DONE
+            if t.dtype in _FLOATS and t.device.type == "cpu":
+                api.allreduce(t, comm=self._harmpi_comm)
+                return _DONE
         return self._allreduce_other(t, opts.reduceOp, False)
 
     def _allreduce_async(self, t, opts):
         op = opts.reduceOp
         split = self._split
-        if split is not None and (op == _SUM or op == _AVG) \
+        if split is not None and (op == _SUM or op == _AVG) and t.dtype in _FLOATS \
                 and t.numel() * t.element_size() <= split[2]:
             return self._start(t, None if op == _SUM else self.size())
-        if op == _SUM:
-            api.allreduce(_float_tensor(t, "all_reduce"), comm=self._harmpi_comm)
+        if op == _SUM and t.dtype in _FLOATS and t.device.type == "cpu":
+            api.allreduce(t, comm=self._harmpi_comm)
             return _DoneWork([t])
         return self._allreduce_other(t, op, True)
 
     def _allreduce_other(self, t, op, async_op):
-        _float_tensor(t, "all_reduce")
+        """all_reduce beyond harmpi's sums: exact, the same bits on every rank."""
         kind = op.op if isinstance(op, dist.ReduceOp) else op
+        if t.device.type != "cpu":
+            raise HarmpiArgumentError(f"harmpi backend: all_reduce: tensor is on {t.device}; "
+                                      "harmpi works on CPU tensors")
+        if kind == _RED.PREMUL_SUM:
+            raise HarmpiArgumentError("harmpi backend: all_reduce with PREMUL_SUM is not "
+                                      "supported (gloo lacks it too); scale, then SUM")
+        if t.dtype in _FLOATS:
+            return self._allreduce_float(t, kind, async_op)
+        entry = _DTYPES.get(t.dtype)
+        ops = _BOOL_OPS if t.dtype == torch.bool else _INT_OPS
+        mpi_op = ops.get(kind) if entry is not None and entry[1] is not None else None
+        if mpi_op is None:
+            raise HarmpiArgumentError(
+                f"harmpi backend: all_reduce with {_op_name(kind)} of {t.dtype} is not "
+                "supported; integer and bool tensors take SUM, PRODUCT, MIN, MAX, BAND, BOR "
+                "and BXOR, floats SUM, AVG, PRODUCT, MIN and MAX")
+        self._agree("all_reduce", t.dtype, t.numel() * t.element_size(), int(kind))
+        buf = t if t.is_contiguous() else t.contiguous()
+        req = self._mpi.Iallreduce(MPI.IN_PLACE, [buf.numpy(), entry[1]], mpi_op)
+        return self._run([req], _copy_back(buf, t), [t], "all_reduce", async_op)
+
+    def _allreduce_float(self, t, kind, async_op):
         if kind == _RED.AVG:
             api.allreduce(t, comm=self._harmpi_comm)
             t.div_(self.size())
-        elif kind in (_RED.MAX, _RED.MIN):
-            gathered = api.allgather(t.reshape(1, -1), comm=self._harmpi_comm)
-            red = gathered.amax(dim=0) if kind == _RED.MAX else gathered.amin(dim=0)
-            t.copy_(red.view(t.shape))
-        else:
+            return _DoneWork([t]) if async_op else _DONE
+        reduce = _FLOAT_REDUCE.get(kind)
+        if reduce is None:
             raise HarmpiArgumentError(
-                f"harmpi backend: all_reduce with {getattr(kind, 'name', kind)} is not supported; "
-                "it supports "
-                f"{_SUPPORTED_OPS}")
+                f"harmpi backend: all_reduce with {_op_name(kind)} of {t.dtype} is not "
+                f"supported; floats take SUM, AVG, PRODUCT, MIN and MAX")
+        # gathered in harmpi (exact), reduced in rank order: the same bits everywhere
+        self._agree("all_reduce", t.dtype, t.numel() * t.element_size(), int(kind))
+        if t.numel():
+            gathered = api.allgather(t.reshape(1, -1).contiguous(), comm=self._harmpi_comm)
+            t.copy_(reduce(gathered).view(t.shape))
         return _DoneWork([t]) if async_op else _DONE
 
     def _start(self, t, scale):
@@ -372,12 +737,10 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         return work
 
     def allreduce_coalesced(self, tensors, opts=None):
+        """One all_reduce per tensor, in order (any op and dtype all_reduce takes)."""
         self._settle()
-        if opts is not None and opts.reduceOp != _SUM:
-            raise HarmpiArgumentError("harmpi backend: all_reduce_coalesced sums only (SUM)")
         for t in tensors:
-            api.allreduce(_float_tensor(t, "all_reduce_coalesced"),
-                          comm=self._harmpi_comm)
+            self.allreduce([t], _reduce_opts(opts))
         return _DoneWork(tensors)
 
     # -- gathers -------------------------------------------------------------------
@@ -395,11 +758,28 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
             gathered = api.allgather(t.contiguous(), comm=self._harmpi_comm)
             for o, part in zip(outs, gathered.view(self.size(), *t.shape)):
                 o.copy_(part)
-        else:
-            gathered = torch.empty((self.size(),) + tuple(t.shape), dtype=t.dtype)
-            self._comm.Allgather(_bytes_of(t.contiguous()), _bytes_of(gathered))
+            return _DoneWork(output_lists)
+        _cpu(t, "all_gather")
+        gathered = torch.empty((self.size(),) + tuple(t.shape), dtype=t.dtype)
+        self._agree("all_gather", t.dtype, t.numel() * t.element_size())
+        req = self._mpi.Iallgather(_bytes_of(t.contiguous()), _bytes_of(gathered))
+
+        def finish(_statuses):
             for o, part in zip(outs, gathered):
                 o.copy_(part)
+
+        return self._run([req], finish, output_lists, "all_gather", _async(opts))
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """all_gather of each input in turn: output_lists[r][k] gets rank r's input k."""
+        self._settle()
+        if len(output_lists) != self.size() or \
+                any(len(outs) != len(input_tensors) for outs in output_lists):
+            raise HarmpiArgumentError(
+                f"harmpi backend: all_gather_coalesced needs {self.size()} output lists of "
+                f"{len(input_tensors)} tensors")
+        for k, t in enumerate(input_tensors):
+            self.allgather([[outs[k] for outs in output_lists]], [t])
         return _DoneWork(output_lists)
 
     def _gather_uneven(self, t, outs):
@@ -420,9 +800,14 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
                 raise HarmpiArgumentError("harmpi backend: all_gather_into_tensor: output and "
                                           "input dtypes differ")
             api.allgather(input.contiguous(), comm=self._harmpi_comm, out=output)
-        else:
-            self._comm.Allgather(_bytes_of(input.contiguous()), _bytes_of(output))
-        return _DoneWork([output])
+            return _DoneWork([output])
+        _cpu(input, "all_gather_into_tensor")
+        if output.dtype != input.dtype:
+            raise HarmpiArgumentError("harmpi backend: all_gather_into_tensor: output and "
+                                      "input dtypes differ")
+        self._agree("all_gather_into_tensor", input.dtype, input.numel() * input.element_size())
+        req = self._mpi.Iallgather(_bytes_of(input.contiguous()), _bytes_of(output))
+        return self._run([req], None, [output], "all_gather_into_tensor", _async(opts))
 
     _allgather_base = all_gather_single
 
@@ -437,7 +822,7 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         self._settle()
-        _float_tensor(input, "reduce_scatter_tensor")
+        _cpu(input, "reduce_scatter_tensor")
         _contiguous_cpu(output, "reduce_scatter_tensor")
         n = output.numel()
         if input.numel() != n * self.size() or output.dtype != input.dtype:
@@ -472,68 +857,313 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    # -- rooted byte movers --------------------------------------------------------------
+    # -- rooted collectives ----------------------------------------------------------------
 
     def broadcast(self, tensors, opts=None):
         self._settle()
-        t = _contiguous_cpu(_one(tensors, "broadcast"), "broadcast")
+        t = _cpu(_one(tensors, "broadcast"), "broadcast")
         root = opts.rootRank if opts is not None else 0
-        self._comm.Bcast(_bytes_of(t), root=root)
-        return _DoneWork(tensors)
+        self._agree("broadcast", t.dtype, t.numel() * t.element_size(), root)
+        buf = t if t.is_contiguous() else t.contiguous()
+        req = self._mpi.Ibcast(_bytes_of(buf), root=root)
+        return self._run([req], _copy_back(buf, t), tensors, "broadcast", _async(opts))
 
     def scatter(self, output_tensors, input_lists, opts=None):
         self._settle()
-        out = _contiguous_cpu(_one(output_tensors, "scatter"), "scatter")
+        out = _cpu(_one(output_tensors, "scatter"), "scatter")
         root = opts.rootRank if opts is not None else 0
-        send = None
+        nbytes = out.numel() * out.element_size()
+        send, problem = None, None
         if self.rank() == root:
             inputs = _one(input_lists, "scatter")
             if len(inputs) != self.size() or any(i.numel() != out.numel() or
                                                  i.dtype != out.dtype for i in inputs):
-                raise HarmpiArgumentError(
-                    f"harmpi backend: scatter needs {self.size()} input tensors shaped like the "
-                    "output")
-            send = _bytes_of(torch.stack([i.reshape(-1) for i in inputs]))
-        self._comm.Scatter(send, _bytes_of(out), root=root)
-        return _DoneWork(output_tensors)
+                problem = f"the root needs {self.size()} input tensors of {out.numel()} " \
+                          f"elements of {out.dtype}, like its output"
+            elif nbytes:
+                send = _bytes_of(torch.stack([i.reshape(-1) for i in inputs]))
+        self._agree("scatter", out.dtype, nbytes, root, problem)
+        buf = out if out.is_contiguous() else out.contiguous()
+        recv = _bytes_of(buf)
+        if self.rank() == root and not nbytes:
+            send = recv
+        req = self._mpi.Iscatter(send, recv, root=root)
+        return self._run([req], _copy_back(buf, out), output_tensors, "scatter", _async(opts))
 
-    # -- barrier -----------------------------------------------------------------------------
+    def gather(self, output_lists, input_tensors, opts=None):
+        self._settle()
+        t = _cpu(_one(input_tensors, "gather"), "gather")
+        root = opts.rootRank if opts is not None else 0
+        outs, recv, problem = None, None, None
+        if self.rank() == root:
+            outs = _one(output_lists, "gather")
+            if len(outs) != self.size() or any(o.numel() != t.numel() or o.dtype != t.dtype
+                                               for o in outs):
+                problem = f"the root needs {self.size()} output tensors of {t.numel()} " \
+                          f"elements of {t.dtype}, like its input"
+            else:
+                whole = torch.empty((self.size(), t.numel()), dtype=t.dtype)
+                recv = _bytes_of(whole)
+        self._agree("gather", t.dtype, t.numel() * t.element_size(), root, problem)
+        send = _bytes_of(t.contiguous())
+        req = self._mpi.Igather(send, recv, root=root)
+
+        def finish(_statuses):
+            if outs is not None:
+                for o, part in zip(outs, whole):
+                    o.copy_(part.view(o.shape))
+
+        return self._run([req], finish, output_lists, "gather", _async(opts))
+
+    def reduce(self, tensors, opts=None):
+        """Every rank reduces (harmpi's all-reduce for float sums); the root
+        keeps the result, the others' tensors are left as they were."""
+        self._settle()
+        t = _cpu(_one(tensors, "reduce"), "reduce")
+        root = opts.rootRank if opts is not None else 0
+        target = t if self.rank() == root else t.clone()
+        self.allreduce([target], _reduce_opts(opts))
+        return _DoneWork(tensors)
+
+    # -- all-to-all -----------------------------------------------------------------------
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """One tensor to and from each rank (sizes may differ between pairs)."""
+        self._settle()
+        n = self.size()
+        if len(output_tensors) != n or len(input_tensors) != n:
+            raise HarmpiArgumentError(f"harmpi backend: all_to_all needs {n} input and {n} "
+                                      f"output tensors, got {len(input_tensors)} and "
+                                      f"{len(output_tensors)}")
+        dtype = input_tensors[0].dtype if input_tensors else torch.float32
+        if any(x.dtype != dtype or x.device.type != "cpu"
+               for x in list(input_tensors) + list(output_tensors)):
+            raise HarmpiArgumentError("harmpi backend: all_to_all: every tensor must be a CPU "
+                                      "tensor of one dtype")
+        size = dtype.itemsize
+        send_counts = [x.numel() * size for x in input_tensors]
+        recv_counts = [x.numel() * size for x in output_tensors]
+        sendbuf = torch.cat([x.reshape(-1) for x in input_tensors]) if n else None
+        recvbuf = torch.empty(sum(recv_counts) // size, dtype=dtype)
+
+        def finish(_statuses):
+            offset = 0
+            for o in output_tensors:
+                k = o.numel()
+                o.copy_(recvbuf[offset:offset + k].view(o.shape))
+                offset += k
+
+        return self._alltoallv("all_to_all", sendbuf, recvbuf, send_counts, recv_counts,
+                               finish, output_tensors, _async(opts))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        """Rows of ``input`` (dim 0) to each rank: split evenly, or by the split sizes."""
+        self._settle()
+        n = self.size()
+        _cpu(output, "all_to_all_single")
+        _cpu(input, "all_to_all_single")
+        if output.dtype != input.dtype:
+            raise HarmpiArgumentError("harmpi backend: all_to_all_single: output and input "
+                                      "dtypes differ")
+        send_counts = _split_bytes(input, input_split_sizes, n, "input")
+        recv_counts = _split_bytes(output, output_split_sizes, n, "output")
+        src = input.contiguous()
+        dst = output if output.is_contiguous() else output.contiguous()
+        finish = _copy_back(dst, output)
+        if not input_split_sizes and not output_split_sizes:
+            # even splits: one header agreement covers every pair
+            nbytes = input.numel() * input.element_size()
+            problem = None if nbytes == output.numel() * output.element_size() else \
+                "input and output sizes differ (even splits)"
+            self._agree("all_to_all_single", input.dtype, nbytes, 0, problem)
+            req = self._mpi.Ialltoall(_bytes_of(src), _bytes_of(dst))
+            return self._run([req], finish, [output], "all_to_all_single", _async(opts))
+        return self._alltoallv("all_to_all_single", src, dst, send_counts, recv_counts,
+                               finish, [output], _async(opts))
+
+    alltoall_base = all_to_all_single
+
+    def _alltoallv(self, what, src, dst, send_counts, recv_counts, finish, result, async_op):
+        """Uneven all-to-all: the ranks agree on the call and dtype, then on
+        every pair's byte count (what i sends to j is what j expects from i)."""
+        n = self.size()
+        self._agree(what, src.dtype if src is not None else None, sum(send_counts), 0)
+        mine = np.array(send_counts + recv_counts, np.int64)
+        table = np.empty((n, 2 * n), np.int64)
+        self._wait([self._mpi.Iallgather(mine, table)], what)
+        sent, expected = table[:, :n], table[:, n:]
+        if not np.array_equal(sent, expected.T):
+            i, j = (int(v) for v in np.argwhere(sent != expected.T)[0])
+            raise HarmpiMismatchError(
+                f"{self._who()}: harmpi backend {what}: split sizes disagree: world rank "
+                f"{self._world_rank(i)} sends {sent[i, j]} bytes to world rank "
+                f"{self._world_rank(j)}, which expects {expected[j, i]}; no data moved")
+        sdispl = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
+        rdispl = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
+        empty = bytearray(0)
+        sbuf = _bytes_of(src) if src is not None and src.numel() else empty
+        rbuf = _bytes_of(dst) if dst.numel() else empty
+        req = self._mpi.Ialltoallv([sbuf, (send_counts, sdispl.tolist()), MPI.BYTE],
+                                   [rbuf, (recv_counts, rdispl.tolist()), MPI.BYTE])
+        return self._run([req], finish, result, what, async_op)
+
+    # -- point to point ----------------------------------------------------------------------
+
+    def send(self, tensors, dst, tag=0):
+        t = _cpu(_one(tensors, "send"), "send")
+        self._check_usable()
+        buf = t.contiguous()
+        req = self._p2p.Isend(_bytes_of(buf), dest=dst, tag=_user_tag(tag))
+        return _MpiWork(self, [req], None, [buf], f"send to group rank {dst} (tag {tag})",
+                        peer=dst)
+
+    def recv(self, tensors, src, tag=0):
+        return self._recv(tensors, src, tag, f"recv from group rank {src} (tag {tag})")
+
+    def recv_anysource(self, tensors, tag=0):
+        return self._recv(tensors, MPI.ANY_SOURCE, tag, f"recv from any rank (tag {tag})")
+
+    def _recv(self, tensors, src, tag, what):
+        t = _cpu(_one(tensors, "recv"), "recv")
+        self._check_usable()
+        buf = t if t.is_contiguous() else t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        req = self._p2p.Irecv(_bytes_of(buf), source=src, tag=_user_tag(tag))
+        copy = _copy_back(buf, t)
+
+        def finish(statuses):
+            got = statuses[0].Get_count(MPI.BYTE)
+            if got != nbytes:
+                raise HarmpiMismatchError(
+                    f"{self._who()}: harmpi backend {what}: world rank "
+                    f"{self._world_rank(statuses[0].Get_source())} sent {got} bytes, this "
+                    f"rank's tensor holds {nbytes}")
+            if copy is not None:
+                copy(statuses)
+
+        return _MpiWork(self, [req], finish, tensors, what,
+                        peer=src if src != MPI.ANY_SOURCE else -1)
+
+    # -- barriers ----------------------------------------------------------------------------
 
     def barrier(self, opts=None):
         self._settle()
         api.barrier(comm=self._harmpi_comm)
         return _DoneWork()
 
-    # -- what harmpi does not do --------------------------------------------------------------
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """Gloo's monitored barrier: group rank 0 hears from every rank within
+        ``timeout`` (default: HARMPI_TIMEOUT_S) and names the ranks that did not
+        come (the first, or all with ``wait_all_ranks``), then releases them.
+        (torch's dist.monitored_barrier accepts gloo groups only; call this
+        method on the group: ``group.monitored_barrier(timedelta, wait_all_ranks)``.)"""
+        self._settle()
+        self._check_usable()
+        timeout_s = timeout.total_seconds() if timeout is not None else self._timeout_s
+        n, me = self.size(), self.rank()
+        token = np.zeros(1, np.int64)
+        if me != 0:
+            reqs = [self._mpi.Isend(token, dest=0, tag=_MONITOR_TAG),
+                    self._mpi.Irecv(np.empty(1, np.int64), source=0, tag=_MONITOR_TAG)]
+            wait_requests(reqs, timeout_s, lambda pending: self._timed_out(
+                pending, "monitored_barrier (waiting for group rank 0's release)", 0))
+            return _DoneWork()
+        inbox = np.empty((max(n - 1, 1), 1), np.int64)
+        reqs = [self._mpi.Irecv(inbox[r - 1], source=r, tag=_MONITOR_TAG) for r in range(1, n)]
 
-    def _unsupported(self, what):
-        raise HarmpiArgumentError(
-            f"harmpi backend: {what} is not supported. It serves all_reduce ({_SUPPORTED_OPS}), "
-            "all_gather, all_gather_into_tensor, reduce_scatter_tensor, broadcast, scatter and "
-            "barrier; make a gloo group beside it for the rest: dist.new_group(backend='gloo')")
+        def missing(pending):
+            late = [r for r, q in zip(range(1, n), pending) if q != MPI.REQUEST_NULL]
+            if not late:
+                return
+            for q in pending:
+                if q != MPI.REQUEST_NULL:
+                    q.Cancel()
+            named = late if wait_all_ranks else late[:1]
+            raise HarmpiTimeoutError(
+                f"{self._who()}: harmpi backend monitored_barrier: world rank(s) "
+                f"{[self._world_rank(r) for r in named]} did not arrive within {timeout_s:g} s",
+                culprit=self._world_rank(late[0]))
 
-    def send(self, tensors, dst, tag=0):
-        self._unsupported("send")
+        wait_requests(reqs, timeout_s, missing)
+        sends = [self._mpi.Isend(token, dest=r, tag=_MONITOR_TAG) for r in range(1, n)]
+        wait_requests(sends, timeout_s, lambda pending: self._timed_out(
+            pending, "monitored_barrier (releasing the ranks)", None))
+        return _DoneWork()
 
-    def recv(self, tensors, src, tag=0):
-        self._unsupported("recv")
+    # -- lifetime ----------------------------------------------------------------------------
 
-    def recv_anysource(self, tensors, tag=0):
-        self._unsupported("recv")
+    def _get_backend(self, device):
+        """torch asks a group for its backend per device: a harmpi group is
+        its own CPU backend (torch's Python reaches every op through it)."""
+        if torch.device(device).type != "cpu":
+            raise HarmpiArgumentError(f"harmpi backend: no backend for {device}; harmpi "
+                                      "serves CPU tensors")
+        return self
 
-    def alltoall(self, *args, **kwargs):
-        self._unsupported("all_to_all")
+    supports_coalescing = False
+    supports_splitting = False
+    supports_time_estimate = False
 
-    def all_to_all_single(self, *args, **kwargs):
-        self._unsupported("all_to_all_single")
+    def shutdown(self):
+        """dist.destroy_process_group: free this group's MPI communicators and
+        its harmpi context (window, transports). The ranks first meet (a
+        polled barrier under the deadline); a rank whose peers do not come
+        leaves the context to MPI_Finalize, with a warning, instead of
+        entering a collective free that would wait for them forever."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._settle()
+        except HarmpiError as exc:
+            log.warning("harmpi backend: destroying a group whose last call failed: %s", exc)
+        healthy = self._broken is None and self._ctx.broken is None
+        if healthy:
+            try:
+                arrive(self._mpi, self._timeout_s, "destroying a harmpi process group")
+            except HarmpiTimeoutError as exc:
+                log.warning("%s; its MPI communicator and harmpi context are left to "
+                            "MPI_Finalize", exc)
+                healthy = False
+        self._broken = "the group was destroyed (dist.destroy_process_group)"
+        if not healthy:
+            return
+        for c in (self._mpi, self._p2p):
+            c.Free()
+        if not self._default:
+            # the context hangs on the communicator: its free frees the context
+            self._comm.Free()
 
-    alltoall_base = all_to_all_single
+    def abort(self):
+        """No collective: the group is unusable from now on; MPI_Finalize
+        reclaims its resources."""
+        self._closed = True
+        self._broken = "the group was aborted"
 
-    def gather(self, *args, **kwargs):
-        self._unsupported("gather")
 
-    def reduce(self, *args, **kwargs):
-        self._unsupported("reduce")
+def _private_comms(comm, timeout_s):
+    """Two duplicates of ``comm`` (MPI_Comm_idup, under the deadline)."""
+    (a, ra), (b, rb) = comm.Idup(), comm.Idup()
+
+    def late(_pending):
+        raise HarmpiTimeoutError(
+            f"rank {_WORLD.Get_rank()}: harmpi backend: creating a process group: the other "
+            f"ranks of the group did not arrive within {timeout_s:g} s (HARMPI_TIMEOUT_S sets "
+            "the deadline)")
+
+    wait_requests([ra, rb], timeout_s, late)
+    return a, b
+
+
+def _world_ranks(comm):
+    """COMM_WORLD rank of each rank of ``comm`` (errors name ranks users know)."""
+    group, world = comm.Get_group(), _WORLD.Get_group()
+    try:
+        return MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world)
+    finally:
+        group.Free()
+        world.Free()
 
 
 def _native_sum():
@@ -571,7 +1201,13 @@ def _create(backend_opts, pg_options=None):
     world = dist.distributed_c10d._get_default_group()
     if world.size() != _WORLD.Get_size():
         raise HarmpiArgumentError("harmpi backend: the default group does not span MPI's world")
-    comm = _WORLD.Create_group(_WORLD.Get_group().Incl(ranks))
+    world_group = _WORLD.Get_group()
+    members = world_group.Incl(ranks)
+    try:
+        comm = _WORLD.Create_group(members)
+    finally:
+        members.Free()
+        world_group.Free()
     if comm.Get_rank() != rank:
         raise HarmpiError(f"harmpi backend: group rank {rank} is MPI rank {comm.Get_rank()}")
     return ProcessGroupHarmpi(comm, rank, size)
