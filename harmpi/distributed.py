@@ -988,7 +988,8 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         """Uneven all-to-all: the ranks agree on the call and dtype, then on
         every pair's byte count (what i sends to j is what j expects from i)."""
         n = self.size()
-        self._agree(what, src.dtype if src is not None else None, sum(send_counts), 0)
+        # (the totals may differ between ranks: the pairs are checked below)
+        self._agree(what, src.dtype if src is not None else None)
         mine = np.array(send_counts + recv_counts, np.int64)
         table = np.empty((n, 2 * n), np.int64)
         self._wait([self._mpi.Iallgather(mine, table)], what)
@@ -1290,11 +1291,15 @@ def register():
     """Register backend "harmpi" for CPU with torch.distributed (idempotent;
     ``import harmpi`` calls it when torch is importable), the MPI
     rendezvous, and the torch op ``torch.ops.harmpi.all_reduce_`` when the
-    native module is built."""
+    native module is built; under an MPI launcher, RANK, WORLD_SIZE,
+    LOCAL_RANK and LOCAL_WORLD_SIZE where unset (harmpi.worldenv)."""
     global _registered
     if _registered:
         return
     _registered = True
+    from . import worldenv  # noqa: PLC0415
+
+    worldenv.export()
     if not dist.is_available():
         return
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])

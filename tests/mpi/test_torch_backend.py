@@ -210,18 +210,10 @@ def test_async_then_direct_harmpi_call_is_refused(groups):
 
 
 def test_unsupported_calls_raise_clear_errors(groups):
-    with pytest.raises(harmpi.HarmpiArgumentError, match="int64 is not supported"):
-        dist.all_reduce(torch.ones(4, dtype=torch.int64))
+    # (every op gloo serves works: tests/mpi/test_torch_ops_full.py)
     with pytest.raises(harmpi.HarmpiArgumentError,
-                       match="PRODUCT is not supported; it supports SUM, AVG, MAX and MIN"):
-        dist.all_reduce(torch.ones(4), op=dist.ReduceOp.PRODUCT)
-    n = dist.get_world_size()
-    if n > 1:  # (torch itself refuses a send to oneself)
-        peer = (dist.get_rank() + 1) % n
-        with pytest.raises(harmpi.HarmpiArgumentError, match="send is not supported"):
-            dist.send(torch.ones(4), dst=peer)
-        with pytest.raises(harmpi.HarmpiArgumentError, match="recv is not supported"):
-            dist.recv(torch.ones(4), src=peer)
+                       match="BAND of torch.float32 is not supported"):
+        dist.all_reduce(torch.ones(4), op=dist.ReduceOp.BAND)
     x = torch.ones(4)
     dist.all_reduce(x)  # the group still works
     assert bool((x == dist.get_world_size()).all())
