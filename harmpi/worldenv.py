@@ -1,0 +1,86 @@
+"""torchrun's rank variables under a bare MPI launcher, for libraries that read them.
+
+torchrun gives every worker RANK, WORLD_SIZE, LOCAL_RANK and
+LOCAL_WORLD_SIZE, and libraries read them instead of asking torch: transformers
+takes the tensor-parallel size of ``tp_plan="auto"`` from WORLD_SIZE (unset,
+it silently runs the whole model on every rank), accelerate its process
+layout. ``harmpi-launch`` sets them in every rank (launch/rankenv.py); under a
+plain ``mpirun python script.py`` nothing does, so ``import harmpi`` (through
+:func:`harmpi.distributed.register`) calls :func:`export`:
+
+==================  =====================================================
+RANK, WORLD_SIZE    MPI.COMM_WORLD's rank and size
+LOCAL_RANK,         the launcher's own variables: Open MPI's
+LOCAL_WORLD_SIZE    OMPI_COMM_WORLD_LOCAL_{RANK,SIZE}, Hydra's (MPICH,
+                    Intel MPI) MPI_LOCALRANKID / MPI_LOCALNRANKS; the
+                    ranks on this host, as harmpi-launch and torchrun
+                    count them (virtual nodes do not change them)
+==================  =====================================================
+
+Only variables that are unset are set: a value given by the caller stays
+(``init_process_group`` then checks RANK and WORLD_SIZE against MPI and
+names a disagreement). Nothing is set outside an MPI launcher (a singleton
+is not a world) or in a one-rank job started without one. When the launcher
+gives no local rank, LOCAL_RANK and LOCAL_WORLD_SIZE stay unset and that is
+logged once: finding them would take a collective, which an import must not
+run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping, MutableMapping
+
+__all__ = ["LAUNCHER_SIGNS", "LOCAL_SOURCES", "TORCH_NAMES", "export", "launched",
+           "rank_variables"]
+
+log = logging.getLogger("harmpi")
+
+TORCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+#: each MPI launcher's names for (local rank, local size)
+LOCAL_SOURCES = (
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+#: variables that only an MPI launcher sets in its ranks
+LAUNCHER_SIGNS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS")
+
+
+def launched(environ: Mapping[str, str]) -> bool:
+    """Whether this process was started by an MPI launcher (not an MPI singleton)."""
+    return any(k in environ for k in LAUNCHER_SIGNS)
+
+
+def rank_variables(rank: int, size: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """TORCH_NAMES -> values for MPI rank ``rank`` of ``size``; the local pair only
+    when the launcher's variables give it."""
+    values = {"RANK": str(rank), "WORLD_SIZE": str(size)}
+    for local_rank, local_size in LOCAL_SOURCES:
+        if environ.get(local_rank, "").isdigit() and environ.get(local_size, "").isdigit():
+            values["LOCAL_RANK"] = environ[local_rank]
+            values["LOCAL_WORLD_SIZE"] = environ[local_size]
+            break
+    return values
+
+
+def export(environ: MutableMapping[str, str] | None = None, comm=None) -> dict[str, str]:
+    """Set the unset TORCH_NAMES in ``environ`` (default ``os.environ``) from MPI,
+    under an MPI launcher; return what was set."""
+    environ = os.environ if environ is None else environ
+    if not launched(environ):
+        return {}
+    if comm is None:
+        from mpi4py import MPI  # noqa: PLC0415 - harmpi has initialised MPI by now
+
+        comm = MPI.COMM_WORLD
+    values = rank_variables(comm.Get_rank(), comm.Get_size(), environ)
+    if "LOCAL_RANK" not in values and "LOCAL_RANK" not in environ:
+        log.info("harmpi: LOCAL_RANK and LOCAL_WORLD_SIZE left unset: the MPI launcher "
+                 "gives no local rank (looked for %s)",
+                 ", ".join(n for pair in LOCAL_SOURCES for n in pair))
+    added = {k: v for k, v in values.items() if k not in environ}
+    environ.update(added)
+    if added:
+        log.debug("harmpi: set %s from MPI", ", ".join(f"{k}={v}" for k, v in added.items()))
+    return added
