@@ -8,12 +8,23 @@ until harmpi's deadline, or forever in user code. ``import harmpi`` under a
 launcher therefore installs :class:`AbortHook` as ``sys.excepthook``:
 
 1. the previous hook prints the traceback, once, on the failing rank only
-   (its peers are killed before they can fail, and print nothing);
-2. stdout and stderr are flushed (the launcher forwards them; nothing is lost);
+   (its peers are killed before they can fail, and print nothing), each
+   line prefixed by the rank as torch.distributed prefixes it
+   (``[rank1]: Traceback ...``);
+2. the line "rank r of n ended with ..." is logged, and stdout and stderr
+   are flushed (the launcher forwards them; nothing is lost);
 3. ``MPI.COMM_WORLD.Abort(status)``: the launcher kills every other rank
    (SIGTERM; a rank inside a harmpi wait dies there too) and exits with a
    non-zero status. status is 1, or 130 for KeyboardInterrupt (as ``python
    -m mpi4py`` does).
+
+Steps 1 and 2 write to the process's real stderr (``sys.__stderr__``), not
+to whatever ``sys.stderr`` is while the hook runs: ``init_process_group``
+installs torch's own excepthook, which points ``sys.stderr`` at a buffer,
+calls the previous hook (this one) and prints the buffer when it returns --
+which it never does here, as the job ends in step 3. Written to the buffer,
+the traceback and harmpi's line would be lost; the user would see only
+Open MPI's "MPI_ABORT was invoked on rank 1".
 
 ``sys.exit(n)`` with n non-zero ends the job too (with status n; a message
 instead of a number: 1), as torchrun ends the job when a worker exits
@@ -47,6 +58,7 @@ communicator (looked at when a rank fails).
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import signal
@@ -57,7 +69,7 @@ import types
 from .config import Config
 from .errors import HarmpiArgumentError
 
-__all__ = ["AbortHook", "ExitRequest", "install", "abort_status", "exit_status"]
+__all__ = ["AbortHook", "ExitRequest", "install", "abort_status", "exit_status", "rank_prefixed"]
 
 log = logging.getLogger("harmpi")
 
@@ -120,11 +132,23 @@ class AbortHook:
 
     def __call__(self, exc_type, exc, tb):
         world = self._world()
+        if world is None:
+            self.previous(exc_type, exc, tb)
+            return
+        try:
+            self._report(world.Get_rank(), exc_type, exc, tb)
+        finally:
+            self._abort(world, abort_status(exc_type), f"an uncaught {exc_type.__name__}")
+
+    def _report(self, rank, exc_type, exc, tb):
+        """The previous hook's output, each line prefixed by the rank, on the real stderr."""
+        buf = io.StringIO()
+        captured, sys.stderr = sys.stderr, buf
         try:
             self.previous(exc_type, exc, tb)
         finally:
-            if world is not None:
-                self._abort(world, abort_status(exc_type), f"an uncaught {exc_type.__name__}")
+            sys.stderr = captured
+            _write_stderr(rank_prefixed(buf.getvalue(), rank))
 
     def exit(self, status=None):
         """``sys.exit``: raise :class:`ExitRequest` (held in no local: this
@@ -146,15 +170,41 @@ class AbortHook:
 
     @staticmethod
     def _abort(world, status, what):
-        log.error("harmpi: rank %d of %d ended with %s; aborting the job (MPI_Abort, "
-                  "status %d; HARMPI_ABORT_ON_EXCEPTION=0 turns this off)",
-                  world.Get_rank(), world.Get_size(), what, status)
-        for stream in (sys.stdout, sys.stderr):
+        captured, sys.stderr = sys.stderr, _real_stderr()  # for logging's last resort
+        try:
+            log.error("harmpi: rank %d of %d ended with %s; aborting the job (MPI_Abort, "
+                      "status %d; HARMPI_ABORT_ON_EXCEPTION=0 turns this off)",
+                      world.Get_rank(), world.Get_size(), what, status)
+        finally:
+            sys.stderr = captured
+        for stream in (sys.stdout, sys.stderr, _real_stderr()):
             try:
                 stream.flush()
             except Exception:  # noqa: BLE001 - a closed stream must not stop the abort
                 log.debug("could not flush %r before MPI_Abort", stream)
         world.Abort(status)
+
+
+def rank_prefixed(text, rank):
+    """``text`` with each non-empty line prefixed ``[rank<r>]: `` as torch.distributed's
+    excepthook does (a line that has the prefix already keeps one)."""
+    prefix = f"[rank{rank}]:"
+    return "".join(line if not line.strip() or line.startswith(prefix) else f"{prefix} {line}"
+                   for line in text.splitlines(keepends=True))
+
+
+def _real_stderr():
+    """The process's stderr as Python started it (what the launcher forwards)."""
+    return sys.__stderr__ if sys.__stderr__ is not None else sys.stderr
+
+
+def _write_stderr(text):
+    stream = _real_stderr()
+    try:
+        stream.write(text)
+        stream.flush()
+    except Exception:  # noqa: BLE001 - a closed stderr must not stop the abort
+        log.debug("could not write the traceback to stderr before MPI_Abort")
 
 
 def _enabled(env=None) -> bool:
