@@ -40,7 +40,8 @@ def init(comm=None, config=None):
 
     The first collective on a communicator initialises it anyway; calling
     init() first keeps the set-up (window allocation, kernel loading) out of
-    timed code. ``config``: a :class:`harmpi.Config` to use instead of the
+    timed code. The calling thread becomes the one whose collectives run on
+    ``comm`` (see :func:`allreduce`). ``config``: a :class:`harmpi.Config` to use instead of the
     environment (only before the communicator's first use). Returns the
     context (see :func:`info` for what it knows).
     """
@@ -140,6 +141,12 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
 
     bf16/f16 sums accumulate in float32 and round to nearest even once per
     stage (node sum, and each cross-node combine).
+
+    Threads: the collectives of ``comm`` belong to the thread that set it up
+    (its first harmpi call or :func:`init`), the same thread on every rank
+    (checked by name at set-up); a call from another thread raises
+    HarmpiError at once, before anything moves (harmpi.owner). Give a
+    thread of its own a communicator of its own (``comm.Dup()``).
     """
     native = _STATE.native
     if native is not None and algorithm is None and (comm is None or comm is _COMM_WORLD) \

@@ -31,7 +31,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from . import control, copytune, dtypes, kind, node, transports
+from . import control, copytune, dtypes, kind, node, owner, transports
 from .algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
 from .algorithms.base import Call
 from .algorithms.har_latency import HAR2_FINISH, HAR2_START, HAR2_STEP
@@ -48,6 +48,7 @@ from .control import (
     RAIL_TIMEOUT,
     RAISED,
     TIMEOUT,
+    WRONG_THREAD,
 )
 from .errors import (
     HarmpiArgumentError,
@@ -130,6 +131,9 @@ class SizeSwitch:
 
 class Context:
     """Everything harmpi keeps for one communicator."""
+
+    #: name of the thread that made it, the only one whose calls run (harmpi.owner)
+    owner_name = None
 
     def __init__(self, comm, config: Config | None = None, sigfd: int = -1):
         self.config = config or Config.from_env()
@@ -470,6 +474,8 @@ class Context:
                 f"{self._who()}: {call}: another thread is inside a collective on this "
                 "communicator; call harmpi's collectives on one communicator from one thread "
                 "at a time (or give each thread its own communicator)")
+        if rc == WRONG_THREAD:
+            raise HarmpiError(f"{self._who()}: {call}: {owner.refusal(self.owner_name)}")
         if rc == INTERRUPTED:
             raise KeyboardInterrupt(f"{self._who()}: {call}: interrupted while waiting; this "
                                     "context is unusable now")

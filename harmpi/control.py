@@ -20,7 +20,7 @@ from numba.extending import intrinsic
 
 __all__ = ["FIELDS", "CONTROL", "RECORD", "ARRAY", "new", "offset", "control_at", "STATUS_NAMES",
            "OK", "TIMEOUT", "MISMATCH", "POISONED", "RAIL_TIMEOUT", "RAIL_FAILED", "RAISED",
-           "ABANDONED", "BUSY", "INTERRUPTED", "RAIL_LATE"]
+           "ABANDONED", "BUSY", "INTERRUPTED", "RAIL_LATE", "WRONG_THREAD"]
 
 #: (field, meaning); every field is an int64
 FIELDS = (
@@ -82,6 +82,8 @@ FIELDS = (
     ("prof_arrivals", "profiling: how many arrivals were heard of"),
     ("prof_rt_skew_ns", "profiling: the rail peer's CLOCK_REALTIME minus this rank's"),
     ("prof_rt_mono_ns", "profiling: this host's CLOCK_REALTIME minus CLOCK_MONOTONIC"),
+    ("owner", "pthread_self() of the thread that made the context: the one thread whose "
+              "calls run (0: any; harmpi.registry)"),
 )
 
 CONTROL = np.dtype([(name, np.int64) for name, _ in FIELDS])
@@ -91,9 +93,9 @@ ARRAY = RECORD[::1]
 
 #: step statuses (OK = 0; every other value is a failure the context explains)
 (OK, TIMEOUT, MISMATCH, POISONED, RAIL_TIMEOUT, RAIL_FAILED, RAISED, ABANDONED, BUSY,
- INTERRUPTED, RAIL_LATE) = range(11)
+ INTERRUPTED, RAIL_LATE, WRONG_THREAD) = range(12)
 STATUS_NAMES = ("ok", "timeout", "mismatch", "poisoned", "rail timeout", "rail failed", "raised",
-                "abandoned", "busy", "interrupted", "rail late")
+                "abandoned", "busy", "interrupted", "rail late", "wrong thread")
 
 
 def offset(name: str) -> int:

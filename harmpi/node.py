@@ -53,7 +53,7 @@ from numba.extending import intrinsic, overload
 
 from . import control, copytune, dtypes, kind, mpiprogress, profrec
 from . import reduce as _reduce
-from .control import ABANDONED, BUSY, INTERRUPTED, MISMATCH, OK, POISONED, TIMEOUT
+from .control import ABANDONED, BUSY, INTERRUPTED, MISMATCH, OK, POISONED, TIMEOUT, WRONG_THREAD
 from .shm import FLAG_LINE_NBYTES, STAMP_WORDS, W_CULPRIT, W_EPOCH, W_META, W_STATUS
 from .sync import ABANDONED as FLAG_ABANDONED
 from .sync import (
@@ -73,7 +73,7 @@ __all__ = ["init_control", "stage", "stage_meta", "publish_wait", "publish_wait_
            "gather_step", "ONE_NODE_STEP", "ONE_NODE_CFUNC", "SOLO_STEP", "GATHER_STEP",
            "STREAM_MIN_NBYTES", "NEVER_RSAG", "enter", "leave", "abandon",
            "interrupted", "begin", "one_node_start", "one_node_finish", "ONE_NODE_START",
-           "ONE_NODE_FINISH"]
+           "ONE_NODE_FINISH", "thread_self", "foreign_thread"]
 
 _LINE = FLAG_LINE_NBYTES
 _WORD = 8
@@ -899,14 +899,41 @@ def _gather_node(ctl, x_addr, out_addr, n, code, w):
 _GATHER_SIG = _i64(_ctl, types.intp, types.intp, _i64, _i64, _i64)
 
 
+@intrinsic
+def thread_self(typingctx):
+    """libc ``pthread_self()``: the calling thread (what Python's
+    threading.get_ident() returns on Linux); a register read, a few ns."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "pthread_self")
+        return builder.call(fn, [])
+
+    return sig, codegen
+
+
+@numba.njit(types.boolean(_ctl), cache=True, nogil=True)
+def foreign_thread(ctl):
+    """Whether the calling thread is not the one that owns the context
+    (control field ``owner``, set by harmpi.registry; 0: any thread)."""
+    owner = ctl[0].owner
+    return owner != 0 and owner != thread_self()
+
+
 @numba.njit(_i64(_ctl), cache=True, nogil=True)
 def enter(ctl):
     """Start of every entry: OK, or ABANDONED (this context gave up on a
-    collective), or BUSY (another thread is inside an entry of this context:
-    two threads' collectives on one communicator would interleave their
-    flag rounds). One uncontended compare-exchange."""
+    collective), or WRONG_THREAD (the caller is not the thread that made the
+    context: ranks pair calls by order, not by thread, so a second thread's
+    call could pair with another thread's on another rank), or BUSY (an
+    async collective of this context is still open, or a thread got past the
+    owner check by sharing its id: the flag rounds must not interleave).
+    A thread-id compare and one uncontended compare-exchange."""
     if ctl[0].abandoned != 0:
         return ABANDONED
+    if foreign_thread(ctl):
+        return WRONG_THREAD
     if compare_exchange(ctl.ctypes.data + _BUSY_OFFSET, 0, 1) != 0:
         return BUSY
     ctl[0].coll_epoch = ctl[0].epoch
@@ -1101,7 +1128,10 @@ def one_node_finish(ctl, x_addr, n, fmt):
 
 @numba.njit(STEP_SIG, cache=True, nogil=True)
 def solo_step(ctl, x_addr, n, fmt):
-    """A communicator of one rank: the sum is x itself."""
+    """A communicator of one rank: the sum is x itself. (Refused to other
+    threads like every entry, so a program behaves the same at any size.)"""
+    if foreign_thread(ctl):
+        return WRONG_THREAD
     if ctl[0].profile != 0:
         begin(ctl, n * _itemsize(fmt), ctl[0].auto_code | fmt)
         profrec.record(ctl)

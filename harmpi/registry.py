@@ -19,6 +19,7 @@ import threading
 
 from mpi4py import MPI
 
+from . import owner
 from .config import Config
 from .context import Context
 from .errors import HarmpiArgumentError, HarmpiError
@@ -51,6 +52,8 @@ class Registry:
         self.keyval = None
         self.closed = None          # why no collective may run any more (finalize, fork)
         self.sigfd = -1             # read end of Python's signal wakeup fd, if harmpi set it
+        self._lock = threading.Lock()  # guards _creating and the hooks' installation
+        self._creating = {}         # communicator handle -> name of the thread setting it up
 
     def get(self, comm):
         if comm is None or comm is _COMM_WORLD:
@@ -67,20 +70,51 @@ class Registry:
         return comm.Get_attr(self.keyval) if self.keyval is not None else None
 
     def create(self, comm, config=None):
+        """A new context for ``comm`` (collective), owned by the calling
+        thread (harmpi.owner); or the live one another thread made meanwhile.
+        A second thread that comes while one sets the communicator up is
+        refused at once."""
         if self.closed is not None:
             raise HarmpiError(f"harmpi cannot start a collective: {self.closed}")
         if not MPI.Is_initialized() or MPI.Is_finalized():
             raise HarmpiError("MPI is not initialised (or already finalised); import mpi4py's MPI "
                               "and run under mpirun")
-        if self.keyval is None:
-            self._install_hooks()
+        ident, name = owner.current()
+        key = comm.handle
+        with self._lock:
+            live = self.lookup(comm)
+            if live is not None and live.broken is None:
+                return live
+            busy = self._creating.get(key)
+            if busy is not None:
+                raise HarmpiError(f"thread {busy!r} is setting up harmpi on this communicator; "
+                                  + owner.refusal(busy))
+            self._creating[key] = name
+            if self.keyval is None:
+                self._install_hooks()
+        try:
+            return self._make(comm, config, ident, name)
+        finally:
+            with self._lock:
+                del self._creating[key]
+
+    def _make(self, comm, config, ident, name):
         ctx = Context(comm, config or Config.from_env(), self.sigfd)
+        ctx.owner_name = name
         self.contexts.append(ctx)
-        if comm == _COMM_WORLD:
-            self.world = ctx
+        try:
+            owner.agree(comm, name, ctx.config.timeout_s)
+        except HarmpiError as exc:
+            ctx.broken = str(exc)  # kept, so later calls say why (its window is left to MPI)
+            raise
+        finally:
+            if comm == _COMM_WORLD:
+                self.world = ctx
+            else:
+                comm.Set_attr(self.keyval, ctx)
+        ctx.ctl[0]["owner"] = ident
+        if ctx is self.world:
             self.attach_native()
-        else:
-            comm.Set_attr(self.keyval, ctx)
         return ctx
 
     def _install_hooks(self):

@@ -1,0 +1,151 @@
+"""Threads and one communicator: a context belongs to the thread that set it
+up (harmpi.owner). Another thread's call is refused at once, on every rank,
+so no call ever returns a sum paired with another thread's call."""
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import torch
+
+import harmpi
+
+CALLS = 200
+
+
+def _setup(comm, timeout_s=5.0):
+    cfg = dataclasses.replace(harmpi.Config.from_env(), timeout_s=timeout_s)
+    return harmpi.init(comm, config=cfg)
+
+
+def _make(kind, value, n=256):
+    if kind == "torch":
+        return torch.full((n,), value, dtype=torch.float32)
+    return np.full(n, value, np.float32)
+
+
+def _hammer(comm, kind, tid, out):
+    """CALLS all-reduces of values that tell the threads apart; counts
+    (right, wrong, refused) and the first refusal's message."""
+    r, size = comm.Get_rank(), comm.Get_size()
+    right = wrong = refused = 0
+    first = None
+    for _ in range(CALLS):
+        x = _make(kind, float(1000 * (tid + 1) + r))
+        try:
+            harmpi.allreduce(x, comm=comm)
+        except harmpi.HarmpiError as exc:
+            refused += 1
+            first = first or str(exc)
+            continue
+        if float(x[0]) == 1000 * (tid + 1) * size + size * (size - 1) / 2:
+            right += 1
+        else:
+            wrong += 1
+    out[tid] = (right, wrong, refused, first)
+
+
+def _run_threads(target, *args, count=2):
+    out = {}
+    threads = [threading.Thread(target=target, args=(*args, k, out), name=f"caller-{k}")
+               for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _closed_form(comm, kind="torch", n=1000):
+    r, size = comm.Get_rank(), comm.Get_size()
+    x = _make(kind, float(r + 1), n)
+    harmpi.allreduce(x, comm=comm)
+    return bool((x == size * (size + 1) / 2).all())
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_other_threads_are_refused_at_once_and_never_mixed(world, kind):
+    """The main thread set the communicator up; two more threads hammer it.
+    Every one of their calls is refused, quickly, and none returns a sum
+    (before: 65-73 of 200 calls per thread returned the other thread's sum)."""
+    comm = world.Dup()
+    _setup(comm)
+    assert _closed_form(comm, kind)
+    t0 = time.monotonic()
+    out = _run_threads(_hammer, comm, kind)
+    took = time.monotonic() - t0
+    for tid, (right, wrong, refused, first) in out.items():
+        assert (right, wrong, refused) == (0, 0, CALLS), (tid, out[tid])
+        assert "belongs to thread 'MainThread'" in first and f"'caller-{tid}'" in first, first
+    assert took < 30.0, took          # refused at once, not at a deadline (200 x 5 s)
+    assert _closed_form(comm, kind)   # the owner's calls are unaffected
+    world.Barrier()
+    comm.Free()
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_race_to_set_up_never_pairs_two_threads(world, kind):
+    """Two threads on every rank make the first call on a fresh communicator
+    at once. Whoever wins on each rank, no call returns a wrong sum: if the
+    winners' names differ between ranks every rank refuses the set-up."""
+    comm = world.Dup()
+    out = _run_threads(_hammer, comm, kind)
+    wrong = sum(v[1] for v in out.values())
+    right = sum(v[0] for v in out.values())
+    assert wrong == 0, out
+    # at most one thread per rank had its calls run
+    assert right in (0, CALLS) and sorted(v[0] for v in out.values())[0] == 0, out
+    world.Barrier()
+
+
+def test_a_thread_that_sets_up_its_own_communicator_works(world):
+    """The remedy the error names: each thread its own communicator, set up
+    from that thread. Both threads' sums are right, on every rank."""
+    comms = [world.Dup(), world.Dup()]   # made by the main thread: Dup is collective
+
+    def body(tid, out):
+        comm = comms[tid]
+        ok = True
+        for i in range(50):
+            x = _make("numpy", float(comm.Get_rank() + tid + i))
+            harmpi.allreduce(x, comm=comm)
+            size = comm.Get_size()
+            ok &= float(x[0]) == size * (tid + i) + size * (size - 1) / 2
+        out[tid] = ok
+
+    out = _run_threads(lambda tid, out: body(tid, out))
+    assert out == {0: True, 1: True}
+    world.Barrier()
+    for c in comms:
+        c.Free()
+
+
+def test_the_world_context_refuses_another_thread_on_every_path(world):
+    """harmpi.allreduce(t) on the world context (harmpi.native's C++ entry
+    when built), numpy, allgather and barrier: all refused from a thread that
+    did not set the world up."""
+    harmpi.init()
+    harmpi.allreduce(torch.ones(4))
+    calls = {
+        "tensor": lambda: harmpi.allreduce(torch.ones(8)),
+        "numpy": lambda: harmpi.allreduce(np.ones(8, np.float32)),
+        "allgather": lambda: harmpi.allgather(torch.ones(8)),
+        "barrier": harmpi.barrier,
+    }
+    seen = {}
+
+    def body(_tid, out):
+        for name, call in calls.items():
+            try:
+                call()
+                seen[name] = "ran"
+            except harmpi.HarmpiError as exc:
+                seen[name] = str(exc)
+
+    _run_threads(body, count=1)
+    for name, what in seen.items():
+        assert "belongs to thread 'MainThread'" in what, (name, what)
+    assert _closed_form(world)
+    world.Barrier()
