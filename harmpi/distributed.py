@@ -77,7 +77,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.futures import Future
 
-from . import api
+from . import api, worldenv
 from .context import AUTO_CODE
 from .errors import (
     HarmpiArgumentError,
@@ -1197,7 +1197,8 @@ def _create(backend_opts, pg_options=None):
             raise HarmpiArgumentError(
                 f"harmpi backend: torch says rank {rank} of {size}, MPI says rank "
                 f"{_WORLD.Get_rank()} of {_WORLD.Get_size()}: the rank and world size given to "
-                "init_process_group (or RANK/WORLD_SIZE) must match mpirun's, or be left out")
+                "init_process_group (or RANK/WORLD_SIZE) must match mpirun's, or be left out."
+                + worldenv.torchrun_hint())
         return ProcessGroupHarmpi(_WORLD, rank, size)
     world = dist.distributed_c10d._get_default_group()
     if world.size() != _WORLD.Get_size():
@@ -1297,8 +1298,6 @@ def register():
     if _registered:
         return
     _registered = True
-    from . import worldenv  # noqa: PLC0415
-
     worldenv.export()
     if not dist.is_available():
         return

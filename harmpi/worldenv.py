@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, MutableMapping
+import shlex
+import sys
+from typing import Mapping, MutableMapping, Sequence
 
 __all__ = ["LAUNCHER_SIGNS", "LOCAL_SOURCES", "TORCH_NAMES", "export", "launched",
-           "rank_variables"]
+           "rank_variables", "torchrun_hint"]
 
 log = logging.getLogger("harmpi")
 
@@ -84,3 +86,30 @@ def export(environ: MutableMapping[str, str] | None = None, comm=None) -> dict[s
     if added:
         log.debug("harmpi: set %s from MPI", ", ".join(f"{k}={v}" for k, v in added.items()))
     return added
+
+
+def torchrun_hint(environ: Mapping[str, str] | None = None,
+                  argv: Sequence[str] | None = None) -> str:
+    """What to say to a process that torchrun started (empty otherwise).
+
+    torchrun starts every rank as a process of its own, not through an MPI
+    launcher: each is an MPI world of one, and harmpi's groups need MPI's
+    world to be torch's. The hint names the launcher line that starts the
+    same job: ``harmpi-launch --nproc-per-node K`` with the script and its
+    arguments as this rank got them (``--hosts`` when torchrun ran several
+    nodes).
+    """
+    environ = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" not in environ:
+        return ""
+    argv = sys.argv if argv is None else argv
+    line = ["harmpi-launch", "--nproc-per-node", environ.get("LOCAL_WORLD_SIZE", "N")]
+    nodes = environ.get("GROUP_WORLD_SIZE", "1")
+    if nodes != "1":
+        line += ["--hosts", ",".join(f"HOST{i}" for i in range(1, int(nodes) + 1))
+                 if nodes.isdigit() else "HOST1,HOST2"]
+    command = list(argv) if argv and argv[0] not in ("", "-c") else ["script.py"]
+    return (" This process was started by torchrun, which starts each rank as an MPI job of "
+            "its own; harmpi needs every rank in one MPI job. Start it with "
+            f"`{shlex.join(line + command)}` instead (one command on the first host; "
+            "mpirun starts the ranks on every host).")

@@ -22,6 +22,7 @@ from .mpi import MpiInfo, find_mpi
 from .plan import BIND_TO, MAP_BY, TRANSPORTS, Layout, PlanInputs, build_command, plan_layout
 from .runner import run_mpirun
 from .topology import HostTopology, detect_topology
+from .torchrun import check_node_flags
 
 __all__ = ["cli", "main"]
 
@@ -84,6 +85,14 @@ def _plan_options(f: Any) -> Any:
         click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node",
                      type=click.IntRange(min=1), metavar="K",
                      help="As torchrun: K ranks on each host (-np defaults to K x hosts)."),
+        click.option("--nnodes", metavar="N",
+                     help="As torchrun: the number of hosts; 1 is this host, more must be "
+                          "named by --hosts/--hostfile."),
+        click.option("--node-rank", "--node_rank", "node_rank", type=click.IntRange(min=0),
+                     metavar="R", help="As torchrun; 0 only: this one command starts every "
+                                       "host's ranks."),
+        click.option("--standalone", is_flag=True,
+                     help="As torchrun: this host alone (what runs without --hosts)."),
         click.option("--map-by", type=click.Choice(MAP_BY), default="numa", show_default=True,
                      help="Domain ranks are spread over."),
         click.option("--bind-to", type=click.Choice(BIND_TO), default="core",
@@ -153,6 +162,7 @@ def _ranks(params: dict[str, Any], n_hosts: int) -> tuple[int | None, int | None
 def _inputs(params: dict[str, Any], command: Sequence[str],
             master_port: int | None = None) -> PlanInputs:
     hosts = _hosts(params)
+    check_node_flags(params["nnodes"], params["node_rank"], params["standalone"], len(hosts))
     np, ranks_per_node = _ranks(params, len(hosts))
     if np is None:
         raise LaunchError("missing -np N: how many ranks to start")
@@ -219,6 +229,7 @@ Examples:
   python -m launch -np 2 -- python script.py
   python -m launch -np 4 --virtual-nodes 2 --dry-run python bench.py
   python -m launch -np 8 --hosts a,b --ranks-per-node 4 -- python tp.py
+  python -m launch --standalone --nproc-per-node 2 tp.py   # torchrun's flags
   python -m launch info -np 4          # topology, MPI found and the plan
 
 The MPI (Open MPI, MPICH/Hydra or Intel MPI) is found next to this Python, then

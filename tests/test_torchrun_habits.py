@@ -148,6 +148,43 @@ def test_nproc_per_node_as_torchrun_spells_it(fake_machine):
     assert result.exit_code == 2 and "give one of them" in result.output
 
 
+def _dry_argv(*args):
+    result = invoke(*args, "--dry-run", "s.py")
+    assert result.exit_code == 0, result.output
+    return shlex.split(result.stdout.splitlines()[-1])
+
+
+def test_torchruns_node_flags_on_one_host(fake_machine):
+    plain = _dry_argv("--nproc-per-node", "2")
+    for flags in (("--standalone",), ("--nnodes", "1"), ("--nnodes=1:1",), ("--node-rank", "0"),
+                  ("--node_rank=0", "--nnodes", "1", "--standalone")):
+        argv = _dry_argv(*flags, "--nproc-per-node", "2")
+        assert argv == plain, flags
+    assert plain[1:3] == ["-np", "2"] and plain[-2:] == [sys.executable, "s.py"]
+
+
+def test_torchruns_nnodes_names_the_hosts(fake_machine):
+    argv = _dry_argv("--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+                     "--hosts", "localhost:1,127.0.0.1:1")
+    assert argv[1:3] == ["-np", "2"] and "ppr:1:node" in argv[4]
+    assert argv[argv.index("--host") + 1] == "localhost:1,127.0.0.1:1"
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--nnodes", "2"), "name the 2 hosts with --hosts"),
+    (("--nnodes", "3", "--hosts", "localhost:1,127.0.0.1:1"), "--nnodes 3 but 2 hosts given"),
+    (("--nnodes", "1", "--hosts", "localhost:1,127.0.0.1:1"), "give --nnodes 2 or one host"),
+    (("--nnodes", "1:4"), "an elastic range is not supported"),
+    (("--nnodes", "two"), "give a number of hosts"),
+    (("--node-rank", "1"), "runs once, on the first host (node rank 0)"),
+    (("--standalone", "--hosts", "localhost:2"), "--standalone runs on this host only"),
+])
+def test_torchruns_node_flags_that_do_not_map_are_refused(fake_machine, flags, says):
+    result = invoke(*flags, "--nproc-per-node", "1", "s.py")
+    assert result.exit_code == 2 and says in " ".join(result.output.split()), result.output
+    assert fake_machine == []  # nothing started
+
+
 # --- real jobs -------------------------------------------------------------------
 
 GLOO_SCRIPT = """
@@ -216,3 +253,23 @@ def test_unmodified_gloo_script_runs_under_the_launcher(tmp_path):
 def test_harmpi_backend_with_master_addr_under_the_launcher(tmp_path):
     lines = _job(tmp_path, HARMPI_SCRIPT, ["job.py"])  # a bare script, as torchrun runs it
     assert lines == ["rank 0 of 2 sum 3 env True", "rank 1 of 2 sum 3 env True"]
+
+
+@pytest.mark.timeout(180)
+def test_a_bare_torchrun_is_told_the_launcher_line(tmp_path):
+    """torchrun starts each rank as an MPI world of one: the harmpi backend
+    refuses, and says which harmpi-launch line starts the same job."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("no torchrun next to this Python")
+    (tmp_path / "job.py").write_text(HARMPI_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM", "PMIX_", "PMI_", "HARMPI_", "MASTER_", "RANK",
+                                "WORLD_SIZE", "LOCAL_"))}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "job.py", "--steps", "3"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode != 0
+    err = " ".join(proc.stderr.split())
+    assert "torch says rank 1 of 2, MPI says rank 0 of 1" in err, proc.stderr[-3000:]
+    assert "`harmpi-launch --nproc-per-node 2 job.py --steps 3`" in err, proc.stderr[-3000:]

@@ -48,3 +48,13 @@ def test_no_local_rank_from_the_launcher_is_said(caplog):
     with caplog.at_level(logging.INFO, logger="harmpi"):
         assert worldenv.export(env, _Comm(1, 2)) == {"RANK": "1", "WORLD_SIZE": "2"}
     assert "LOCAL_RANK and LOCAL_WORLD_SIZE left unset" in caplog.text
+
+
+def test_the_torchrun_hint():
+    assert worldenv.torchrun_hint({}, ["job.py"]) == ""
+    one = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1"}
+    assert "`harmpi-launch --nproc-per-node 2 job.py --lr '1e-3 x'`" in \
+        worldenv.torchrun_hint(one, ["job.py", "--lr", "1e-3 x"])
+    two = dict(one, GROUP_WORLD_SIZE="2")
+    assert "`harmpi-launch --nproc-per-node 2 --hosts HOST1,HOST2 job.py`" in \
+        worldenv.torchrun_hint(two, ["job.py"])
