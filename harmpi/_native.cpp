@@ -2,9 +2,14 @@
 // torch's extension tooling (harmpi/native.py loads it).
 //
 // It serves the world communicator's context when its entry is compiled (one
-// node, or one rank; harmpi.context), two ways:
-//   allreduce(t) -> int        the hot path of harmpi.allreduce(t)
-//   torch.ops.harmpi.all_reduce_(t)   a torch operator (CPU and Meta kernels)
+// node, or one rank; harmpi.context), three ways:
+//   allreduce(t) -> int               the hot path of harmpi.allreduce(t)
+//   torch.ops.harmpi.all_reduce_(t, group="")  in place, returns t (CPU, Meta and
+//                                     Functionalize kernels)
+//   torch.ops.harmpi.all_reduce(x, group="")   out of place, returns a new tensor
+//                                     (CPU and Meta kernels)
+// group "" is the world; another name is a communicator bound to it on the
+// Python side (harmpi.native.name_group), which the fallback serves.
 // Both check the tensor on torch's C++ side and call that entry (a numba
 // cfunc f(ctl_addr, x_addr, n, fmt) -> status, see harmpi/node.py) through a
 // plain function pointer: ~0.05 us instead of ~1 us of Python per call.
@@ -17,12 +22,13 @@
 // open (Context closes it when the context breaks or is freed); otherwise
 // the entry's status comes back (0 = done, > 0 = the failure the Python side
 // reports). allreduce(t) returns that number and never raises; the
-// operator's CPU kernel hands anything but 0 to fallback(t, rc), which runs
+// operator's CPU kernel hands anything but 0 to fallback(t, rc, group), which runs
 // the Python path (rc == -1; it also makes the world context on first use)
 // or raises the HarmpiError (rc > 0), so the operator behaves exactly like
 // harmpi.allreduce(t).
 
 #include <torch/extension.h>
+#include <ATen/FunctionalTensorWrapper.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <array>
@@ -146,17 +152,23 @@ void attach(int64_t ctl_addr, int64_t gate_offset, int64_t entry_addr,
 
 // the operator's kernels -------------------------------------------------
 
-// the Python path for a tensor the entry did not complete (rc != 0)
-void fall_back(const at::Tensor& t, int64_t rc) {
+// the Python path for a tensor the entry did not complete (rc != 0), or for
+// a named group (the entry serves the world only)
+void fall_back(const at::Tensor& t, int64_t rc, c10::string_view group) {
   py::gil_scoped_acquire gil;
   TORCH_CHECK(g_fallback != nullptr,
-              "harmpi.all_reduce_: harmpi._C has no fallback attached (harmpi.native.load() "
+              "harmpi.all_reduce: harmpi._C has no fallback attached (harmpi.native.load() "
               "attaches it)");
   const py::handle fallback(g_fallback);
-  fallback(t, rc);  // raises py::error_already_set, which torch passes on
+  // raises py::error_already_set, which torch passes on
+  fallback(t, rc, py::str(group.data(), group.size()));
 }
 
-at::Tensor& all_reduce_cpu(at::Tensor& t) {
+at::Tensor& all_reduce_cpu(at::Tensor& t, c10::string_view group) {
+  if (!group.empty()) {
+    fall_back(t, kNotMine, group);
+    return t;
+  }
   const int fmt = format_of(t);
   int64_t rc = kNotMine;
   if (fmt >= 0) {
@@ -168,25 +180,85 @@ at::Tensor& all_reduce_cpu(at::Tensor& t) {
     }
   }
   if (rc != 0) {
-    fall_back(t, rc);
+    fall_back(t, rc, group);
   }
   return t;
 }
 
+// out of place: a contiguous copy of x, reduced in place. x is only read, so
+// x may be a view, non-contiguous, or used again by the caller.
+at::Tensor all_reduce_out_of_place_cpu(const at::Tensor& x, c10::string_view group) {
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  out.copy_(x);
+  all_reduce_cpu(out, group);
+  return out;
+}
+
 // shapes only (FakeTensor, torch.compile): in place, the result is the input
-at::Tensor& all_reduce_meta(at::Tensor& t) { return t; }
+at::Tensor& all_reduce_meta(at::Tensor& t, c10::string_view /*group*/) { return t; }
+
+// shapes only: a new contiguous tensor of x's shape and dtype (as the CPU kernel)
+at::Tensor all_reduce_out_of_place_meta(const at::Tensor& x, c10::string_view /*group*/) {
+  return at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+// Functionalization of the in-place operator (what torch.compile and
+// AOTAutograd trace): the functional operator on the unwrapped value, then
+// the result becomes the new value of `self`, and `self` itself is returned.
+// Why not torch's generic route (auto_functionalized_v2 for ops tagged
+// inplace): torch 2.13 returns the op's result there as a tensor of its own,
+// no longer an alias of `self`, so an in-place update made after the call
+// through one of them (y = all_reduce_(x); y.mul_(2)) was not seen through
+// the other, and compiled code read stale values where eager code did not.
+// This is the pattern torch's own in-place aten ops are functionalized with.
+at::Tensor& all_reduce_functionalize(at::Tensor& self, c10::string_view group) {
+  static const auto functional = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("harmpi::all_reduce", "")
+      .typed<at::Tensor(const at::Tensor&, c10::string_view)>();
+  static const auto in_place = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("harmpi::all_reduce_", "")
+      .typed<at::Tensor&(at::Tensor&, c10::string_view)>();
+  namespace impl = at::functionalization::impl;
+  if (!impl::isFunctionalTensor(self)) {  // nothing to functionalize: the next kernel runs it
+    c10::impl::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
+    return in_place.call(self, group);
+  }
+  impl::sync(self);
+  const at::Tensor value = impl::from_functional_tensor(self);
+  at::Tensor reduced;
+  {
+    c10::impl::ExcludeDispatchKeyGuard skip(c10::DispatchKey::Functionalize);
+    reduced = functional.call(value, group);
+  }
+  impl::replace_(self, reduced);
+  impl::commit_update(self);
+  impl::sync(self);
+  return self;
+}
 
 }  // namespace
 
-// in place, returning its input (the inplace tag lets functionalization, and
-// so torch.compile, rewrite it: auto_functionalize)
+// all_reduce_: in place, returning its input (tagged inplace, whose
+// functional variant is all_reduce). all_reduce: out of place, for graphs
+// that want a value rather than a mutation (vLLM's compiled model).
 TORCH_LIBRARY(harmpi, m) {
-  m.def("all_reduce_(Tensor(a!) self) -> Tensor(a!)", {at::Tag::inplace});
+  m.def("all_reduce_(Tensor(a!) self, str group=\"\") -> Tensor(a!)", {at::Tag::inplace});
+  m.def("all_reduce(Tensor x, str group=\"\") -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(harmpi, CPU, m) { m.impl("all_reduce_", &all_reduce_cpu); }
+TORCH_LIBRARY_IMPL(harmpi, CPU, m) {
+  m.impl("all_reduce_", &all_reduce_cpu);
+  m.impl("all_reduce", &all_reduce_out_of_place_cpu);
+}
 
-TORCH_LIBRARY_IMPL(harmpi, Meta, m) { m.impl("all_reduce_", &all_reduce_meta); }
+TORCH_LIBRARY_IMPL(harmpi, Meta, m) {
+  m.impl("all_reduce_", &all_reduce_meta);
+  m.impl("all_reduce", &all_reduce_out_of_place_meta);
+}
+
+TORCH_LIBRARY_IMPL(harmpi, Functionalize, m) {
+  m.impl("all_reduce_", &all_reduce_functionalize);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "harmpi's native part (harmpi/_native.cpp); harmpi.native loads it";

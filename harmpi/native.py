@@ -6,17 +6,38 @@ argument unboxing). The C++ module checks the tensor on its C++ side and
 calls the numba kernel through a function pointer in ~0.05 us.
 
 What it serves: the world communicator's context when its default entry is
-compiled (one node, or one rank; harmpi.context), torch tensors only, two
+compiled (one node, or one rank; harmpi.context), torch tensors only, three
 ways: ``allreduce(t)``, the hot path of ``harmpi.allreduce(t)`` (it returns
 -1 for a tensor it does not take, and the API goes on on its Python path),
-and the operator ``torch.ops.harmpi.all_reduce_(t)`` (in place, returns
-``t``), which :func:`load` registers. The operator's CPU kernel calls the
-entry itself when it can and otherwise hands the tensor to :func:`_fallback`:
-the Python path of ``harmpi.allreduce(t)`` (which also makes the world
-context on first use), or the same HarmpiError ``harmpi.allreduce(t)``
-raises. Its Meta kernel gives torch.compile and FakeTensor the shape (the
-input's). The control block's ``gate`` field is 1 while the module may use
-the context; Context clears it when the context breaks or is freed. The
+and two operators, which :func:`load` registers:
+
+- ``torch.ops.harmpi.all_reduce_(t, group="")``: in place, returns ``t``;
+- ``torch.ops.harmpi.all_reduce(x, group="")``: out of place, returns a new
+  contiguous tensor holding the sum and leaves ``x`` as it was (any
+  layout), the form a compiled graph wants (vLLM's custom-op collectives
+  are written this way).
+
+``group`` "" is MPI.COMM_WORLD; any other name must first be bound to a
+communicator with :func:`name_group`. The operators' CPU kernels call the
+entry themselves when they can (world, served context) and otherwise hand
+the tensor to :func:`_fallback`: the Python path of ``harmpi.allreduce(t,
+comm=...)`` (which also makes the context on first use), or the same
+HarmpiError ``harmpi.allreduce(t)`` raises. Their Meta kernels give
+torch.compile and FakeTensor the shapes.
+
+torch.compile. The in-place operator has a Functionalize kernel of its own:
+it runs the out-of-place operator and makes the result the new value of
+``t``, as torch's own in-place ops are functionalized. torch's generic
+route for custom ops tagged ``inplace`` (auto_functionalized_v2, torch
+2.13) returns the op's result as a value of its own, no longer an alias of
+``t``: after ``y = all_reduce_(x)`` an in-place update through ``y`` was not
+seen through ``x`` (nor the reverse) in compiled code, though eager code
+sees it (``y is x``): the compiled code read stale values (tests/test_native.py
+reproduces it at one rank with no MPI at all). Inside vLLM's compiled
+model the operator had sampled tokens other than Gloo's.
+
+The control block's ``gate`` field is 1 while the module may use the
+context; Context clears it when the context breaks or is freed. The
 dtype -> format pairs come from harmpi.dtypes at attach time (the C++ side
 has no table of its own).
 
@@ -42,10 +63,12 @@ import logging
 import mmap
 
 from . import control
+from .errors import HarmpiArgumentError
 
 log = logging.getLogger("harmpi")
 
-__all__ = ["MODULE", "load", "attach", "detach", "status", "built_against"]
+__all__ = ["MODULE", "load", "attach", "detach", "status", "built_against", "name_group",
+           "unname_group"]
 
 MODULE = "harmpi._C"
 #: what precedes the torch version in the module's file (_native.cpp)
@@ -54,6 +77,8 @@ REBUILD = "pip install -e . --no-build-isolation rebuilds it; make does"
 
 _loaded = None
 _status = "not loaded yet"
+#: group name -> communicator, for the operators' ``group`` argument
+_groups = {}
 
 
 def built_against(path) -> str | None:
@@ -92,7 +117,7 @@ def _refusal():
 
 
 def load():
-    """The module, loaded (registering torch.ops.harmpi.all_reduce_), or None
+    """The module, loaded (registering torch.ops.harmpi.all_reduce_ and all_reduce), or None
     (status() says why). Idempotent; never compiles."""
     global _loaded, _status
     if _loaded is not None:
@@ -112,18 +137,44 @@ def load():
     return mod
 
 
-def _fallback(t, rc):
-    """torch.ops.harmpi.all_reduce_(t) where its kernel did not complete the
-    all-reduce: rc > 0 is the entry's failure, raised as harmpi.allreduce(t)
-    raises it; -1 (no world context served yet, or a tensor the kernel does
-    not take) runs harmpi.allreduce(t), which makes the context, checks the
-    tensor and raises what it raises."""
+def name_group(name: str, comm) -> None:
+    """Bind ``name`` to the MPI communicator ``comm`` for the operators'
+    ``group`` argument: ``torch.ops.harmpi.all_reduce(x, name)`` then sums
+    over ``comm``'s ranks. Every rank of ``comm`` binds the same name. A name
+    may be bound again (to the same or another communicator); "" is the
+    world and cannot be bound."""
+    if not isinstance(name, str) or not name:
+        raise HarmpiArgumentError(
+            f"harmpi.native.name_group: the name must be a non-empty str, not {name!r} "
+            "(\"\" is MPI.COMM_WORLD)")
+    _groups[name] = comm
+
+
+def unname_group(name: str) -> None:
+    """Forget ``name`` (its communicator is not freed: it is the caller's)."""
+    _groups.pop(name, None)
+
+
+def _fallback(t, rc, group=""):
+    """The operators where their kernel did not complete the all-reduce:
+    rc > 0 is the entry's failure, raised as harmpi.allreduce(t) raises it;
+    -1 (no world context served yet, a tensor the kernel does not take, or a
+    named group) runs harmpi.allreduce(t, comm=...), which makes the
+    context, checks the tensor and raises what it raises."""
     from . import api  # noqa: PLC0415 - the layer above; loaded with harmpi
 
     if rc > 0:
         api._native_failed(t, rc)  # raises
-    else:
+    elif not group:
         api.allreduce(t)
+    else:
+        comm = _groups.get(group)
+        if comm is None:
+            raise HarmpiArgumentError(
+                f"torch.ops.harmpi.all_reduce: no communicator is named {group!r} on this rank; "
+                "bind it first with harmpi.native.name_group(name, comm) (known: "
+                f"{sorted(_groups) or 'none'})")
+        api.allreduce(t, comm=comm)
 
 
 def attach(ctx):

@@ -1,9 +1,11 @@
 """harmpi.native without MPI: the built module and its torch version check,
 what the hot path declines, that it hands the entry the control block and
 the tensor's address, length and format (the ids it is given, from
-harmpi.dtypes), and the operator torch.ops.harmpi.all_reduce_: its CPU
-kernel (the entry, or the fallback with the status), its Meta/fake kernel,
-torch.compile."""
+harmpi.dtypes), and the operators torch.ops.harmpi.all_reduce_ (in place)
+and all_reduce (out of place): their CPU kernels (the entry, or the fallback
+with the status and group), their Meta/fake kernels, and torch.compile
+against eager code where the reduced tensor is aliased, viewed, an input of
+the graph or the output of a fused op."""
 
 import os
 import shutil
@@ -77,8 +79,8 @@ class Fallback:
         self.calls = []
         self.exc = exc
 
-    def __call__(self, t, rc):
-        self.calls.append((t, rc))
+    def __call__(self, t, rc, group=""):
+        self.calls.append((t, rc, group) if group else (t, rc))
         if self.exc is not None:
             raise self.exc
 
@@ -267,3 +269,110 @@ def test_torch_compile_fullgraph(mod, op, entries):
     assert torch.equal(out, x * 2 + 1)  # the stand-in entry leaves y as it is
     assert _seen(ctl)[0] == FORMAT_IDS[torch.float32] and _seen(ctl)[2] == 6
     assert not fallback.calls
+
+
+@pytest.fixture
+def op_out(mod):
+    return torch.ops.harmpi.all_reduce
+
+
+def test_the_out_of_place_operator_leaves_its_input(mod, op_out, entries):
+    ctl = _ctl()
+    fallback = Fallback()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    for src in (x, x[:, 1:], x.t()):                 # contiguous or not: it copies first
+        y = op_out(src)
+        assert y is not src and y.is_contiguous() and torch.equal(y, src)
+        assert y.data_ptr() != src.data_ptr()
+        assert _seen(ctl) == [FORMAT_IDS[torch.float32], y.data_ptr(), src.numel()]
+    assert torch.equal(x, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert not fallback.calls
+
+
+def test_a_named_group_takes_the_fallback(mod, op, op_out, entries):
+    """The entry serves the world only; a group name goes to the Python side."""
+    ctl = _ctl()
+    fallback = Fallback()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+    t = torch.ones(5)
+    assert op(t, "tp0") is t
+    y = op_out(t, group="tp0")
+    assert [c[1:] for c in fallback.calls] == [(-1, "tp0"), (-1, "tp0")]
+    assert fallback.calls[0][0] is t and fallback.calls[1][0].data_ptr() == y.data_ptr()
+    assert _seen(ctl)[0] == -1, "no entry ran"
+
+
+def test_an_unknown_group_name_is_refused(mod, monkeypatch):
+    monkeypatch.setattr(native, "_groups", {})
+    mod.attach(0, 0, 0, (), native._fallback)
+    try:
+        with pytest.raises(HarmpiError, match="no communicator is named 'nope'"):
+            torch.ops.harmpi.all_reduce(torch.ones(2), "nope")
+        with pytest.raises(HarmpiError, match="non-empty str"):
+            native.name_group("", object())
+    finally:
+        mod.attach(0, 0, 0, (), native._fallback)
+
+
+def test_the_out_of_place_meta_kernel(op_out):
+    m = torch.empty(6, 4, dtype=torch.bfloat16, device="meta").t()
+    y = op_out(m)
+    assert y.device.type == "meta" and y.shape == (4, 6) and y.is_contiguous()
+    assert y.dtype == torch.bfloat16
+
+
+def test_opcheck_of_the_out_of_place_operator(mod, op_out, entries):
+    ctl = _ctl()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, Fallback())
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(op_out.default, (torch.ones(2, 3, dtype=dtype),))
+        torch.library.opcheck(op_out.default, (torch.ones(3, 2, dtype=dtype).t(), "g"))
+
+
+# Functions in which compiled code used to differ from eager code: the
+# in-place operator's result is an alias of its input, and torch's generic
+# functionalization of ops tagged inplace lost that alias (see harmpi.native).
+# With the stand-in entry (which leaves the tensor as it is, as a one-rank
+# sum does) eager and compiled code must agree exactly.
+
+def _mutate_the_result(x):
+    y = torch.ops.harmpi.all_reduce_(x)
+    y.mul_(2)
+    return x + y
+
+
+def _mutate_the_input(x):
+    y = torch.ops.harmpi.all_reduce_(x)
+    x.add_(1)
+    return y * 3
+
+
+def _a_view_of_a_fused_result(x):
+    h = x * 3 + 1
+    torch.ops.harmpi.all_reduce_(h[1:])
+    return h
+
+
+def _out_of_place_then_mutate(x):
+    y = torch.ops.harmpi.all_reduce(x[:, 1:] * 2 + 1)
+    y.add_(x[:, :-1])
+    x.mul_(2)
+    return y, x
+
+
+@pytest.mark.parametrize("f", [_mutate_the_result, _mutate_the_input, _a_view_of_a_fused_result,
+                               _out_of_place_then_mutate])
+def test_compiled_equals_eager(mod, entries, f):
+    ctl = _ctl()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, Fallback())
+    torch._dynamo.reset()
+    x0 = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    eager_x = x0.clone()
+    eager = f(eager_x)
+    compiled_x = x0.clone()
+    compiled = torch.compile(f, fullgraph=True)(compiled_x)
+    for e, c in zip(eager if isinstance(eager, tuple) else (eager,),
+                    compiled if isinstance(compiled, tuple) else (compiled,)):
+        assert torch.equal(e, c), (f.__name__, e, c)
+    assert torch.equal(eager_x, compiled_x), "the graph input's mutation differs"

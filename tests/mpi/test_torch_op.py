@@ -1,6 +1,9 @@
-"""torch.ops.harmpi.all_reduce_ under mpirun: the same sum as
-harmpi.allreduce(t) on the world communicator (float64 reference, bitwise
-agreement across ranks, repeats), its errors, and torch.compile."""
+"""torch.ops.harmpi.all_reduce_ (in place) and all_reduce (out of place)
+under mpirun: the same sum as harmpi.allreduce(t) on the world communicator
+(float64 reference, bitwise agreement across ranks, repeats), a named
+sub-communicator, errors, and torch.compile against eager code where the
+reduced tensor is a view, is used after the call, is a graph input, or is
+the output of a fused op."""
 
 import os
 
@@ -119,3 +122,82 @@ def test_torch_compile_fullgraph(world):
             assert torch.all(out == expect), (dtype, i, out.flatten()[:4])
             assert torch.all(x == r + 1 + i), "the input is not the reduced tensor"
             assert_same_everywhere(world, out)
+
+
+all_reduce = torch.ops.harmpi.all_reduce
+
+
+def test_the_out_of_place_operator(world):
+    r, n_ranks = world.Get_rank(), world.Get_size()
+    for n in (0, 7, 5120, 70001):
+        x, ref = make_input("bf16", n, r, seed=5)
+        keep = x.clone()
+        y = all_reduce(x)
+        assert y.data_ptr() != x.data_ptr() or n == 0
+        assert torch.equal(x.view(torch.int16), keep.view(torch.int16)), "the input is untouched"
+        harmpi.allreduce(keep)
+        assert torch.equal(y.view(torch.int16), keep.view(torch.int16))
+        assert_same_everywhere(world, y)
+    x = torch.full((6, 5), float(r + 1))[:, 1:4]          # a non-contiguous view
+    assert torch.all(all_reduce(x) == n_ranks * (n_ranks + 1) / 2)
+
+
+def test_a_named_group(world):
+    """A communicator of some ranks (even and odd world ranks), bound to a
+    name, as a TP group inside a larger world."""
+    r = world.Get_rank()
+    sub = world.Split(r % 2, r)
+    try:
+        native.name_group(f"parity{r % 2}", sub)
+        x = torch.full((300,), float(r + 1), dtype=torch.bfloat16)
+        y = all_reduce(x, f"parity{r % 2}")
+        members = [q for q in range(world.Get_size()) if q % 2 == r % 2]
+        assert torch.all(y == sum(q + 1 for q in members))
+        assert all_reduce_(x, group=f"parity{r % 2}") is x and torch.equal(x, y)
+        assert_same_everywhere(sub, y)
+        with pytest.raises(harmpi.HarmpiArgumentError, match="no communicator is named"):
+            all_reduce(x, "never-named")
+    finally:
+        native.unname_group(f"parity{r % 2}")
+        sub.Free()
+
+
+# Eager and compiled code must agree bit for bit. Values are small integers,
+# so fused arithmetic rounds nothing and any difference is a wrong value.
+
+def _in_place(a, b):
+    y = all_reduce_(a)          # a graph input, reduced in place
+    y.mul_(2)                   # an update through the result...
+    s = a + y                   # ...seen through the input
+    h = b * 3 + 1               # the output of a fused op
+    v = h[1:]                   # a view of it (contiguous rows)
+    all_reduce_(v)
+    return s, h, v.sum(dim=0)
+
+
+def _out_of_place(a, b):
+    y = all_reduce((b * 2 - 1)[:, 1:])   # a fused op's output, viewed (not contiguous)
+    y.add_(a[:, :-1])                     # the result is updated in place
+    a.mul_(2)                             # the input is used (and updated) after the call
+    return y, a + all_reduce(a)
+
+
+@pytest.mark.skipif(bool(os.environ.get("HARMPI_STREAM_STORES")),
+                    reason="the compiled graphs call the same ops as the eager tests")
+@pytest.mark.timeout(600)  # inductor compiles on every rank at once, more ranks than cores
+@pytest.mark.parametrize("f, same_on_every_rank", [(_in_place, (0, 2)), (_out_of_place, ())])
+def test_compiled_equals_eager(world, f, same_on_every_rank):
+    r = world.Get_rank()
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    for i in range(3):
+        a0 = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6) % 7 + r + i
+        b0 = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6) % 5 - r
+        ea, eb, ca, cb = a0.clone(), b0.clone(), a0.clone(), b0.clone()
+        eager = f(ea, eb)
+        got = compiled(ca, cb)
+        for k, (e, c) in enumerate(zip(eager, got)):
+            assert torch.equal(e.view(torch.int16), c.view(torch.int16)), (f.__name__, k, e, c)
+            if k in same_on_every_rank:   # the others hold rank-local values too
+                assert_same_everywhere(world, c)
+        assert torch.equal(ea, ca) and torch.equal(eb, cb), "the inputs' updates differ"
