@@ -26,7 +26,8 @@ NPS ?= 1 2 3 4
 # more ranks than cores is the point of some tests: oversubscribe, do not bind
 MPI_FLAGS ?= --map-by :OVERSUBSCRIBE --bind-to none
 
-.PHONY: all setup lint test unit-test mpi-test demo clean pyverbs test-verbs
+.PHONY: all setup lint test unit-test mpi-test torch-suite torch-suite-gloo demo clean pyverbs \
+        test-verbs
 
 all: test
 
@@ -114,6 +115,23 @@ mpi-test: setup
 	    $(MPIRUN) -np $$1 $(MPI_FLAGS) -x HARMPI_RANKS_PER_NODE -x HARMPI_TRANSPORT \
 	    $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi || exit 1; \
 	done
+
+# torch's own distributed tests as the conformance test (tests/torch_suite,
+# README "torch's own tests"): the collective and point-to-point methods of
+# DistributedTest._DistTestBase under mpirun, backend harmpi at 2 and 3
+# ranks and 2 virtual nodes x 2; fails when harmpi does not pass a method
+# that gloo passes on this machine (tests/torch_suite/gloo_passes.json).
+# torch-suite-gloo runs gloo beside it and checks against that run instead
+# (twice the time); it writes gloo's passes to $(TORCH_SUITE_GLOO_OUT).
+TORCH_SUITE_LAYOUTS ?= 2,3,2x2
+TORCH_SUITE_GLOO_OUT ?= /tmp/harmpi-gloo-passes.json
+torch-suite: setup
+	timeout -k 10 1800 $(PY) tests/torch_suite/suite.py --backends harmpi \
+	  --layouts $(TORCH_SUITE_LAYOUTS) --expect tests/torch_suite/gloo_passes.json --check
+
+torch-suite-gloo: setup
+	timeout -k 10 3600 $(PY) tests/torch_suite/suite.py --layouts $(TORCH_SUITE_LAYOUTS) \
+	  --check --write-expect $(TORCH_SUITE_GLOO_OUT)
 
 demo: setup
 	$(PY) -m bench.demo
