@@ -45,11 +45,14 @@ def init(comm=None, config=None):
     environment (only before the communicator's first use). Returns the
     context (see :func:`info` for what it knows).
     """
+    _STATE.check_open()
     if config is None:
         return _STATE.get(comm)
     if not isinstance(config, Config):
         raise HarmpiArgumentError(f"config must be a harmpi.Config, got {type(config).__name__}")
     comm = _COMM_WORLD if comm is None else comm
+    if comm is not _COMM_WORLD:
+        _STATE.check_comm(comm)
     existing = _STATE.lookup(comm)
     if existing is None or existing.broken is not None:
         return _STATE.create(comm, config)
@@ -60,7 +63,11 @@ def init(comm=None, config=None):
 
 
 def finalize():
-    """Free every window, transport and communicator harmpi made (collective)."""
+    """Free every window, transport and communicator harmpi made (collective).
+    Call it before MPI.Finalize(); after it, it raises HarmpiError like every
+    other harmpi call (MPI has reclaimed harmpi's windows by then)."""
+    if MPI.Is_finalized():
+        _STATE.check_open()
     _STATE.free_all()
 
 
@@ -73,6 +80,8 @@ def _context(comm):
 
 def _describe_array(x, dtype, writable):
     """(addr, n, fmt) of a numpy array, or HarmpiArgumentError."""
+    if not x.dtype.isnative:
+        raise HarmpiArgumentError(_byte_order_refusal(x.dtype))
     if dtype is None:
         f = dtypes.by_numpy_dtype(x.dtype)
     elif dtype not in _BF16_NAMES:
@@ -95,6 +104,25 @@ def _describe_array(x, dtype, writable):
     return x.ctypes.data, x.size, f.id
 
 
+def _byte_order_refusal(dt):
+    order = "big" if dt.byteorder == ">" else "little"
+    return (f"array of dtype {dt.str!r} stores its elements {order}-endian; harmpi sums "
+            f"arrays in this machine's byte order ({sys.byteorder}-endian) and does not "
+            "convert them (a sum of swapped bytes is garbage): pass "
+            "x.astype(x.dtype.newbyteorder('=')) and, for an in-place result, copy it back")
+
+
+def _describe_subclass(x, dtype, writable):
+    """(addr, n, fmt) of an instance of a numpy array subclass (np.memmap,
+    np.matrix, ...): an array like any other, except a masked array, whose
+    mask a sum of the raw data would ignore."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise HarmpiArgumentError(
+            "masked arrays are not supported: harmpi would sum the data under the mask too; "
+            "pass x.filled(0) (or np.ma.getdata(x) to sum every element)")
+    return _describe_array(x, dtype, writable)
+
+
 def _torch_module(x):
     """harmpi.torch if ``x`` is a torch tensor (imported on first sight), else None."""
     ht = _STATE.torch
@@ -112,6 +140,8 @@ def _describe(x, dtype, writable):
     """(addr, n, fmt, is_torch) of x, or HarmpiArgumentError."""
     if type(x) is np.ndarray:
         return (*_describe_array(x, dtype, writable), False)
+    if isinstance(x, np.ndarray):  # a subclass: np.memmap and the like
+        return (*_describe_subclass(x, dtype, writable), False)
     ht = _torch_module(x)
     if ht is None:
         raise HarmpiArgumentError(
@@ -247,6 +277,7 @@ _THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
 def info(comm=None):
     """What harmpi knows about ``comm``: topology, transport and thresholds (a dict)."""
     from . import __version__  # noqa: PLC0415 - the package imports this module
+    _STATE.check_open()  # (a context made before MPI_Finalize is still known)
     ctx = _STATE.get(comm)
     topo = ctx.topo
     cfg = ctx.config

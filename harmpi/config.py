@@ -54,6 +54,7 @@ HARMPI_IB_GID_INDEX        (RoCE v2)  verbs transport: GID index (comma list per
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from .errors import HarmpiArgumentError
@@ -65,6 +66,8 @@ ALGORITHMS = ("shm", "shm_rsag", "har_latency", "har_bandwidth", "leader", "flat
 TRANSPORTS = ("auto", "tcp", "mpi", "verbs")
 STREAM_STORES = ("auto", "on", "off", "flush")
 LOGITS_ROUTES = ("auto", "allgather", "allreduce")
+#: the longest deadline accepted (a year; the compiled waits count nanoseconds in an int64)
+MAX_TIMEOUT_S = 365 * 86400.0
 _SWITCH = {"on": True, "1": True, "yes": True, "true": True,
            "off": False, "0": False, "no": False, "false": False}
 
@@ -82,17 +85,30 @@ def _int(env, name, default, minimum):
     return value
 
 
-def _float(env, name, default, minimum):
+def _timeout(env, name, default):
     raw = env.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise HarmpiArgumentError(f"{name}={raw!r} is not a number") from None
-    if not value > minimum:
-        raise HarmpiArgumentError(f"{name}={value} must be > {minimum}")
-    return value
+        raise HarmpiArgumentError(f"{name}={raw!r} is not a number of seconds") from None
+    return check_timeout(value, f"{name}={raw.strip()!r}")
+
+
+def check_timeout(value, what):
+    """``value`` if it is a usable deadline in seconds, else a
+    HarmpiArgumentError naming ``what`` (the variable or field and its value).
+    Every wait of harmpi has a deadline: there is no "never"."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise HarmpiArgumentError(f"{what}: the deadline must be a number of seconds, "
+                                  f"got {type(value).__name__}")
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise HarmpiArgumentError(
+            f"{what}: the deadline must be a finite number of seconds > 0 and <= "
+            f"{MAX_TIMEOUT_S:g} (one year); every harmpi wait has a deadline, so there is "
+            "no infinite one: pick a large finite value instead")
+    return float(value)
 
 
 def _list(env, name, conv, minimum=None):
@@ -158,6 +174,7 @@ class Config:
     ib_gid_indexes: tuple = ()
 
     def __post_init__(self):
+        check_timeout(self.timeout_s, f"timeout_s={self.timeout_s!r}")
         if self.algorithm != "auto" and self.algorithm not in ALGORITHMS:
             raise HarmpiArgumentError(
                 f"unknown algorithm {self.algorithm!r}; choose auto or one of "
@@ -184,7 +201,7 @@ class Config:
         env = os.environ if env is None else env
         rpn = env.get("HARMPI_RANKS_PER_NODE")
         return cls(
-            timeout_s=_float(env, "HARMPI_TIMEOUT_S", cls.timeout_s, 0.0),
+            timeout_s=_timeout(env, "HARMPI_TIMEOUT_S", cls.timeout_s),
             spin_count=_int(env, "HARMPI_SPIN_COUNT", cls.spin_count, 0),
             slot_nbytes=_int(env, "HARMPI_SLOT_BYTES", cls.slot_nbytes, 64),
             small_max_nbytes=_int(env, "HARMPI_SMALL_MAX_BYTES", cls.small_max_nbytes, 0),

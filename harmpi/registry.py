@@ -58,10 +58,33 @@ class Registry:
     def get(self, comm):
         if comm is None or comm is _COMM_WORLD:
             return self.world or self.create(_COMM_WORLD)
+        self.check_comm(comm)
+        return self.lookup(comm) or self.create(comm)
+
+    def check_comm(self, comm):
+        """HarmpiError unless ``comm`` is a communicator harmpi may touch now:
+        an mpi4py communicator, not MPI.COMM_NULL, while MPI is running
+        (after MPI_Finalize any MPI call on it would abort the process)."""
         if not isinstance(comm, MPI.Comm):
             raise HarmpiArgumentError(
                 f"comm must be an mpi4py communicator, got {type(comm).__name__}")
-        return self.lookup(comm) or self.create(comm)
+        if self.closed is not None:  # (MPI_Finalize closes harmpi: see _on_mpi_finalize)
+            raise HarmpiError(f"harmpi cannot run: {self.closed}")
+        if not comm:  # a null handle: MPI.COMM_NULL, or a split that left this rank out
+            raise HarmpiArgumentError(
+                "comm is MPI.COMM_NULL: this rank is not a member of it (say, a Split with "
+                "color MPI.UNDEFINED); call harmpi's collectives only on the ranks of a "
+                "communicator")
+
+    def check_open(self):
+        """HarmpiError once no collective may run any more (MPI finalized,
+        fork, interpreter exit), before anything that would call MPI: after
+        MPI_Finalize most MPI calls abort the process."""
+        if self.closed is not None:
+            raise HarmpiError(f"harmpi cannot run: {self.closed}")
+        if MPI.Is_finalized():
+            raise HarmpiError("harmpi cannot run: MPI has been finalized (MPI.Finalize() was "
+                              "called); harmpi's calls belong before it")
 
     def lookup(self, comm):
         """The live context of ``comm`` (None if it has none)."""
@@ -74,11 +97,9 @@ class Registry:
         thread (harmpi.owner); or the live one another thread made meanwhile.
         A second thread that comes while one sets the communicator up is
         refused at once."""
-        if self.closed is not None:
-            raise HarmpiError(f"harmpi cannot start a collective: {self.closed}")
-        if not MPI.Is_initialized() or MPI.Is_finalized():
-            raise HarmpiError("MPI is not initialised (or already finalised); import mpi4py's MPI "
-                              "and run under mpirun")
+        self.check_open()
+        if not MPI.Is_initialized():
+            raise HarmpiError("MPI is not initialised; import mpi4py's MPI and run under mpirun")
         ident, name = owner.current()
         key = comm.handle
         with self._lock:
