@@ -58,7 +58,7 @@ from .errors import (
     HarmpiTransportError,
 )
 from .shm import W_META, Arena
-from .topology import arrive, discover
+from .topology import agree, discover
 
 __all__ = ["Context", "AUTO_CODE"]
 
@@ -101,6 +101,21 @@ def _oversubscribed(comm):
     return len(same) > len(frozenset().union(*same))
 
 
+def _must_match(config):
+    """(variable, value) of the settings every rank of a communicator must
+    share: they decide the topology, the transport, the arena's layout and
+    which algorithm each call takes (ranks that differ would pair different
+    steps, or hang in MPI with raw errors)."""
+    return (("HARMPI_RANKS_PER_NODE", config.ranks_per_node or "unset"),
+            ("HARMPI_TRANSPORT", config.transport),
+            ("HARMPI_ALGORITHM", config.algorithm),
+            ("HARMPI_SLOT_BYTES", config.slot_nbytes),
+            ("HARMPI_SMALL_MAX_BYTES", config.small_max_nbytes),
+            ("HARMPI_HAR_LATENCY_MAX_BYTES", config.har_latency_max_nbytes),
+            ("HARMPI_LOGITS_ROUTE", config.logits_route),
+            ("HARMPI_LOGITS_ALLREDUCE_MAX_BYTES", config.logits_allreduce_max_nbytes))
+
+
 class PyStep:
     """An all-reduce algorithm written in Python, behind the entry signature.
     ``name``: a forced algorithm, or "auto" (chosen per call by size)."""
@@ -138,7 +153,10 @@ class Context:
     def __init__(self, comm, config: Config | None = None, sigfd: int = -1):
         self.config = config or Config.from_env()
         self.comm = comm
-        arrive(comm, self.config.timeout_s, "setting up harmpi on this communicator")
+        # one polled agreement before anything depends on the settings or on
+        # every rank being here (a late rank fails here, not in a blocking split)
+        agree(comm, self.config.timeout_s, "setting up harmpi on this communicator",
+              _must_match(self.config))
         self.topo, self.node_comm, self.rail_comm = discover(comm, self.config.ranks_per_node)
         self.oversubscribed = _oversubscribed(comm)
         spin = self.config.spin_count

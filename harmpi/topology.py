@@ -17,30 +17,110 @@ import dataclasses
 import functools
 import time
 
+import numpy as np
 from mpi4py import MPI
 
-from .errors import HarmpiArgumentError, HarmpiTimeoutError
+from .errors import HarmpiArgumentError, HarmpiMismatchError, HarmpiTimeoutError
 
-__all__ = ["Topology", "discover", "arrive"]
+__all__ = ["Topology", "discover", "arrive", "agree", "LATE_FRACTION"]
+
+
+#: bytes per rank in a set-up agreement: the arrival stamp, then the settings
+_RECORD_NBYTES = 1024
+#: an arrival later than this fraction of the deadline after the first one
+#: fails on every rank (see :func:`agree`)
+LATE_FRACTION = 0.75
+#: agreements this process gave up on: MPI may still complete them (a late
+#: peer's contribution), so their buffers must outlive the request
+_STRANDED = []
 
 
 def arrive(comm, timeout_s, what):
     """Wait, with a deadline, until every rank of ``comm`` has reached this
-    point (MPI_Ibarrier, polled), so that the blocking collectives of a
-    set-up that follow cannot hang on a rank that never comes: that rank is
-    reported as a HarmpiTimeoutError instead."""
-    req = comm.Ibarrier()
+    point, so that the blocking collectives of a set-up that follow cannot
+    hang on a rank that never comes, or came too late (see :func:`agree`):
+    that rank is reported as a HarmpiTimeoutError on every rank instead."""
+    agree(comm, timeout_s, what)
+
+
+def agree(comm, timeout_s, what, settings=()):
+    """Check, with a deadline, that every rank of ``comm`` has arrived in
+    time and holds the same ``settings`` ((variable, value) pairs that must
+    match on every rank); collective. One MPI_Iallgather, polled.
+
+    Why arrival stamps: a rank that gives up on a non-blocking collective
+    cannot withdraw its part, so a rank that comes after that deadline still
+    completes it, and would then go on alone into the blocking set-up calls
+    that follow (MPI_Comm_split_type, ...) and hang there. So each rank also
+    posts its arrival time (CLOCK_REALTIME), and the verdict comes from the
+    gathered data alone, the same on every rank that gets it: ranks that
+    arrived more than LATE_FRACTION * ``timeout_s`` after the first fail on
+    every rank (HarmpiTimeoutError naming them), while a rank that is on
+    time waits the whole ``timeout_s``, so it gets the data before it gives
+    up unless MPI takes longer than the rest of the deadline to deliver it.
+
+    Settings that differ raise HarmpiMismatchError on every rank, naming
+    each variable and each rank's value."""
+    size = comm.Get_size()
+    if size == 1:
+        return
+    mine = np.zeros(_RECORD_NBYTES, np.uint8)
+    text = "\n".join(f"{name}={value}" for name, value in settings).encode()
+    if len(text) > _RECORD_NBYTES - 8:
+        raise HarmpiArgumentError(f"{what}: settings too long to agree on ({len(text)} bytes)")
+    mine[8:8 + len(text)] = np.frombuffer(text, np.uint8)
+    table = np.zeros((size, _RECORD_NBYTES), np.uint8)
+    mine[:8].view(np.int64)[0] = time.time_ns()
+    req = comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE])
     deadline = time.monotonic() + timeout_s
     pause = 1e-5
     while not req.Test():
         if time.monotonic() > deadline:
+            _STRANDED.append((req, mine, table))
             raise HarmpiTimeoutError(
-                f"rank {comm.Get_rank()} of a communicator of {comm.Get_size()}: {what}: the "
-                f"other ranks did not arrive within {timeout_s:g} s (a rank never called the "
-                "same harmpi collective, or called it with another algorithm; "
-                "HARMPI_TIMEOUT_S sets the deadline)")
+                f"rank {comm.Get_rank()} of a communicator of {size}: {what}: the other "
+                f"ranks did not arrive within {timeout_s:g} s (a rank never called the same "
+                "harmpi collective, or called it with another algorithm; HARMPI_TIMEOUT_S sets "
+                "the deadline)")
         time.sleep(pause)
         pause = min(2 * pause, 1e-3)
+    _check_arrivals(comm, table[:, :8].copy().view(np.int64)[:, 0], timeout_s, what)
+    _check_settings(comm, [bytes(row[8:]).rstrip(b"\0").decode() for row in table], what)
+
+
+def _check_arrivals(comm, stamps_ns, timeout_s, what):
+    first = int(stamps_ns.min())
+    limit = LATE_FRACTION * timeout_s
+    late = [r for r, t in enumerate(stamps_ns) if (int(t) - first) / 1e9 > limit]
+    if late:
+        shown = ", ".join(f"rank {r} by {(int(stamps_ns[r]) - first) / 1e9:.3g} s" for r in late)
+        raise HarmpiTimeoutError(
+            f"rank {comm.Get_rank()} of a communicator of {comm.Get_size()}: {what}: ranks "
+            f"came too late ({shown} after the first; more than {limit:.3g} s = "
+            f"{LATE_FRACTION:g} x the {timeout_s:g} s deadline): the first ranks may have "
+            "given up already, so no rank sets this up (HARMPI_TIMEOUT_S sets the deadline)",
+            culprit=late[0])
+
+
+def _check_settings(comm, texts, what):
+    tables = [dict(line.split("=", 1) for line in t.splitlines() if "=" in line) for t in texts]
+    names = sorted(set().union(*tables))
+    differ = []
+    for name in names:
+        values = [t.get(name, "(not sent)") for t in tables]
+        if len(set(values)) > 1:
+            by_value = {}
+            for r, v in enumerate(values):
+                by_value.setdefault(v, []).append(r)
+            shown = "; ".join(f"{v!r} on rank{'s' if len(rs) > 1 else ''} "
+                              f"{', '.join(map(str, rs[:8]))}{' ...' if len(rs) > 8 else ''}"
+                              for v, rs in by_value.items())
+            differ.append(f"{name}: {shown}")
+    if differ:
+        raise HarmpiMismatchError(
+            f"rank {comm.Get_rank()} of a communicator of {comm.Get_size()}: {what}: settings "
+            f"that must be the same on every rank differ: {' | '.join(differ)}. Set them alike "
+            "on every rank (mpirun -x NAME exports a variable to every rank)")
 
 
 @dataclasses.dataclass(frozen=True)
