@@ -128,7 +128,16 @@ class PyStep:
 
     def __call__(self, ctl, x_addr, n, fmt):
         call = Call(x_addr, n, fmt, self.code | fmt, "allreduce")
-        algo = self.ctx.allreduce_algorithm(self.name, call.nbytes)
+        try:
+            algo = self.ctx.allreduce_algorithm(self.name, call.nbytes)
+        except HarmpiArgumentError:
+            raise  # decided by the topology, the same on every rank; nothing moved
+        except (HarmpiError, KeyboardInterrupt) as exc:
+            # a set-up inside the call (the flat ring's transport) failed on
+            # this rank: its peers may be inside this call, so they must fail
+            # too, not pair their step with this rank's next call
+            self.ctx.setup_failed(call, exc)
+            raise
         return self.ctx.run_python(algo.run, call)
 
 
@@ -158,6 +167,10 @@ class Context:
         agree(comm, self.config.timeout_s, "setting up harmpi on this communicator",
               _must_match(self.config))
         self.topo, self.node_comm, self.rail_comm = discover(comm, self.config.ranks_per_node)
+        # set-ups made later, inside a call (the flat ring's transport), run on
+        # harmpi's own duplicate: a rank that gives up on one leaves its pending
+        # request there, where no other collective (the user's) can meet it
+        self.setup_comm = comm.Dup() if self.topo.size > 1 else comm
         self.oversubscribed = _oversubscribed(comm)
         spin = self.config.spin_count
         if spin is None:
@@ -294,7 +307,7 @@ class Context:
 
     def world_transport(self):
         if self._world_transport is None:
-            self._world_transport, _ = transports.select(self.config.transport, self.comm,
+            self._world_transport, _ = transports.select(self.config.transport, self.setup_comm,
                                                          self.transport_spin_count,
                                                          self.config.timeout_s, self.config,
                                                          self.topo.local_rank)
@@ -420,6 +433,12 @@ class Context:
             if rc == ABANDONED:
                 self._give_up(str(exc))
             raise
+
+    def setup_failed(self, call, exc):
+        """A set-up inside ``call`` failed on this rank: give up (every peer
+        still in the call fails at once; this rank's later calls are refused)."""
+        self._give_up(f"{call}: its set-up failed on this rank: {exc or type(exc).__name__}",
+                      getattr(exc, "culprit", -1))
 
     def _give_up(self, why, culprit=-1):
         node.abandon(self.ctl, culprit)
@@ -560,8 +579,9 @@ class Context:
         self._rail_transport = self._world_transport = None
         if not self.arena.freed:
             self.arena.free()
-        for c in (self.node_comm, self.rail_comm):
+        for c in (self.node_comm, self.rail_comm,
+                  self.setup_comm if self.setup_comm is not self.comm else None):
             if c is not None and c != MPI.COMM_NULL:
                 c.Free()
-        self.node_comm = self.rail_comm = None
+        self.node_comm = self.rail_comm = self.setup_comm = None
         self.broken = "finalized"

@@ -55,7 +55,26 @@ SET_UP = """
               f"{{type(exc).__name__}}: {{exc}}", flush=True)
     comm.Barrier()
 
+    # flat_ring on rank 0, auto on the others: rank 0's transport set-up
+    # times out (1.5 s; the others wait 6 s), rank 0 catches it and goes on
+    c = comm.Dup()
+    cfg = dataclasses.replace(harmpi.Config.from_env(), timeout_s=1.5 if comm.rank == 0 else 6.0)
+    harmpi.init(c, config=cfg)
+    for call, algorithm in ((0, "flat_ring" if comm.rank == 0 else None), (1, None)):
+        x = np.full(8, (comm.rank + 1.0) * 10 ** call, np.float32)
+        t0 = time.monotonic()
+        try:
+            harmpi.allreduce(x, comm=c, algorithm=algorithm)
+            print(f"rank {{comm.rank}} forced {{call}}: returned {{x[0]}}", flush=True)
+        except (harmpi.HarmpiError, KeyboardInterrupt) as exc:
+            print(f"rank {{comm.rank}} forced {{call}}: failed after "
+                  f"{{time.monotonic() - t0:.3f}} s: {{type(exc).__name__}}: {{exc}}", flush=True)
+    comm.Barrier()
+
     x = np.full(8, comm.rank + 1.0, np.float32)
+    c = comm.Dup()
+    harmpi.allreduce(x, comm=c)
+    c.Free()
     harmpi.allreduce(x)
     print(f"rank {{comm.rank}} after: {{x[0]}}", flush=True)
 """
@@ -70,7 +89,10 @@ def test_set_up_faults_fail_on_every_rank_within_the_deadline(tmp_path, layout):
     a size mismatch that named neither). A rank that comes to init more than
     the deadline late fails at once, the others at their deadline (the late
     one used to complete the polled barrier the others had posted and then
-    block forever in the split that follows).
+    block forever in the split that follows). A forced algorithm on one rank
+    whose set-up times out there (flat_ring on rank 0, auto elsewhere) fails
+    the call on every rank and every later call on that communicator (rank
+    0's next call used to pair with the others' first one: wrong sums).
     harmpi works afterwards."""
     env = LAYOUTS[layout]
     other = "mpi" if env.get("HARMPI_TRANSPORT") == "tcp" else "tcp"
@@ -88,4 +110,8 @@ def test_set_up_faults_fail_on_every_rank_within_the_deadline(tmp_path, layout):
             assert took < 1.5 and "too late" in ln, ln        # at once, and says why
         else:
             assert took < 1.5 + 20, ln                         # generous: a loaded machine
-        assert f"rank {r} after: 10.0" in lines, proc.stdout
+        for call in (0, 1):   # never a sum: the call that failed on rank 0 fails everywhere
+            ln = next(ln for ln in lines if ln.startswith(f"rank {r} forced {call}:"))
+            assert "failed after" in ln, ln
+            assert float(ln.split()[6]) < 1.5 + 20, ln
+        assert f"rank {r} after: 40.0" in lines, proc.stdout
