@@ -32,7 +32,7 @@ def test_config_defaults_and_env():
 
 @pytest.mark.parametrize("env, match", [
     ({"HARMPI_TIMEOUT_S": "soon"}, "HARMPI_TIMEOUT_S"),
-    ({"HARMPI_TIMEOUT_S": "0"}, "must be > 0"),
+    ({"HARMPI_TIMEOUT_S": "0"}, "must be a finite number of seconds > 0"),
     ({"HARMPI_SLOT_BYTES": "100"}, "multiple of 64"),
     ({"HARMPI_ALGORITHM": "butterfly"}, "unknown algorithm"),
     ({"HARMPI_TRANSPORT": "carrier-pigeon"}, "unknown transport"),
