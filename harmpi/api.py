@@ -192,9 +192,13 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
     addr, n, fmt, _ = _describe(x, dtype, True)
     ctx = _context(comm)
     entry = ctx.entry if algorithm is None else ctx.entry_for(algorithm)
-    rc = entry(ctx.ctl, addr, n, fmt)
-    if rc:
-        ctx.raise_status(rc, addr, n, fmt, AUTO_CODE | fmt, "allreduce")
+    try:
+        rc = entry(ctx.ctl, addr, n, fmt)
+        if rc:
+            ctx.raise_status(rc, addr, n, fmt, AUTO_CODE | fmt, "allreduce")
+    except KeyboardInterrupt:
+        ctx.interrupted()
+        raise
     return x
 
 
@@ -258,10 +262,14 @@ def allgather(x, dim=0, comm=None, dtype=None, out=None):
     ctx = _context(comm)
     out, out_addr = _gather_out(x, out, n, fmt, is_torch, ctx.topo.size, dtype)
     digest = _shape_digest(x.shape)
-    rc = ctx.gather(ctx.ctl, addr, out_addr, n, fmt, digest)
-    if rc:
-        ctx.raise_status(rc, addr, n, fmt, kind.encode(fmt=fmt, coll=kind.COLL_ALLGATHER,
-                                                        digest=digest), "allgather")
+    try:
+        rc = ctx.gather(ctx.ctl, addr, out_addr, n, fmt, digest)
+        if rc:
+            ctx.raise_status(rc, addr, n, fmt, kind.encode(fmt=fmt, coll=kind.COLL_ALLGATHER,
+                                                            digest=digest), "allgather")
+    except KeyboardInterrupt:
+        ctx.interrupted()
+        raise
     return out
 
 

@@ -191,6 +191,7 @@ class Context:
         self.ctl[0]["local_ranks"] = self._local_ranks.ctypes.data
         self.ctl[0]["rail_peer"] = -1
         self._broken = None
+        self._gave_up = False  # the transports were told (_give_up)
         #: the exception a Python entry caught, until fail() raises it
         self.pending_error = None
         #: a started split-phase all-reduce (harmpi.distributed's async work)
@@ -284,9 +285,32 @@ class Context:
         except HarmpiError as exc:
             self.pending_error = exc
             return RAISED
+        except KeyboardInterrupt:
+            # Ctrl-C in Python code (the mpi transport's wait, say): give up
+            # on the step here too, as a compiled wait does (node.interrupted),
+            # so the peers fail at once and this rank's next call is refused
+            self.pending_error = None
+            return node.interrupted(self.ctl)
         finally:
             node.leave(self.ctl)
         return OK
+
+    def interrupted(self):
+        """Python raised KeyboardInterrupt around an entry (its signal
+        handler runs when the compiled wait returns, possibly before the
+        step's status reaches :meth:`fail`): if the step gave up
+        (node.interrupted), finish giving up, so the rail peers are told;
+        a step that completed leaves the context as it is."""
+        if self.ctl[0]["abandoned"] and not self._gave_up:
+            self._give_up(self.broken or "interrupted (SIGINT) in a collective",
+                          node.CULPRIT_INTERRUPTED)
+
+    def guard(self, call):
+        """Raise (giving up) if a rank of this node gave up on the
+        collective: called before each send to another node."""
+        rc = node.peers_abandoned(self.ctl)
+        if rc != OK:
+            self.fail(rc, call)
 
     @property
     def broken(self):
@@ -443,10 +467,15 @@ class Context:
     def _give_up(self, why, culprit=-1):
         node.abandon(self.ctl, culprit)
         self.broken = self.broken or why
-        # the rail peers learn at once: a closed socket, or an MPI notice
-        self.close_transports()
+        self._gave_up = True
+        # the rail peers learn at once: a notice after any data this rank
+        # sent (so a peer that gets the data fails too), or a closed socket
+        har2 = self._algorithms.get("har_latency")
+        extra_ops = [har2.ops] if har2 is not None and har2.compiled else []
         for t in (self._rail_transport, self._world_transport):
-            if isinstance(t, (transports.MpiTransport, transports.VerbsTransport)):
+            if isinstance(t, transports.TcpTransport):
+                t.give_up(extra_ops)
+            elif isinstance(t, (transports.MpiTransport, transports.VerbsTransport)):
                 t.give_up()
 
     def close_transports(self):
@@ -564,6 +593,14 @@ class Context:
             "of the same size and dtype, with the same op and algorithm, in the same order.")
 
     # -- teardown -----------------------------------------------------------
+
+    def leak(self, why):
+        """Give the context up without a collective (the ranks did not agree
+        to free it, registry.release): close the tcp rails, leave the window
+        and communicators to MPI_Finalize."""
+        self.close_transports()
+        self.broken = f"freed without a collective free ({why})"
+        self.ctl[0]["abandoned"] = 1
 
     def free(self):
         """Release the window, transports and communicators (collective).

@@ -367,10 +367,25 @@ def _state(ctx):
 
 def _gather(ctx, src, dst, n, fmt, digest, op):
     """The context's allgather entry on raw addresses (n elements per rank)."""
-    rc = ctx.gather(ctx.ctl, src, dst, n, fmt, digest)
-    if rc:
-        ctx.raise_status(rc, src, n, fmt, kind.encode(fmt=fmt, coll=kind.COLL_ALLGATHER,
-                                                      digest=digest), op)
+    try:
+        rc = ctx.gather(ctx.ctl, src, dst, n, fmt, digest)
+        if rc:
+            ctx.raise_status(rc, src, n, fmt, kind.encode(fmt=fmt, coll=kind.COLL_ALLGATHER,
+                                                          digest=digest), op)
+    except KeyboardInterrupt:
+        ctx.interrupted()
+        raise
+
+
+def _allreduce_raw(ctx, addr, n, fmt, op):
+    """The context's all-reduce entry on raw addresses."""
+    try:
+        rc = ctx.entry(ctx.ctl, addr, n, fmt)
+        if rc:
+            ctx.raise_status(rc, addr, n, fmt, AUTO_CODE | fmt, op)
+    except KeyboardInterrupt:
+        ctx.interrupted()
+        raise
 
 
 def _exchange_widths(ctx, width, route):
@@ -386,9 +401,7 @@ def _exchange_widths(ctx, width, route):
     if route == "allreduce":
         vec = np.full(n, -0.0)
         vec[rank] = width
-        rc = ctx.entry(ctx.ctl, vec.ctypes.data, n, dtypes.F64)
-        if rc:
-            ctx.raise_status(rc, vec.ctypes.data, n, dtypes.F64, AUTO_CODE | dtypes.F64, op)
+        _allreduce_raw(ctx, vec.ctypes.data, n, dtypes.F64, op)
         return _Table(vec.astype(np.int64).tolist(), rank)
     mine = np.array([width], np.int64)
     widths = np.empty(n, np.int64)
@@ -429,9 +442,7 @@ def _allreduce_route(ctx, st, table, src, rows, lead, fmt, isz, full):
     pad_rows(full, src, st.negzero(isz, V), rows, V * isz, table.offsets[table.rank] * isz,
              table.mine * isz, mine.ctypes.data, mine.nbytes)
     count = rows * V + tail_n
-    rc = ctx.entry(ctx.ctl, full, count, fmt)
-    if rc:
-        ctx.raise_status(rc, full, count, fmt, AUTO_CODE | fmt, "gather_logits")
+    _allreduce_raw(ctx, full, count, fmt, "gather_logits")
     if not same_bytes(full + rows * V * isz, expected.ctypes.data, expected.nbytes):
         raise HarmpiMismatchError(
             f"rank {ctx.topo.rank}: gather_logits: ranks disagree about the shards' widths or "

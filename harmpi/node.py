@@ -72,8 +72,8 @@ __all__ = ["init_control", "stage", "stage_meta", "publish_wait", "publish_wait_
            "next_slot_addr", "entry_point", "one_node_step", "solo_step",
            "gather_step", "ONE_NODE_STEP", "ONE_NODE_CFUNC", "SOLO_STEP", "GATHER_STEP",
            "STREAM_MIN_NBYTES", "NEVER_RSAG", "enter", "leave", "abandon",
-           "interrupted", "begin", "one_node_start", "one_node_finish", "ONE_NODE_START",
-           "ONE_NODE_FINISH", "thread_self", "foreign_thread"]
+           "interrupted", "peers_abandoned", "begin", "one_node_start", "one_node_finish",
+           "ONE_NODE_START", "ONE_NODE_FINISH", "thread_self", "foreign_thread"]
 
 _LINE = FLAG_LINE_NBYTES
 _WORD = 8
@@ -414,6 +414,19 @@ def _abandoned_by(ctl, j, epoch):
     c.err_b = load_acquire(c.flags + j * _LINE + W_CULPRIT * _WORD)
     abandon(ctl, c.err_b)
     return ABANDONED
+
+
+@numba.njit(_i64(_ctl), cache=True, nogil=True)
+def peers_abandoned(ctl):
+    """OK, or ABANDONED (after giving up too) if a local rank's flag shows
+    that it gave up. A rail algorithm asks before it sends: data this node
+    sends after one of its ranks dropped the step would let the other nodes
+    complete a step that rank abandoned (L acquire loads; no wait)."""
+    c = ctl[0]
+    for j in range(c.local_size):
+        if j != c.local_rank and load_acquire(_flag_addr(c, j)) < 0:
+            return _abandoned_by(ctl, j, c.epoch)
+    return OK
 
 
 @numba.njit(cache=True, nogil=True)

@@ -23,6 +23,7 @@ from . import owner
 from .config import Config
 from .context import Context
 from .errors import HarmpiArgumentError, HarmpiError
+from .topology import vote
 
 __all__ = ["STATE"]
 
@@ -46,6 +47,7 @@ class Registry:
 
     def __init__(self):
         self.contexts = []          # every live context, in creation order
+        self.leaked = []            # contexts whose release was refused (see release)
         self.world = None
         self.torch = None           # harmpi.torch, once a tensor has been seen
         self.native = None          # harmpi.native's allreduce(t), while it serves
@@ -151,8 +153,27 @@ class Registry:
         """MPI_Comm_free of a communicator with a context, or harmpi.finalize()
         (collective, like the context's own free)."""
         self.forget(ctx)
-        if ctx.broken is None and not MPI.Is_finalized():
+        if not MPI.Is_finalized():
+            self.release(ctx)
+
+    def release(self, ctx):
+        """Free ``ctx`` if every rank agrees it can (a polled vote with a
+        deadline on the context's own communicator, topology.vote), else
+        leave its window to MPI_Finalize with a warning. Never a blocking
+        collective free that only some ranks enter: MPI_Win_free waits for
+        every rank of the node, so after a failure one rank saw (its
+        context broken, its peers' healthy) the healthy ranks used to wait
+        there forever while the broken one skipped it."""
+        ok, why = vote(ctx.setup_comm or ctx.comm, ctx.config.timeout_s,
+                       "freeing harmpi's context of a communicator", ctx.broken is None)
+        if ok:
             ctx.free()
+            return
+        if ctx.broken is None or ctx.topo.size > 1:
+            log.warning("harmpi: not freeing a context collectively (%s); its shared window "
+                        "and communicators are left to MPI_Finalize", why)
+        ctx.leak(why)
+        self.leaked.append(ctx)  # MPI still owns its window: keep the handles alive
 
     def _on_mpi_finalize(self, comm, keyval, value):
         self.close("MPI has been finalized (MPI.Finalize() or interpreter exit)")
@@ -214,14 +235,16 @@ class Registry:
             native.detach()
         if MPI.Is_finalized():
             return
+        # in creation order, the order every rank set them up in: contexts
+        # that share ranks were set up in the same order on those ranks
+        # (else their set-ups could not have completed), so the votes and
+        # frees meet in that order too
         for ctx in contexts:
             if ctx is not world:
-                # the attribute's delete callback frees the context
+                # the attribute's delete callback releases the context
                 ctx.comm.Delete_attr(self.keyval)
-            elif ctx.broken is None:
-                # A context whose peers failed cannot free collectively (a
-                # peer may be gone); MPI_Finalize reclaims its window.
-                ctx.free()
+            else:
+                self.release(ctx)
 
 
 def _watch_sigint():

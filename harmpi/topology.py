@@ -22,7 +22,8 @@ from mpi4py import MPI
 
 from .errors import HarmpiArgumentError, HarmpiMismatchError, HarmpiTimeoutError
 
-__all__ = ["Topology", "discover", "arrive", "agree", "LATE_FRACTION"]
+__all__ = ["Topology", "discover", "arrive", "agree", "vote", "gather_records", "check_arrivals",
+           "wait_polled", "LATE_FRACTION"]
 
 
 #: bytes per rank in a set-up agreement: the arrival stamp, then the settings
@@ -61,9 +62,45 @@ def agree(comm, timeout_s, what, settings=()):
 
     Settings that differ raise HarmpiMismatchError on every rank, naming
     each variable and each rank's value."""
-    size = comm.Get_size()
-    if size == 1:
+    if comm.Get_size() == 1:
         return
+    stamps_ns, texts = gather_records(comm, timeout_s, what, settings)
+    check_arrivals(comm, stamps_ns, timeout_s, what)
+    _check_settings(comm, texts, what)
+
+
+def vote(comm, timeout_s, what, healthy):
+    """Whether every rank of ``comm`` may go on to a collective step that
+    blocks (MPI_Win_free): ``(True, "")``, or ``(False, why)``; collective,
+    one polled MPI_Iallgather (as :func:`agree`) of each rank's arrival
+    time and ``healthy`` flag. The verdict comes from the gathered data
+    alone (yes only if every rank is healthy and all arrived within
+    LATE_FRACTION x ``timeout_s`` of the first), so every rank that gets
+    the data decides the same; a rank that does not get it within
+    ``timeout_s`` says no. A rank whose peers are all on time gets the data
+    with at least a quarter of the deadline to spare, so a yes on one rank
+    and a timeout on another needs MPI to take that long to deliver it."""
+    if comm.Get_size() == 1:
+        return healthy, "" if healthy else "broken on this rank"
+    try:
+        stamps_ns, texts = gather_records(comm, timeout_s, what,
+                                           (("state", "healthy" if healthy else "broken"),))
+        check_arrivals(comm, stamps_ns, timeout_s, what)
+    except HarmpiTimeoutError as exc:
+        return False, str(exc)
+    broken = [r for r, t in enumerate(texts) if t != "state=healthy"]
+    if broken:
+        return False, (f"rank {comm.Get_rank()} of a communicator of {comm.Get_size()}: {what}: "
+                       f"broken on rank{'s' if len(broken) > 1 else ''} "
+                       f"{', '.join(map(str, broken[:16]))}{' ...' if len(broken) > 16 else ''} "
+                       "(a failure there that the others may not have seen)")
+    return True, ""
+
+
+def gather_records(comm, timeout_s, what, settings):
+    """(arrival stamps in ns, settings texts) of every rank: one polled
+    MPI_Iallgather under ``timeout_s`` (HarmpiTimeoutError past it)."""
+    size = comm.Get_size()
     mine = np.zeros(_RECORD_NBYTES, np.uint8)
     text = "\n".join(f"{name}={value}" for name, value in settings).encode()
     if len(text) > _RECORD_NBYTES - 8:
@@ -72,23 +109,31 @@ def agree(comm, timeout_s, what, settings=()):
     table = np.zeros((size, _RECORD_NBYTES), np.uint8)
     mine[:8].view(np.int64)[0] = time.time_ns()
     req = comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE])
+    wait_polled(comm, req, timeout_s, what, (mine, table))
+    return (table[:, :8].copy().view(np.int64)[:, 0],
+            [bytes(row[8:]).rstrip(b"\0").decode() for row in table])
+
+
+def wait_polled(comm, req, timeout_s, what, buffers):
+    """Poll the non-blocking collective ``req`` on ``comm`` until it
+    completes, or raise HarmpiTimeoutError after ``timeout_s``. A request
+    given up on stays with MPI (a late peer may still complete it), so it
+    and its ``buffers`` are kept alive here, never handed back to a caller."""
     deadline = time.monotonic() + timeout_s
     pause = 1e-5
     while not req.Test():
         if time.monotonic() > deadline:
-            _STRANDED.append((req, mine, table))
+            _STRANDED.append((req, buffers))
             raise HarmpiTimeoutError(
-                f"rank {comm.Get_rank()} of a communicator of {size}: {what}: the other "
-                f"ranks did not arrive within {timeout_s:g} s (a rank never called the same "
-                "harmpi collective, or called it with another algorithm; HARMPI_TIMEOUT_S sets "
-                "the deadline)")
+                f"rank {comm.Get_rank()} of a communicator of {comm.Get_size()}: {what}: the "
+                f"other ranks did not arrive within {timeout_s:g} s (a rank never called the "
+                "same harmpi collective, or called it with another algorithm; HARMPI_TIMEOUT_S "
+                "sets the deadline)")
         time.sleep(pause)
         pause = min(2 * pause, 1e-3)
-    _check_arrivals(comm, table[:, :8].copy().view(np.int64)[:, 0], timeout_s, what)
-    _check_settings(comm, [bytes(row[8:]).rstrip(b"\0").decode() for row in table], what)
 
 
-def _check_arrivals(comm, stamps_ns, timeout_s, what):
+def check_arrivals(comm, stamps_ns, timeout_s, what):
     first = int(stamps_ns.min())
     limit = LATE_FRACTION * timeout_s
     late = [r for r, t in enumerate(stamps_ns) if (int(t) - first) / 1e9 > limit]

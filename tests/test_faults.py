@@ -180,3 +180,80 @@ def test_calls_after_mpi_finalize_raise(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split() == ["ok"], (proc.stdout,
                                                                     proc.stderr[-2000:])
+
+
+INTERRUPT_ACROSS_NODES = """
+    import dataclasses, os, signal, threading, time, harmpi, numpy as np
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    r, n = comm.rank, comm.size
+    per_node = int(os.environ["HARMPI_RANKS_PER_NODE"])
+    cfg = dataclasses.replace(harmpi.Config.from_env(), timeout_s=30.0)
+    sent = []
+
+    def interrupt_in(delay_s):
+        def fire():
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Timer(delay_s, fire).start()
+
+    # "all": every other rank comes 4 s late (rank 0 waits in its node's
+    # flags, or on the rail with one rank per node); "node1": rank 0's node is
+    # on time, the other node late (rank 0 waits on the rail)
+    for name, late in (("all", lambda q: q != 0), ("node1", lambda q: q >= per_node)):
+        c = comm.Dup()
+        harmpi.init(c, config=cfg)
+        x = np.ones(2560, np.float32)
+        harmpi.allreduce(x, comm=c)
+        comm.Barrier()
+        if r == 0:
+            interrupt_in(1.0)
+        if late(r):
+            time.sleep(4.0)
+        for call in ("first", "next"):
+            x = np.full(2560, r + 1.0, np.float32)
+            t0 = time.monotonic()
+            try:
+                harmpi.allreduce(x, comm=c)
+                print(f"rank {r} {name} {call}: returned {x[0]}", flush=True)
+            except (harmpi.HarmpiError, KeyboardInterrupt) as exc:
+                now = time.monotonic()
+                since = now - sent[-1] if r == 0 and call == "first" else 0.0
+                print(f"rank {r} {name} {call}: failed after {now - t0:.3f} s "
+                      f"({since:.3f} s after the signal): {type(exc).__name__}: {exc}",
+                      flush=True)
+        comm.Barrier()
+"""
+
+
+@pytest.mark.parametrize("layout", ["2x1-tcp", "2x1-mpi", "2x2-tcp", "2x2-mpi"])
+def test_ctrl_c_across_nodes_fails_the_step_on_every_node(tmp_path, layout):
+    """Issue 21 #5: rank 0 is interrupted (SIGINT) while it waits, with the
+    other ranks still to come (or only the other node's). No rank may
+    return the step's sum: every rank fails it, the ones that come later at
+    once (they used to complete it with the part rank 0 had sent: at 2x2
+    ranks 2 and 3 returned a sum), and every rank's next call on that
+    communicator fails at once (over the mpi rail rank 0's used to wait
+    the full deadline)."""
+    shape, transport = layout.split("-")
+    np_ = 2 * int(shape[-1])
+    extra = {"HARMPI_RANKS_PER_NODE": shape[-1], "HARMPI_TRANSPORT": transport}
+    proc = _run(tmp_path, INTERRUPT_ACROSS_NODES, limit_s=150, np=np_, extra_env=extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for name in ("all", "node1"):
+        for r in range(np_):
+            for call in ("first", "next"):
+                ln = next((ln for ln in lines if ln.startswith(f"rank {r} {name} {call}:")),
+                          None)
+                assert ln is not None, proc.stdout
+                assert "failed after" in ln, ln                 # never a sum
+                took = float(ln.split()[6])
+                if r == 0 and call == "first":
+                    assert "KeyboardInterrupt" in ln, ln
+                    assert float(ln.split()[8].lstrip("(")) < 0.5, ln
+                else:
+                    # at once: those that come 4 s late, and every next call
+                    # (a rank already inside the step when rank 0 gave up
+                    # learns when its own rail peer comes: within ~4 s)
+                    assert took < (6.0 if call == "first" else 1.0), ln

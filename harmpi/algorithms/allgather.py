@@ -20,8 +20,8 @@ steps ago, and this rank has passed the previous step's wait.
 Cost: per rank (G-1) messages of m bytes on its own rail (all rails in
 parallel), one copy-in, one flag round, and a copy-out of G*L*m bytes.
 
-Uneven nodes (rails that miss some node) take MPI_Allgather on the whole
-communicator instead; that choice is logged once.
+Uneven nodes (rails that miss some node) take a polled MPI_Iallgather on
+harmpi's duplicate of the communicator instead; that choice is logged once.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import kind, node
 from ..control import POISONED
 from ..kind import rail_tag
-from ..topology import arrive
+from ..topology import check_arrivals, gather_records, wait_polled
 from .base import Call, chunks, mismatch_error, recv_check
 
 __all__ = ["HierAllgather"]
@@ -51,7 +52,7 @@ class HierAllgather:
         self.uniform = topo.uniform
         if not self.uniform:
             ctx.log_once(f"allgather: nodes hold {list(topo.node_sizes)} ranks (uneven), so rails "
-                         "do not span every node; using MPI_Allgather on the communicator")
+                         "do not span every node; using MPI_Iallgather on the communicator")
             return
         self.transport = ctx.rail_transport() if self.G > 1 else None
         self.table = gather_table(ctx)
@@ -65,17 +66,7 @@ class HierAllgather:
         ctx = self.ctx
         isz = call.itemsize
         if not self.uniform:
-            # one small object allgather first: MPI_Allgather itself cannot
-            # tell that ranks passed different shapes; and before it a bounded
-            # wait, so a rank that called another collective is a timeout
-            arrive(ctx.comm, ctx.config.timeout_s, f"{call} (MPI_Allgather for uneven nodes)")
-            kinds = ctx.comm.allgather((call.nbytes, call.code))
-            if any(k != kinds[0] for k in kinds):
-                raise mismatch_error(ctx.topo.rank, call,
-                                     f"(bytes, kind) by rank: {kinds}")
-            size = ctx.topo.size
-            ctx.comm.Allgather(ctx.view(call.addr, call.nbytes),
-                               ctx.view(out_addr, call.nbytes * size))
+            self._run_uneven(call, out_addr)
             return
         ctl = ctx.ctl
         G, g = self.G, self.g
@@ -85,6 +76,7 @@ class HierAllgather:
             slot = node.next_slot_addr(ctl, ctx.topo.local_rank)
             pending = None
             if G > 1:
+                ctx.guard(call)
                 peers = [p for p in range(G) if p != g]
                 pending = self.transport.post(
                     [(p, ctx.view(src, nb), tag) for p in peers],
@@ -102,6 +94,31 @@ class HierAllgather:
             if rc:
                 ctx.fail(POISONED if poisoned else rc, call)
             node.copy_blocks(ctl, out_addr, call.n, start, m, call.w)
+
+
+    def _run_uneven(self, call, out_addr):
+        """MPI_Iallgather on harmpi's own duplicate (no user collective can
+        meet it), polled under the deadline; before it, a polled exchange
+        of (bytes, kind) and arrival times: MPI_Allgather itself cannot tell
+        that ranks passed different shapes, and a rank far too late fails
+        on every rank (topology.agree). The data moves through private
+        buffers: a request given up on may still complete later, and must
+        not write into (or read from) the caller's memory then."""
+        ctx = self.ctx
+        comm, timeout_s = ctx.setup_comm, ctx.config.timeout_s
+        what = f"{call} (MPI_Allgather for uneven nodes)"
+        stamps, kinds = gather_records(comm, timeout_s, what,
+                                       (("call", f"{call.nbytes} {call.code}"),))
+        check_arrivals(comm, stamps, timeout_s, what)
+        if any(k != kinds[0] for k in kinds):
+            shown = [tuple(int(v) for v in k.split("=", 1)[1].split()) for k in kinds]
+            raise mismatch_error(ctx.topo.rank, call, f"(bytes, kind) by rank: {shown}")
+        nbytes, size = call.nbytes, ctx.topo.size
+        send = np.frombuffer(ctx.view(call.addr, nbytes), np.uint8).copy()
+        recv = np.empty(nbytes * size, np.uint8)
+        req = comm.Iallgather([send, MPI.BYTE], [recv, MPI.BYTE])
+        wait_polled(comm, req, timeout_s, what, (send, recv))
+        node.copy_bytes(out_addr, recv.ctypes.data, recv.nbytes)
 
 
 def gather_table(ctx):

@@ -85,7 +85,7 @@ def recv_check(got, expect_nbytes, expect_tag):
 
 
 def rail_allreduce(transport, comm_rank, comm_size, addr, m, call, recv_buf, tag, timeout_s,
-                   poisoned=False):
+                   poisoned=False, guard=None):
     """Sum m elements at ``addr`` over the ranks of ``transport`` in place.
 
     Recursive doubling, folding the ranks beyond the largest power of two P
@@ -94,6 +94,8 @@ def rail_allreduce(transport, comm_rank, comm_size, addr, m, call, recv_buf, tag
     (fp addition commutes), so every rank ends with the same bits.
     Returns True if this collective is poisoned (a peer disagreed on size or
     kind, or sent the poison tag); the caller then fails on every rank.
+    ``guard(call)``, called before every send, raises once a rank of this
+    node gave up (Context.guard), so no partial sum leaves a dropped step.
     """
     G, g = comm_size, comm_rank
     if G == 1:
@@ -107,6 +109,8 @@ def rail_allreduce(transport, comm_rank, comm_size, addr, m, call, recv_buf, tag
     P = 1 << (G.bit_length() - 1)
 
     def send_tag():
+        if guard is not None:
+            guard(call)
         return POISON_TAG if poisoned else tag
 
     if g >= P:

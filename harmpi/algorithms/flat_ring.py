@@ -71,6 +71,7 @@ class FlatRingAllreduce:
                 return base + lo * isz, hi - lo
 
             for s in range(N - 1):
+                ctx.guard(call)
                 s_addr, s_n = share(r - s)
                 d_addr, d_n = share(r - s - 1)
                 got, = self.transport.complete(self.transport.post(
@@ -82,6 +83,7 @@ class FlatRingAllreduce:
                 elif not poisoned:
                     node.add_into(d_addr, self.recv_addr, d_n, call.fmt, call.w)
             for s in range(N - 1):
+                ctx.guard(call)
                 s_addr, s_n = share(r + 1 - s)
                 d_addr, d_n = share(r - s)
                 got, = self.transport.complete(self.transport.post(

@@ -46,6 +46,6 @@ class HarBandwidthAllreduce(RailAlgorithm):
             share_addr = node.slot_addr(ctl, self.me) + lo * call.itemsize
             poisoned = rail_allreduce(self.transport, self.g, self.G, share_addr, hi - lo, call,
                                       self.recv_buf, tag, ctx.config.timeout_s,
-                                      poisoned=local is not None)
+                                      poisoned=local is not None, guard=ctx.guard)
             ctx.settle(call, poisoned, local)
             node.gather_parts(ctl, addr, m, call.w)

@@ -68,6 +68,12 @@ def _har2_post(ctl, ops, scratch, addr, m, total, code, tag, w):
     """First half of a step: post the exchange, post the meta, publish."""
     c = ctl[0]
     nbytes = m * w.itemsize
+    # a local rank that gave up on an earlier step (Ctrl-C, a timeout) leaves
+    # this node out of every later one: send nothing the other node could
+    # complete a step with (the rail peer then learns from the notice)
+    rc = node.peers_abandoned(ctl)
+    if rc != OK:
+        return rc
     sockio.set_recv(ops, 0, c.rail_fd, c.rail_recv, c.rail_recv_cap)
     sockio.set_send(ops, 1, c.rail_fd, addr, nbytes, tag, sockio.realtime_ns() + c.timeout_ns)
     if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
@@ -290,6 +296,7 @@ class HarLatencyAllreduce(RailAlgorithm):
         timeout_s = ctx.config.timeout_s
         for _start, addr, m in chunks(call, ctx.config.slot_nbytes // isz):
             pending = None
+            ctx.guard(call)
             if self.G == 2:
                 # the whole receive buffer: a larger tensor from a mismatched
                 # peer is then seen by its count, not a truncation error
@@ -305,7 +312,8 @@ class HarLatencyAllreduce(RailAlgorithm):
             else:
                 poisoned = rail_allreduce(self.transport, self.g, self.G,
                                           node.slot_addr(ctl, self.me), m, call, self.recv_buf,
-                                          tag, timeout_s, poisoned=local is not None)
+                                          tag, timeout_s, poisoned=local is not None,
+                                          guard=ctx.guard)
                 r_addr = 0
             # add the peer's tensor, flag round, sum: one compiled call
             rc2 = node.add_publish_sum(ctl, addr, r_addr, m, 1 if poisoned else 0, call.fmt,

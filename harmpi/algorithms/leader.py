@@ -59,6 +59,7 @@ class LeaderAllreduce:
                 if self.G > 1:
                     poisoned = rail_allreduce(self.transport, self.g, self.G,
                                               node.slot_addr(ctl, 0), m, call, self.recv_buf,
-                                              tag, ctx.config.timeout_s, poisoned=poisoned)
+                                              tag, ctx.config.timeout_s, poisoned=poisoned,
+                                              guard=ctx.guard)
             ctx.settle(call, poisoned, local)
             node.copy_slot(ctl, 0, addr, 0, m, call.w)

@@ -44,6 +44,7 @@ class MpiTransport(Transport):
         self.spin_count = spin_count
         self._status_pool = []   # reused: one exchange is in flight at a time
         self._gave_up = []       # ABANDON_TAG sends, left to MPI_Finalize
+        self._probe_status = MPI.Status()
 
     def _statuses(self, n):
         pool = self._status_pool
@@ -80,6 +81,8 @@ class MpiTransport(Transport):
                     deadline = now + timeout_s
                 elif now > deadline:
                     self._timeout(pending, timeout_s, what)
+                if (polls & 63) == 0:
+                    self._check_notice(pending, what)
         except MPI.Exception as exc:
             if exc.Get_error_class() == MPI.ERR_TRUNCATE:
                 err = HarmpiMismatchError(
@@ -99,11 +102,38 @@ class MpiTransport(Transport):
         with this rank later fails instead of completing a step this rank
         abandoned (MPI delivers in order, so the notice is seen right after
         any data this rank had sent)."""
-        if self.comm is None:
+        if self.comm is None or self._gave_up:
             return
         for peer in range(self.comm.Get_size()):
             if peer != self.rank:
                 self._gave_up.append(self.comm.Isend(_EMPTY, dest=peer, tag=ABANDON_TAG))
+
+    def _check_notice(self, pending, what):
+        """While waiting: raise at once if a receive of this exchange got a
+        peer's abandon notice (MPI_Request_get_status leaves the request to
+        Testall), so a send this rank posted that the peer will never
+        receive does not hold the wait until its deadline."""
+        status = self._probe_status
+        for i, peer in enumerate(pending.recv_peers):
+            if ((pending.reqs[i].Get_status(status) and status.Get_tag() == ABANDON_TAG)
+                    or self.comm.Iprobe(source=peer, tag=ABANDON_TAG)):
+                self._cancel(pending)
+                self._raise_abandoned(peer, what)
+
+    @staticmethod
+    def _cancel(pending):
+        for req in pending.reqs:
+            if req != MPI.REQUEST_NULL:
+                try:
+                    req.Cancel()
+                except MPI.Exception:
+                    pass  # a request that completed meanwhile cannot be cancelled
+
+    def _raise_abandoned(self, peer, what):
+        raise HarmpiTimeoutError(
+            f"rank {self._world_rank(self.rank)}: {what}: rank {self._world_rank(peer)} gave up "
+            "on this collective before this rank completed it (it timed out, failed or was "
+            "interrupted; HARMPI_TIMEOUT_S sets the deadline)")
 
     def _check_abandoned(self, pending, statuses, what):
         """Raise if a peer of this exchange has given up on it (its notice
@@ -111,11 +141,7 @@ class MpiTransport(Transport):
         for i, peer in enumerate(pending.recv_peers):
             if statuses[i].Get_tag() == ABANDON_TAG or self.comm.Iprobe(source=peer,
                                                                          tag=ABANDON_TAG):
-                raise HarmpiTimeoutError(
-                    f"rank {self._world_rank(self.rank)}: {what}: rank "
-                    f"{self._world_rank(peer)} gave up on this collective before this rank "
-                    "completed it (it timed out, failed or was interrupted; HARMPI_TIMEOUT_S "
-                    "sets the deadline)")
+                self._raise_abandoned(peer, what)
 
     def _world_rank(self, peer):
         """The COMM_WORLD rank of ``peer`` (errors should name ranks users know)."""
@@ -136,12 +162,7 @@ class MpiTransport(Transport):
                 late.append(self._world_rank(peer))
         if not waiting:  # everything completed just now: not a timeout after all
             return
-        for req in pending.reqs:
-            if req != MPI.REQUEST_NULL:
-                try:
-                    req.Cancel()
-                except MPI.Exception:
-                    pass  # a request that completed meanwhile cannot be cancelled
+        self._cancel(pending)
         raise HarmpiTimeoutError(
             f"rank {self._world_rank(self.rank)}: {what}: waited {timeout_s:g} s for "
             f"{', '.join(waiting)} over the {self.name} transport; that rank crashed, hangs, or "

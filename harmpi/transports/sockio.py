@@ -8,7 +8,14 @@ ns): a receiver that gets the message after it knows the sender has given
 up on the collective (or is about to), and must fail instead of completing
 a step its peer abandoned. Messages on one socket arrive in the order
 they were sent, so a receiver reads the header, then exactly that many
-payload bytes, and never touches the next message.
+payload bytes, and never consumes the next message.
+
+A rank that gives up on a collective (timeout, Ctrl-C, a peer's failure)
+writes an *abandon notice* on each socket before closing it: a header with
+0 bytes and ABANDON_TAG (harmpi.kind). A receive that reads it as its header
+fails (ERR_ABANDONED), and so does a receive whose message is complete but
+followed by a notice (one MSG_PEEK after each message): the sender gave up
+after sending its part, so the step must not complete here either.
 
 An *op table* (int64 array, one row per send or receive) drives the engine:
 
@@ -46,14 +53,15 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..kind import ABANDON_TAG
 from ..sync import POKE_AFTER_NS, monotonic_ns, poke, realtime_ns, sigint_arrived
 
 __all__ = ["OP_FD", "OP_KIND", "OP_ADDR", "OP_CAP", "OP_DONE", "OP_HDR_N", "OP_HDR_TAG",
            "OP_HDR_DL", "OP_STATE", "OP_ERRNO", "OP_WORDS", "KIND_SEND", "KIND_RECV", "ST_PENDING",
            "ST_DONE", "ST_FAILED", "HEADER_NBYTES", "IO_OK", "IO_TIMEOUT", "IO_FAILED",
            "IO_INTERRUPTED",
-           "ERR_CLOSED", "progress", "set_send", "set_recv", "new_ops", "new_pollfds",
-           "new_scratch", "realtime_ns"]
+           "ERR_CLOSED", "ERR_ABANDONED", "ABANDON_NOTICE", "progress", "set_send", "set_recv",
+           "new_ops", "new_pollfds", "new_scratch", "realtime_ns"]
 
 (OP_FD, OP_KIND, OP_ADDR, OP_CAP, OP_DONE, OP_HDR_N, OP_HDR_TAG, OP_HDR_DL, OP_STATE,
  OP_ERRNO) = range(10)
@@ -64,8 +72,16 @@ HEADER_NBYTES = 24
 IO_OK, IO_TIMEOUT, IO_FAILED, IO_INTERRUPTED = 0, 1, 2, 3
 #: OP_ERRNO of a receive whose peer closed the connection
 ERR_CLOSED = -1
+#: OP_ERRNO of a receive whose peer sent the abandon notice (see below)
+ERR_ABANDONED = -2
+
+#: the header a rank that gives up on a collective writes on each of its
+#: sockets before it closes them (TcpTransport.give_up): payload bytes 0,
+#: tag ABANDON_TAG, and the culprit word of its flag line in the third word
+ABANDON_NOTICE = (0, ABANDON_TAG)
 
 _EAGAIN, _EWOULDBLOCK, _EINTR = 11, 11, 4
+_MSG_PEEK = 0x2
 _POLLIN, _POLLOUT = 0x001, 0x004
 _MSG_NOSIGNAL = 0x4000
 #: longest single poll(2) sleep: the deadline is checked, and MPI is let
@@ -111,6 +127,10 @@ _recv = _syscall(
     "recv", _I64, [_I32, _I8P, _I64, _I32],
     lambda b, a: [b.trunc(a[0], _I32), b.inttoptr(a[1], _I8P), a[2], ir.Constant(_I32, 0)],
     "recv(fd, addr, nbytes, 0) -> bytes (0: closed) or -errno.")
+_peek = _syscall(
+    "recv", _I64, [_I32, _I8P, _I64, _I32],
+    lambda b, a: [b.trunc(a[0], _I32), b.inttoptr(a[1], _I8P), a[2], ir.Constant(_I32, _MSG_PEEK)],
+    "recv(fd, addr, nbytes, MSG_PEEK) -> bytes (0: closed) or -errno; leaves them queued.")
 _sendmsg = _syscall(
     "sendmsg", _I64, [_I32, _I8P, _I32],
     lambda b, a: [b.trunc(a[0], _I32), b.inttoptr(a[1], _I8P), ir.Constant(_I32, _MSG_NOSIGNAL)],
@@ -256,8 +276,11 @@ def _advance_recv(ops, i, scratch):
         if r > 0:
             ops[i, OP_DONE] = done + r
             moved = 1
-            if done + r == HEADER_NBYTES and ops[i, OP_HDR_N] < 0:
-                return _fail(ops, i, ERR_CLOSED)   # not our protocol
+            if done + r == HEADER_NBYTES:
+                if ops[i, OP_HDR_TAG] == ABANDON_TAG:
+                    return _fail(ops, i, ERR_ABANDONED)  # the peer gave up
+                if ops[i, OP_HDR_N] < 0:
+                    return _fail(ops, i, ERR_CLOSED)   # not our protocol
         elif r == 0:
             return _fail(ops, i, ERR_CLOSED)
         elif r == -_EINTR:
@@ -266,8 +289,22 @@ def _advance_recv(ops, i, scratch):
             return moved
         else:
             return _fail(ops, i, -r)
+    if _notice_queued(fd, scratch):
+        # the sender gave up on this step after sending its part: completing
+        # it would return a result of a step that rank dropped
+        return _fail(ops, i, ERR_ABANDONED)
     ops[i, OP_STATE] = ST_DONE
     return 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _notice_queued(fd, scratch):
+    """True if the next bytes queued on ``fd`` are an abandon notice (one
+    non-blocking peek, after a message is complete)."""
+    at = scratch.ctypes.data + 128
+    if _peek(fd, at, HEADER_NBYTES) != HEADER_NBYTES:
+        return False
+    return scratch[16] == 0 and scratch[17] == ABANDON_TAG
 
 
 @numba.njit(cache=True, nogil=True)

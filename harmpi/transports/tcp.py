@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 from .. import mpiprogress
 from ..errors import HarmpiTimeoutError, HarmpiTransportError
-from ..topology import arrive
+from ..topology import arrive, wait_polled
 from . import sockio
 from .base import Pending, Transport, timeout_error
 
@@ -146,7 +146,12 @@ class TcpTransport(Transport):
                 candidates = ["127.0.0.1"] if key == me[0] else addrs
                 sock = self._connect(candidates, port, deadline, failures, peer)
                 if sock is not None:
-                    sock.sendall(_HELLO.pack(_MAGIC, self.rank))
+                    try:
+                        sock.sendall(_HELLO.pack(_MAGIC, self.rank))
+                    except OSError as exc:  # counted below, with every rank
+                        sock.close()
+                        failures.append(f"rank {self._world[peer]}: hello not sent ({exc})")
+                        continue
                     self._adopt(peer, sock)
             # a rank that could not reach a peer says so; everyone fails together
             ok = self.comm.allreduce(0 if failures else 1, op=MPI.MIN)
@@ -177,8 +182,14 @@ class TcpTransport(Transport):
                 self._adopt(peer, sock)
         finally:
             listener.close()
-        # nobody sends data before everybody has its sockets
-        self.comm.Barrier()
+        # nobody sends data before everybody has its sockets; polled, so a
+        # rank whose accept failed above (it raised) costs the others their
+        # deadline, not a hang
+        req = self.comm.Ibarrier()
+        try:
+            wait_polled(self.comm, req, timeout_s, "tcp transport set-up (connections made)", ())
+        except HarmpiTimeoutError as exc:
+            raise HarmpiTransportError(str(exc)) from None
 
     def _connect(self, candidates, port, deadline, failures, peer):
         errors = []
@@ -308,6 +319,12 @@ class TcpTransport(Transport):
         for i, peer in enumerate(peers):
             if ops[i, sockio.OP_STATE] == sockio.ST_FAILED:
                 err = int(ops[i, sockio.OP_ERRNO])
+                if err == sockio.ERR_ABANDONED:
+                    raise HarmpiTimeoutError(
+                        f"rank {self._world[self.rank]}: {what}: rank {self._world[peer]} gave "
+                        "up on this collective (it timed out, failed or was interrupted) "
+                        "after sending its part: no rank completes it (HARMPI_TIMEOUT_S sets "
+                        "the deadline)")
                 why = "closed the connection" if err == sockio.ERR_CLOSED else os.strerror(err)
                 raise HarmpiTransportError(
                     f"rank {self._world[self.rank]}: {what}: tcp connection to rank "
@@ -326,6 +343,27 @@ class TcpTransport(Transport):
                 waiting.append(f"{kind} rank {self._world[peers[i]]}")
                 late.append(self._world[peers[i]])
         raise timeout_error(self._world[self.rank], what, timeout_s, self.name, waiting, late)
+
+    def give_up(self, extra_ops=()):
+        """This rank gave up on the collective in progress: write the abandon
+        notice (sockio) on every socket, then close them all, so a peer that
+        receives this rank's part of the step still fails. No notice goes
+        where a message is half sent (in this transport's op rows or in
+        ``extra_ops``, another user's rows): the bytes would land inside
+        that message; its receiver fails on the closed socket instead."""
+        half_sent = set()
+        for ops in (self.ops, *extra_ops):
+            sending = (ops[:, sockio.OP_KIND] == sockio.KIND_SEND) & (
+                ops[:, sockio.OP_STATE] == sockio.ST_PENDING) & (ops[:, sockio.OP_DONE] > 0)
+            half_sent.update(int(fd) for fd in ops[sending, sockio.OP_FD])
+        notice = struct.pack("<qqq", *sockio.ABANDON_NOTICE, 0)
+        for s in self.socks:
+            if s is not None and s.fileno() not in half_sent:
+                try:
+                    s.send(notice, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                except OSError:
+                    pass  # full or already reset: the close below tells the peer
+        self.close()
 
     def close(self):
         for i, s in enumerate(self.socks):
