@@ -238,7 +238,7 @@ def test_ctrl_c_across_nodes_fails_the_step_on_every_node(tmp_path, layout):
     shape, transport = layout.split("-")
     np_ = 2 * int(shape[-1])
     extra = {"HARMPI_RANKS_PER_NODE": shape[-1], "HARMPI_TRANSPORT": transport}
-    proc = _run(tmp_path, INTERRUPT_ACROSS_NODES, limit_s=150, np=np_, extra_env=extra)
+    proc = _run(tmp_path, INTERRUPT_ACROSS_NODES, limit_s=170, np=np_, extra_env=extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for name in ("all", "node1"):
