@@ -197,9 +197,14 @@ at::Tensor all_reduce_out_of_place_cpu(const at::Tensor& x, c10::string_view gro
 // shapes only (FakeTensor, torch.compile): in place, the result is the input
 at::Tensor& all_reduce_meta(at::Tensor& t, c10::string_view /*group*/) { return t; }
 
-// shapes only: a new contiguous tensor of x's shape and dtype (as the CPU kernel)
+// shapes only: a new contiguous tensor of x's shape and dtype (as the CPU kernel).
+// sym_sizes, not sizes: under torch.compile with dynamic shapes (vLLM marks
+// the token count dynamic) reading sizes() would pin each symbolic size to
+// the value seen while tracing, and dynamo refuses the graph
+// (ConstraintViolationError: "marked ... as dynamic but your code
+// specialized it").
 at::Tensor all_reduce_out_of_place_meta(const at::Tensor& x, c10::string_view /*group*/) {
-  return at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  return at::empty_symint(x.sym_sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
 // Functionalization of the in-place operator (what torch.compile and

@@ -376,3 +376,26 @@ def test_compiled_equals_eager(mod, entries, f):
                     compiled if isinstance(compiled, tuple) else (compiled,)):
         assert torch.equal(e, c), (f.__name__, e, c)
     assert torch.equal(eager_x, compiled_x), "the graph input's mutation differs"
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dynamic_shapes_stay_symbolic(mod, entries, inplace):
+    """vLLM compiles its model with the token count marked dynamic: the
+    operators' Meta kernels must keep a symbolic size symbolic (reading
+    concrete sizes pinned it, and dynamo raised ConstraintViolationError)."""
+    ctl = _ctl()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, Fallback())
+    torch._dynamo.reset()
+
+    def f(x):
+        h = x * 2
+        if inplace:
+            torch.ops.harmpi.all_reduce_(h)
+            return h + 1
+        return torch.ops.harmpi.all_reduce(h) + 1
+
+    compiled = torch.compile(f, fullgraph=True)
+    for rows in (5, 7, 64):
+        x = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert torch.equal(compiled(x), x * 2 + 1)
