@@ -164,6 +164,10 @@ class Registry:
         every rank of the node, so after a failure one rank saw (its
         context broken, its peers' healthy) the healthy ranks used to wait
         there forever while the broken one skipped it."""
+        if self.closed is not None:  # MPI finalizing, a forked child, exit: no collective
+            ctx.leak(self.closed)
+            self.leaked.append(ctx)
+            return
         ok, why = vote(ctx.setup_comm or ctx.comm, ctx.config.timeout_s,
                        "freeing harmpi's context of a communicator", ctx.broken is None)
         if ok:
