@@ -36,10 +36,23 @@ all_gather(_single)        harmpi's hierarchical allgather (exact); outputs of
 reduce_scatter_single      all-reduce of a copy, then this rank's block
 broadcast, scatter         MPI_Bcast / MPI_Scatter of the bytes (exact, any dtype)
 barrier                    harmpi's barrier
+sparse all_reduce SUM      as gloo: every rank's coalesced indices and values
+                           gathered (MPI_Iallgatherv), summed, coalesced
 =========================  ==================================================
 
-Every other op, dtype or reduction raises ``HarmpiArgumentError`` naming
-what is supported, before any data moves.
+The rest of what gloo serves on CPU (integer and bool reductions, gather,
+reduce, all_to_all, point to point, monitored_barrier, other dtypes) goes
+over private duplicates of the group's communicator with MPI's
+non-blocking calls, the ranks agreeing on sizes and dtypes first. What
+none of these serve raises ``HarmpiArgumentError`` naming what is
+supported, before any data moves.
+
+Deadlines. Every wait is bounded: the ``timeout=`` given to
+``init_process_group`` or ``new_group`` (as gloo honours it), else
+HARMPI_TIMEOUT_S (torch passes its 30-minute default when none is given,
+and that value means "not given" here). The MPI rendezvous and a group's
+creation (the members meet on the group's store before
+MPI_Comm_create_group) are bounded by the same deadline.
 
 Async. ``async_op=True`` all-reduce (SUM or AVG) is split in two compiled
 halves where the context's default all-reduce has them (Context.split): on
@@ -63,6 +76,7 @@ error (``MIN_TORCH``).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
@@ -75,9 +89,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+from torch.distributed.constants import default_pg_timeout
 from torch.futures import Future
 
 from . import api, worldenv
+from .config import Config
 from .context import AUTO_CODE
 from .errors import (
     HarmpiArgumentError,
@@ -105,6 +121,7 @@ _SUM = dist.ReduceOp.SUM
 _AVG = dist.ReduceOp.AVG
 _SYNC_SUM = dist.AllreduceOptions()
 _SYNC_SUM.asyncOp = False
+_STRIDED = torch.strided
 
 
 def _torch_version():
@@ -276,7 +293,8 @@ def _split_bytes(t, splits, n, which):
 
 #: the calls that agree on a header first (the codes ranks compare)
 _CALL_NAMES = dict(enumerate(("all_reduce", "broadcast", "scatter", "gather", "all_gather",
-                              "all_gather_into_tensor", "all_to_all", "all_to_all_single"), 1))
+                              "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+                              "all_reduce (sparse)"), 1))
 _CALLS = {name: code for code, name in _CALL_NAMES.items()}
 #: tags of the backend's own messages on its private communicator (users'
 #: messages travel on another one)
@@ -376,6 +394,24 @@ def wait_requests(reqs, timeout_s, on_timeout):
     return statuses
 
 
+def _unfinished(reqs):
+    """Indices of the requests still incomplete after a wait timed out (the
+    others complete now: Testall changes no request unless all completed)."""
+    if MPI.Request.Testall(reqs):
+        return []
+    return [i for i, q in enumerate(reqs) if q != MPI.REQUEST_NULL and not q.Test()]
+
+
+def _cancel(reqs):
+    """Cancel what is left of a wait that timed out."""
+    for req in reqs:
+        if req != MPI.REQUEST_NULL:
+            try:
+                req.Cancel()
+            except MPI.Exception:
+                pass  # complete by now, or a send MPI cannot cancel
+
+
 class _MpiWork(dist._Work):
     """MPI requests in flight (a collective or a message); wait() completes
     them under the deadline, then runs ``finish(statuses)`` (the copy-out), once."""
@@ -441,14 +477,16 @@ class _MpiWork(dist._Work):
 class ProcessGroupHarmpi(dist.ProcessGroup):
     """One torch process group over one MPI communicator (see the module docstring)."""
 
-    def __init__(self, comm, rank, size):
+    def __init__(self, comm, rank, size, timeout_s=None):
         super().__init__(rank, size)
         self._comm = comm
         self._default = comm is _WORLD
         #: what harmpi's API takes as this group's communicator
         self._harmpi_comm = None if self._default else comm
-        self._ctx = STATE.get(self._harmpi_comm)
-        self._timeout_s = self._ctx.config.timeout_s
+        self._ctx = _context(self._harmpi_comm, timeout_s)
+        #: the deadline of every wait of this group: the timeout= given to
+        #: init_process_group/new_group, else HARMPI_TIMEOUT_S
+        self._timeout_s = timeout_s if timeout_s is not None else self._ctx.config.timeout_s
         #: private duplicates: the backend's own collectives and headers, and
         #: users' messages (send/recv), kept apart from the application's MPI
         self._mpi, self._p2p = _private_comms(comm, self._timeout_s)
@@ -539,12 +577,7 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
             return  # completed just now
         timeout_s = self._timeout_s
         if peer is not None:
-            for req in reqs:
-                if req != MPI.REQUEST_NULL:
-                    try:
-                        req.Cancel()
-                    except MPI.Exception:
-                        pass  # already complete, or a send MPI cannot cancel
+            _cancel(reqs)
             raise HarmpiTimeoutError(
                 f"{self._who()}: harmpi backend {what}: world rank {self._world_rank(peer)} did "
                 f"not complete the message within {timeout_s:g} s (it crashed, hangs, or "
@@ -590,8 +623,10 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
             reqs += [self._mpi.Isend(mine, dest=r, tag=_HEADER_TAG) for r in peers]
 
             def late(pending):
-                self._timed_out(pending, what, None,
-                                [r for r, q in zip(peers, pending) if q != MPI.REQUEST_NULL])
+                left = _unfinished(pending)
+                if left:
+                    self._timed_out(pending, what, None,
+                                    [peers[i] for i in left if i < len(peers)])
 
             try:
                 wait_requests(reqs, self._timeout_s, late)
@@ -652,6 +687,8 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         t = tensors[0]
         if opts is None:
             opts = _SYNC_SUM
+        if t.layout != _STRIDED:
+            return self._allreduce_sparse(t, opts)
         if opts.asyncOp:
             return self._allreduce_async(t, opts)
         if opts.reduceOp == _SUM:
@@ -718,6 +755,52 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
             gathered = api.allgather(t.reshape(1, -1).contiguous(), comm=self._harmpi_comm)
             t.copy_(reduce(gathered).view(t.shape))
         return _DoneWork([t]) if async_op else _DONE
+
+    def _allreduce_sparse(self, t, opts):
+        """A sparse COO SUM, as gloo computes it: every rank's coalesced indices
+        and values gathered (MPI_Iallgatherv, under the deadline), summed,
+        coalesced; the result replaces ``t`` (the same on every rank)."""
+        kind = opts.reduceOp.op if isinstance(opts.reduceOp, dist.ReduceOp) else opts.reduceOp
+        problem = None
+        if t.layout != torch.sparse_coo:
+            problem = f"{t.layout} tensors are not supported (sparse COO ones are, as in gloo)"
+        elif kind != _RED.SUM:
+            problem = f"sparse tensors take SUM only (as in gloo), not {_op_name(kind)}"
+        elif t.device.type != "cpu":
+            problem = f"tensor is on {t.device}; harmpi works on CPU tensors"
+        sparse = t.coalesce() if problem is None else None
+        sparse_dim = sparse.sparse_dim() if sparse is not None else 0
+        what = "all_reduce (sparse)"
+        self._agree(what, t.dtype, t.numel() * t.element_size(), sparse_dim * 64 + t.dim(),
+                    problem)
+        n, shape = self.size(), tuple(t.shape)
+        mine = np.array([sparse._nnz(), *shape], np.int64)
+        table = np.empty((n, len(mine)), np.int64)
+        self._wait([self._mpi.Iallgather(mine, table)], what)
+        differ = np.flatnonzero((table[:, 1:] != table[0, 1:]).any(axis=1))
+        if differ.size:
+            raise HarmpiMismatchError(
+                f"{self._who()}: harmpi backend {what}: ranks disagree on the shape: "
+                + "; ".join(f"world rank {self._world_rank(r)} passes {tuple(table[r, 1:])}"
+                            for r in (0, *differ)) + "; no data moved")
+        nnz = table[:, 0]
+        dense_shape = shape[sparse_dim:]
+        row_bytes = math.prod(dense_shape) * t.element_size()
+        indices = torch.empty((int(nnz.sum()), sparse_dim), dtype=torch.int64)
+        values = torch.empty((int(nnz.sum()), *dense_shape), dtype=t.dtype)
+        reqs = []
+        for mine_t, whole, per_row in ((sparse.indices().t().contiguous(), indices, sparse_dim * 8),
+                                       (sparse.values().contiguous(), values, row_bytes)):
+            counts = (nnz * per_row).tolist()
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+            reqs.append(self._mpi.Iallgatherv(
+                _bytes_of(mine_t) if mine_t.numel() else bytearray(0),
+                [_bytes_of(whole) if whole.numel() else bytearray(0), (counts, displs),
+                 MPI.BYTE]))
+        self._wait(reqs, what)
+        total = torch.sparse_coo_tensor(indices.t(), values, shape).coalesce()
+        t.copy_(total)
+        return _DoneWork([t])
 
     def _start(self, t, scale):
         """First half of an async all-reduce on one node (module docstring)."""
@@ -1050,40 +1133,70 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         self._settle()
-        api.barrier(comm=self._harmpi_comm)
+        try:
+            api.barrier(comm=self._harmpi_comm)
+        except HarmpiTimeoutError as exc:
+            # the words torch's callers (and its own tests) look for
+            raise HarmpiTimeoutError(
+                f"{self._who()}: harmpi backend barrier: timeout after "
+                f"{self._ctx.config.timeout_s:g} s: {exc}", culprit=exc.culprit) from exc
         return _DoneWork()
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         """Gloo's monitored barrier: group rank 0 hears from every rank within
-        ``timeout`` (default: HARMPI_TIMEOUT_S) and names the ranks that did not
-        come (the first, or all with ``wait_all_ranks``), then releases them.
-        (torch's dist.monitored_barrier accepts gloo groups only; call this
-        method on the group: ``group.monitored_barrier(timedelta, wait_all_ranks)``.)"""
+        ``timeout`` (default: the group's deadline) and names the ranks that did
+        not come (the first, or all with ``wait_all_ranks``), then releases them.
+        The errors say what gloo's say ("Rank 1 failed to pass monitoredBarrier
+        in 100 ms", "Rank 0 timed out in monitoredBarrier after 0 ms"), group
+        ranks as gloo counts them, world ranks after. (torch's
+        dist.monitored_barrier accepts gloo groups only; call this method on the
+        group: ``group.monitored_barrier(timedelta, wait_all_ranks)``.)"""
         self._settle()
         self._check_usable()
         timeout_s = timeout.total_seconds() if timeout is not None else self._timeout_s
+        ms = round(timeout_s * 1000)
         n, me = self.size(), self.rank()
         token = np.zeros(1, np.int64)
         if me != 0:
             reqs = [self._mpi.Isend(token, dest=0, tag=_MONITOR_TAG),
                     self._mpi.Irecv(np.empty(1, np.int64), source=0, tag=_MONITOR_TAG)]
-            wait_requests(reqs, timeout_s, lambda pending: self._timed_out(
-                pending, "monitored_barrier (waiting for group rank 0's release)", 0))
+
+            def unreleased(pending):
+                if not _unfinished(pending):
+                    return
+                _cancel(pending)
+                raise HarmpiTimeoutError(
+                    f"Rank {me} successfully reached monitoredBarrier, but received errors "
+                    f"while waiting for send/recv from rank 0 (harmpi backend, {self._who()}: "
+                    f"group rank 0, world rank {self._world_rank(0)}, did not release it "
+                    f"within {ms} ms). Please check rank 0 logs for faulty rank.",
+                    culprit=self._world_rank(0))
+
+            wait_requests(reqs, timeout_s, unreleased)
             return _DoneWork()
         inbox = np.empty((max(n - 1, 1), 1), np.int64)
         reqs = [self._mpi.Irecv(inbox[r - 1], source=r, tag=_MONITOR_TAG) for r in range(1, n)]
 
         def missing(pending):
-            late = [r for r, q in zip(range(1, n), pending) if q != MPI.REQUEST_NULL]
+            late = [i + 1 for i in _unfinished(pending)]
             if not late:
                 return
-            for q in pending:
-                if q != MPI.REQUEST_NULL:
-                    q.Cancel()
+            _cancel(pending)
+            heard = [r for r in range(1, n) if r not in late]
+            if timeout_s <= 0:
+                raise HarmpiTimeoutError(
+                    f"Rank {me} timed out in monitoredBarrier after {ms} ms (harmpi backend, "
+                    f"{self._who()}). " + (f"Successfully processed ranks: "
+                                           f"{', '.join(map(str, heard))}" if heard else
+                                           "No ranks successfully processed in monitoredBarrier."),
+                    culprit=self._world_rank(late[0]))
             named = late if wait_all_ranks else late[:1]
+            ranks = ", ".join(map(str, named))
+            world = ", ".join(str(self._world_rank(r)) for r in named)
             raise HarmpiTimeoutError(
-                f"{self._who()}: harmpi backend monitored_barrier: world rank(s) "
-                f"{[self._world_rank(r) for r in named]} did not arrive within {timeout_s:g} s",
+                f"[Rank {me}]: Rank{'s' if len(named) > 1 else ''} {ranks} failed to pass "
+                f"monitoredBarrier in {ms} ms (harmpi backend, {self._who()}: world "
+                f"rank{'s' if len(named) > 1 else ''} {world})",
                 culprit=self._world_rank(late[0]))
 
         wait_requests(reqs, timeout_s, missing)
@@ -1143,6 +1256,33 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         self._broken = "the group was aborted"
 
 
+def _group_timeout(timeout):
+    """Seconds of a timeout= given to init_process_group or new_group, or None
+    when it is torch's default (given or not: torch passes its default for
+    "not given"), which leaves the deadline to HARMPI_TIMEOUT_S."""
+    if timeout is None or timeout == default_pg_timeout:
+        return None
+    return max(timeout.total_seconds(), 1e-3)  # gloo's 0 ms: every wait times out at once
+
+
+def _context(comm, timeout_s):
+    """The harmpi context of a group's communicator (None: the world), made
+    with the group's deadline when one was given. The world's context is
+    shared with harmpi.allreduce: one made before the group keeps its own
+    deadline for harmpi's sums and barrier (the MPI ops use the group's)."""
+    if timeout_s is None:
+        return STATE.get(comm)
+    live = STATE.lookup(comm if comm is not None else _WORLD)
+    if live is not None and live.broken is None:
+        if live.config.timeout_s != timeout_s:
+            log.info("harmpi backend: the group's timeout (%g s) applies to its MPI ops; "
+                     "harmpi's context of this communicator was set up earlier with %g s",
+                     timeout_s, live.config.timeout_s)
+        return live
+    config = dataclasses.replace(Config.from_env(), timeout_s=timeout_s)
+    return STATE.create(comm if comm is not None else _WORLD, config)
+
+
 def _private_comms(comm, timeout_s):
     """Two duplicates of ``comm`` (MPI_Comm_idup, under the deadline)."""
     (a, ra), (b, rb) = comm.Idup(), comm.Idup()
@@ -1192,6 +1332,7 @@ def _create(backend_opts, pg_options=None):
         raise HarmpiError("harmpi backend: MPI is not initialised; run under mpirun")
     ranks = list(backend_opts.global_ranks_in_group)
     rank, size = backend_opts.group_rank, backend_opts.group_size
+    timeout_s = _group_timeout(getattr(backend_opts, "timeout", None))
     if not ranks:  # the default group: torch's world must be MPI's
         if (rank, size) != (_WORLD.Get_rank(), _WORLD.Get_size()):
             raise HarmpiArgumentError(
@@ -1199,10 +1340,15 @@ def _create(backend_opts, pg_options=None):
                 f"{_WORLD.Get_rank()} of {_WORLD.Get_size()}: the rank and world size given to "
                 "init_process_group (or RANK/WORLD_SIZE) must match mpirun's, or be left out."
                 + worldenv.torchrun_hint())
-        return ProcessGroupHarmpi(_WORLD, rank, size)
+        return ProcessGroupHarmpi(_WORLD, rank, size, timeout_s)
     world = dist.distributed_c10d._get_default_group()
     if world.size() != _WORLD.Get_size():
         raise HarmpiArgumentError("harmpi backend: the default group does not span MPI's world")
+    # MPI_Comm_create_group blocks until every member calls it: first make
+    # sure (a polled meeting on the group's own store, under the deadline)
+    # that they all came, so one that never does is named instead
+    _members_arrive(backend_opts.store, rank, ranks,
+                    timeout_s or Config.from_env().timeout_s)
     world_group = _WORLD.Get_group()
     members = world_group.Incl(ranks)
     try:
@@ -1212,7 +1358,29 @@ def _create(backend_opts, pg_options=None):
         world_group.Free()
     if comm.Get_rank() != rank:
         raise HarmpiError(f"harmpi backend: group rank {rank} is MPI rank {comm.Get_rank()}")
-    return ProcessGroupHarmpi(comm, rank, size)
+    return ProcessGroupHarmpi(comm, rank, size, timeout_s)
+
+
+def _members_arrive(store, rank, ranks, timeout_s):
+    """Every member of a new group has come to its creation, or HarmpiTimeoutError
+    naming the world ranks that did not within ``timeout_s``. (The store is
+    the group's own: torch prefixes it with the group's unique name.)"""
+    store.set(f"harmpi/arrived/{rank}", "1")
+    count = store.add("harmpi/arrived", 1)
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-4
+    while count < len(ranks):
+        if time.monotonic() > deadline:
+            late = [w for r, w in enumerate(ranks) if not store.check([f"harmpi/arrived/{r}"])]
+            raise HarmpiTimeoutError(
+                f"rank {_WORLD.Get_rank()}: harmpi backend: creating a process group of world "
+                f"ranks {ranks}: world rank{'s' if len(late) > 1 else ''} "
+                f"{', '.join(map(str, late))} did not come within {timeout_s:g} s (it failed "
+                "or hangs, or did not call new_group; HARMPI_TIMEOUT_S or timeout= sets the "
+                "deadline)", culprit=late[0] if late else -1)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+        count = store.add("harmpi/arrived", 0)
 
 
 # -- rendezvous over MPI ------------------------------------------------------------------------
@@ -1242,21 +1410,49 @@ def _mpi_rendezvous(url, timeout=datetime.timedelta(minutes=30), **kwargs):
             raise HarmpiArgumentError(
                 f"init_process_group: {name}={given} but MPI says {mine}; under mpirun leave "
                 f"{name} out (harmpi takes it from MPI) or pass MPI's")
-    hosts = _WORLD.allgather(socket.gethostname())
+    # every MPI call here is non-blocking and polled under the deadline: a
+    # rank that never comes (it failed before init_process_group and its
+    # failure did not end the job) is named instead of hanging the others
+    timeout_s = _group_timeout(timeout) or Config.from_env().timeout_s
+    hosts = np.zeros((size, _NAME_BYTES), np.uint8)
+    _rendezvous_wait(_WORLD.Iallgather(_name_bytes(socket.gethostname()), hosts), timeout_s,
+                     "exchanging host names")
+    where = np.zeros(_NAME_BYTES, np.uint8)
     if rank == 0:
         store = dist.TCPStore("0.0.0.0", 0, size, True, timeout=timeout,
                               wait_for_workers=False)
-        addr = "127.0.0.1" if len(set(hosts)) == 1 else _host_address()
-        where = _WORLD.bcast((addr, store.port), root=0)
-    else:
-        where = _WORLD.bcast(None, root=0)
-        store = dist.TCPStore(where[0], where[1], size, False, timeout=timeout)
+        addr = "127.0.0.1" if len({row.tobytes() for row in hosts}) == 1 else _host_address()
+        where[:] = _name_bytes(f"{addr} {store.port}")
+    _rendezvous_wait(_WORLD.Ibcast(where, root=0), timeout_s, "hearing the store's address")
+    addr, port = where.tobytes().rstrip(b"\0").decode().split()
+    where = (addr, int(port))
+    if rank != 0:
+        store = dist.TCPStore(addr, int(port), size, False, timeout=timeout)
     # every rank is connected before any goes on (a rank that fails right
     # after must not close the store under one still connecting)
-    _WORLD.Barrier()
+    _rendezvous_wait(_WORLD.Ibarrier(), timeout_s, "waiting for every rank's store connection")
     log.debug("torch.distributed rendezvous over MPI: store at %s:%d", *where)
     yield (store, rank, size)
     raise RuntimeError("harmpi's MPI rendezvous cannot re-rendezvous")
+
+
+#: bytes of a host name or an address in the rendezvous' fixed-size messages
+_NAME_BYTES = 256
+
+
+def _name_bytes(text):
+    raw = text.encode()[:_NAME_BYTES]
+    return np.frombuffer(raw.ljust(_NAME_BYTES, b"\0"), np.uint8).copy()
+
+
+def _rendezvous_wait(req, timeout_s, step):
+    def late(_pending):
+        raise HarmpiTimeoutError(
+            f"rank {_WORLD.Get_rank()}: init_process_group's rendezvous over MPI ({step}): "
+            f"the other ranks did not arrive within {timeout_s:g} s (a rank failed or hangs "
+            "before init_process_group; HARMPI_TIMEOUT_S or timeout= sets the deadline)")
+
+    wait_requests([req], timeout_s, late)
 
 
 def _host_address():

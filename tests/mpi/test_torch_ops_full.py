@@ -427,3 +427,96 @@ def test_destroyed_groups_free_their_communicators(groups):
         assert comm == MPI.COMM_NULL
         with pytest.raises(harmpi.HarmpiError, match="destroyed"):
             g.broadcast([torch.ones(2)], dist.BroadcastOptions())
+
+
+# -- sparse all_reduce, a group's timeout=, monitored_barrier's messages ---------------------
+
+def _sparse_input(r, dtype):
+    """Rank r's sparse 6x3 input (uncoalesced: index (r % 3, 0) twice), and its dense form."""
+    idx = torch.tensor([[r % 3, r % 3, 5, r % 6], [0, 0, 1, 2]])
+    vals = torch.tensor([1, 2, 3, r + 1]).to(dtype)
+    return (torch.sparse_coo_tensor(idx, vals, (6, 3), check_invariants=True),
+            torch.sparse_coo_tensor(idx, vals.to(torch.float64), (6, 3),
+                                    check_invariants=True).to_dense())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_sparse_all_reduce_sum(groups, dtype):
+    """As gloo: the coalesced sum of every rank's sparse tensor replaces it."""
+    for group, ranks in groups:
+        k, me = len(ranks), dist.get_rank(group)
+        x, _ = _sparse_input(me, dtype)
+        dist.all_reduce(x, group=group)
+        ref = sum(_sparse_input(q, dtype)[1] for q in range(k))
+        assert x.is_sparse and x.is_coalesced() and x.dtype == dtype
+        assert torch.equal(x.to_dense().to(torch.float64), ref)
+        _same(group, x.to_dense())
+        with pytest.raises(harmpi.HarmpiArgumentError, match="SUM only"):
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        if k > 1:  # a shape that differs on the last rank: every rank raises
+            y = torch.sparse_coo_tensor(torch.zeros((2, 1), dtype=torch.int64), torch.ones(1),
+                                        (6, 3 + (me == k - 1)), check_invariants=True)
+            with pytest.raises(harmpi.HarmpiError, match="disagree"):
+                dist.all_reduce(y, group=group)
+
+
+def _full_group(**kwargs):
+    return dist.new_group(list(range(dist.get_world_size())), **kwargs)
+
+
+def test_a_groups_timeout_is_its_deadline(groups):
+    """new_group(timeout=1 s): a barrier and an MPI op that rank 0 alone calls
+    raise after ~1 s (not HARMPI_TIMEOUT_S), saying ' timeout ' as gloo does."""
+    import datetime
+    import time
+
+    if dist.get_world_size() < 2:
+        pytest.skip("needs a peer that does not come")
+    one_s = datetime.timedelta(seconds=1)
+    barrier_group, bcast_group = _full_group(timeout=one_s), _full_group(timeout=one_s)
+    if dist.get_rank() == 0:
+        for call, match in ((lambda: dist.barrier(group=barrier_group), " timeout after 1 s"),
+                            (lambda: dist.broadcast(torch.ones(3), src=0, group=bcast_group),
+                             "within 1 s")):
+            t0 = time.monotonic()
+            with pytest.raises(harmpi.HarmpiTimeoutError, match=match):
+                call()
+            assert 0.9 <= time.monotonic() - t0 < 10
+    dist.barrier()
+    for g in (barrier_group, bcast_group):
+        dist.destroy_process_group(g)
+
+
+def test_monitored_barrier_errors_read_as_gloos(groups):
+    """Rank 0 names the group ranks that did not come in gloo's words (the first,
+    or all of them), or that its own time ran out; a rank rank 0 never
+    releases says so as gloo does."""
+    import datetime
+
+    n = dist.get_world_size()
+    if n < 2:
+        pytest.skip("needs a rank that does not come")
+    short = datetime.timedelta(seconds=0.3)
+    g = _full_group()
+    if dist.get_rank() == 0:
+        with pytest.raises(harmpi.HarmpiTimeoutError,
+                           match=r"\[Rank 0\]: Rank 1 failed to pass monitoredBarrier in 300 ms"):
+            g.monitored_barrier(short)
+        others = ", ".join(map(str, range(1, n)))
+        with pytest.raises(harmpi.HarmpiTimeoutError,
+                           match=f"Ranks? {others} failed to pass monitoredBarrier"):
+            g.monitored_barrier(short, wait_all_ranks=True)
+        with pytest.raises(harmpi.HarmpiTimeoutError,
+                           match="Rank 0 timed out in monitoredBarrier after 0 ms"):
+            g.monitored_barrier(datetime.timedelta(seconds=0))
+    dist.barrier()
+    lonely = _full_group()  # a group of its own: its token to rank 0 may stay unreceived
+    if dist.get_rank() == n - 1:
+        with pytest.raises(harmpi.HarmpiTimeoutError,
+                           match=f"Rank {n - 1} successfully reached monitoredBarrier, but "
+                           "received errors while waiting for send/recv from rank 0"):
+            lonely.monitored_barrier(short)
+    dist.barrier()
+    g.monitored_barrier(datetime.timedelta(seconds=60))  # still usable
+    for group in (g, lonely):
+        dist.destroy_process_group(group)

@@ -1,0 +1,138 @@
+"""torch backend "harmpi" in whole mpirun jobs: a rank that does not come to
+an op makes its peers raise within HARMPI_TIMEOUT_S, naming it, on every op
+that moves data over MPI (no wait without a deadline); destroyed groups give
+back their communicators, windows and sockets. (The ops themselves:
+tests/mpi/test_torch_ops_full.py.)"""
+
+import re
+
+import pytest
+from test_faults import _run
+
+pytest.importorskip("torch")
+pytestmark = pytest.mark.timeout(300)
+
+ABSENT_RANK = """
+    import datetime, time, torch, torch.distributed as dist, harmpi
+    from harmpi.distributed import _mpi_rendezvous
+    dist.init_process_group("harmpi")
+    r, n = dist.get_rank(), dist.get_world_size()
+    calls = {{
+        "broadcast": lambda g, x: dist.broadcast(x, src=0, group=g),
+        "all_reduce MAX int64": lambda g, x: dist.all_reduce(x, op=dist.ReduceOp.MAX, group=g),
+        "all_to_all_single": lambda g, x: dist.all_to_all_single(
+            torch.empty(8, dtype=torch.int64), x, group=g),
+        "scatter": lambda g, x: dist.scatter(
+            x, [torch.zeros(8, dtype=torch.int64)] * n if r == 0 else None, src=0, group=g),
+        "recv": lambda g, x: dist.recv(x, src=n - 1, group=g),
+    }}
+    groups = {{name: dist.new_group(list(range(n))) for name in calls}}  # one per op
+    dist.barrier()
+    if r == n - 1:
+        # this rank hit an error of its own and never comes to the ops
+        try:
+            raise ValueError("a bug on the last rank")
+        except ValueError:
+            time.sleep({timeout_s} * (len(calls) + 2) + 6)
+    else:
+        for name, call in calls.items():
+            x = torch.arange(8)
+            t0 = time.monotonic()
+            try:
+                call(groups[name], x)
+            except harmpi.HarmpiTimeoutError as exc:
+                took = time.monotonic() - t0
+                print(f"rank {{r}} {{name}} raised after {{took:.1f}} s: {{exc}}", flush=True)
+                assert torch.equal(x, torch.arange(8)), x      # untouched
+            else:
+                print(f"rank {{r}} {{name}} returned", flush=True)
+        # what blocks in MPI until every rank comes: a group's creation
+        # (MPI_Comm_create_group) and the rendezvous over MPI (its collectives)
+        setups = {{
+            "new_group": lambda: dist.new_group(list(range(n))),
+            "rendezvous": lambda: next(_mpi_rendezvous(
+                "env://", timeout=datetime.timedelta(seconds={timeout_s}))),
+        }}
+        for name, call in setups.items():
+            t0 = time.monotonic()
+            try:
+                call()
+            except harmpi.HarmpiTimeoutError as exc:
+                took = time.monotonic() - t0
+                print(f"rank {{r}} {{name}} raised after {{took:.1f}} s: {{exc}}", flush=True)
+            else:
+                print(f"rank {{r}} {{name}} returned", flush=True)
+    print(f"rank {{r}} exits", flush=True)
+"""
+OPS = ("broadcast", "all_reduce MAX int64", "all_to_all_single", "scatter", "recv", "new_group",
+       "rendezvous")
+
+
+def test_a_rank_that_never_comes_is_named_within_the_deadline(tmp_path):
+    """At 2 virtual nodes x 2, the last rank errors alone and never comes;
+    every other rank (on its node and on the other) raises HarmpiTimeoutError
+    at the deadline, naming it alone, on each op in turn (each on a group of
+    its own: a timed-out group is unusable), data untouched."""
+    np_, extra = 4, {"HARMPI_RANKS_PER_NODE": "2", "HARMPI_TIMEOUT_S": "2"}
+    proc = _run(tmp_path, ABSENT_RANK.format(timeout_s=2), 200, np=np_, extra_env=extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(np_ - 1):
+        for op in OPS:
+            found = re.findall(rf"rank {r} {op} raised after ([\d.]+) s: (.*)", proc.stdout)
+            assert found, (r, op, proc.stdout, proc.stderr[-3000:])
+            took, message = float(found[0][0]), found[0][1]
+            assert 1.8 <= took < 60, (op, took)    # the deadline, with a generous margin
+            if op == "rendezvous":  # (a collective on COMM_WORLD: who is missing is unknown)
+                assert "rendezvous over MPI" in message and "did not arrive" in message, message
+            else:  # the absent rank alone (its peers came; they are not named)
+                assert re.search(rf"world rank {np_ - 1} ", message), message
+    assert proc.stdout.count("exits") == np_
+
+
+DESTROY_CYCLES = """
+    import os, resource, sys, torch, torch.distributed as dist, harmpi
+    from harmpi.distributed import ProcessGroupHarmpi
+    if {keep}:   # the behaviour before groups were freed, to show the test can fail
+        ProcessGroupHarmpi.shutdown = lambda self: None
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+    dist.init_process_group("harmpi")
+    n, r = dist.get_world_size(), dist.get_rank()
+    shm = os.path.join(sys.argv[1], "shm")
+
+    def usage():
+        pages = int(open("/proc/self/statm").read().split()[1])
+        return (pages * os.sysconf("SC_PAGE_SIZE") >> 20, len(os.listdir("/proc/self/fd")),
+                sum(1 for _ in open("/proc/self/maps")), len(os.listdir(shm)))
+
+    def cycle():
+        g = dist.new_group(list(range(n)))
+        x = torch.ones(5120, dtype=torch.bfloat16)
+        dist.all_reduce(x, group=g)
+        y = torch.arange(4)
+        dist.broadcast(y, src=0, group=g)
+        dist.destroy_process_group(g)
+
+    for _ in range(20):
+        cycle()
+    before = usage()
+    for _ in range({cycles}):
+        cycle()
+    after = usage()
+    print(f"rank {{r}} before {{before}} after {{after}}", flush=True)
+    rss, fds, maps, files = (b - a for a, b in zip(before, after))
+    assert fds <= 0 and maps <= 4 and files <= 0 and rss < 20, (before, after)
+    print(f"rank {{r}} flat", flush=True)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("layout", ["one node", "2 virtual nodes"])
+def test_destroyed_groups_keep_fds_mappings_and_shm_flat(tmp_path, layout):
+    """Issue 21 #9: 100 create/use/destroy cycles under ``ulimit -n 128``
+    (a socket or window kept per group: the job dies or grows; with
+    ``keep=True``, groups not freed, the mappings grow by one a cycle)."""
+    extra = {"HARMPI_RANKS_PER_NODE": "1"} if layout != "one node" else None
+    proc = _run(tmp_path, DESTROY_CYCLES.format(keep=False, cycles=100), 200, np=2,
+                extra_env=extra)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
+    assert proc.stdout.count("flat") == 2, proc.stdout
