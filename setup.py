@@ -68,7 +68,7 @@ def _native():
 
 
 PACKAGES = {
-    "packages": [*find_packages(include=["harmpi", "harmpi.*"]), "harmpi_launch"],
+    "packages": [*find_packages(include=["harmpi", "harmpi.*"]), "harmpi_launch", "harmpi_vllm"],
     "package_dir": {"harmpi_launch": "launch"},
 }
 

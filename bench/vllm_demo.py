@@ -1,0 +1,181 @@
+"""vLLM's CPU engine at TP=2 with harmpi's plug-in against vLLM's own
+communicator: output tokens/s, collectives per step, token identity.
+
+    make vllm-demo                      # = .venv-vllm/bin/python bench/vllm_demo.py
+    .venv-vllm/bin/python bench/vllm_demo.py --runs 5 --modes compiled
+
+Run with the vLLM venv's Python (its harmpi-launch starts the ranks). For
+each layout (1 node x 2 ranks; 2 virtual nodes x 1 rank, harmpi's tcp rail
+between them) and each mode (eager; compiled: vLLM's torch.compile graph)
+it starts one job per communicator, each under ``harmpi-launch -np 2``
+(a core per rank, bound) with ``distributed_executor_backend=
+"external_launcher"``; each job generates greedily ``--warmup`` times
+untimed, then ``--runs`` times timed (bench/vllm_job.py). The rivals:
+
+- 1 node: vLLM's own choice ("vllm": its shared-memory all-reduce op where
+  its AVX-512 library has one, else Gloo) and, when that was the shm op,
+  Gloo too;
+- 2 virtual nodes: Gloo (what vLLM uses between machines; its shm op
+  would be an unfair same-host shortcut there).
+
+Printed: median output tokens/s with min-max over the runs, harmpi's ratio
+against each rival from the same layout and mode, whether the sampled
+tokens equal the rival's, and (eager, counted once) the TP collectives of
+one generation by kind and size, per forward step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import vllm_model  # noqa: E402 - this directory
+
+LAYOUTS = {"1x2": [], "2x1": ["--virtual-nodes", "1", "--transport", "tcp"]}
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layouts", default="1x2,2x1", help="comma list of 1x2, 2x1")
+    p.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
+    p.add_argument("--runs", type=int, default=3, help="timed generations per job (>= 3)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=1, help="sequences per generation")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "harmpi-vllm-model"),
+                   help="where the random model is made (kept between runs)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    p.add_argument("--json", help="also write every job's result here")
+    a = p.parse_args(argv)
+    if a.runs < 3:
+        p.error("--runs must be >= 3 (a median and a spread)")
+    a.layouts = [x for x in a.layouts.split(",") if x]
+    a.modes = [x for x in a.modes.split(",") if x]
+    for x in a.layouts:
+        if x not in LAYOUTS:
+            p.error(f"unknown layout {x!r} (1x2, 2x1)")
+    for x in a.modes:
+        if x not in ("eager", "compiled"):
+            p.error(f"unknown mode {x!r} (eager, compiled)")
+    return a
+
+
+def launcher() -> str:
+    """This venv's harmpi-launch (the ranks must run this Python)."""
+    path = os.path.join(os.path.dirname(sys.executable), "harmpi-launch")
+    if not os.access(path, os.X_OK):
+        sys.exit(f"{path} not found: run with the vLLM venv's Python (make vllm-venv)")
+    return path
+
+
+def run_job(model, layout, mode, comm, out, *, runs, warmup, prompts, max_tokens, count,
+            timeout, tp=2):
+    """One vLLM job of ``tp`` ranks; returns bench/vllm_job.py's result (rank 0)."""
+    cmd = [launcher(), "-np", str(tp), *LAYOUTS[layout], "--",
+           sys.executable, os.path.join(HERE, "vllm_job.py"), "--model", model,
+           "--comm", comm, "--mode", mode, "--runs", str(runs), "--warmup", str(warmup),
+           "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--out", out,
+           "--tp", str(tp)]
+    if count:
+        cmd.append("--count")
+    env = dict(os.environ)
+    env.pop("HARMPI_VLLM", None)
+    if comm == "harmpi":
+        env["HARMPI_VLLM"] = "1"
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not os.path.exists(out):
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise RuntimeError(f"job failed ({' '.join(cmd)}), exit {proc.returncode}:\n{tail}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def tokens_per_s(result) -> list[float]:
+    return [result["output_tokens"] / s for s in result["seconds"]]
+
+
+def _fmt(rates):
+    return f"{statistics.median(rates):7.1f}  ({min(rates):.1f}-{max(rates):.1f})"
+
+
+def measure(a):
+    """Run every job; return (rows, results, counts). A row: (layout, mode,
+    communicator, its result, harmpi's result in the same layout and mode),
+    or (layout, mode, "note", None, None) where vLLM has no shm op."""
+    rows, results, counts = [], [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in a.layouts:
+            for mode in a.modes:
+                comms = ["vllm", "harmpi"] if layout == "1x2" else ["gloo", "harmpi"]
+                done = {}
+                for comm in comms:             # grows by "gloo" where the shm op exists
+                    want_count = counts is None and mode == "eager" and comm == "harmpi"
+                    r = run_job(a.model, layout, mode, comm, os.path.join(tmp, "r.json"),
+                                runs=a.runs, warmup=a.warmup, prompts=a.prompts,
+                                max_tokens=a.max_tokens, count=want_count, timeout=a.timeout)
+                    r["layout"] = layout
+                    results.append(r)
+                    done[comm] = r
+                    if want_count:
+                        counts = r["counts"]
+                    if comm == "vllm" and r["path"] == "vllm shm op":
+                        comms.append("gloo")
+                rows += [(layout, mode, comm, r, done["harmpi"]) for comm, r in done.items()]
+                if layout == "1x2" and all(r["path"] != "vllm shm op" for r in done.values()):
+                    rows.append((layout, mode, "note", None, None))
+    return rows, results, counts
+
+
+def report(a, rows, counts):
+    print(f"\n{'layout':7}{'mode':10}{'communicator':40}{'tokens/s median (min-max)':28}"
+          f"{'harmpi ratio':>13}  tokens")
+    for layout, mode, comm, r, h in rows:
+        if r is None:
+            print(f"{layout:7}{mode:10}(vLLM's shm all-reduce op is not in this CPU's vLLM "
+                  "library (it needs AVX-512): vLLM uses Gloo here)")
+            continue
+        ratio = statistics.median(tokens_per_s(h)) / statistics.median(tokens_per_s(r))
+        same = "-" if comm == "harmpi" else ("identical" if r["tokens"] == h["tokens"]
+                                             else "DIFFERENT")
+        print(f"{layout:7}{mode:10}{comm + ': ' + r['path']:40}{_fmt(tokens_per_s(r)):28}"
+              f"{'' if comm == 'harmpi' else f'{ratio:.2f}x':>13}  {same}")
+    if counts:
+        print(f"\nTP collectives of one generation ({a.prompts} sequence(s) x {a.max_tokens} "
+              f"tokens = {a.max_tokens} forward steps), per rank:")
+        for kind, nbytes, n in counts:
+            print(f"  {kind:11} {nbytes:>9} B  x {n:5}  ({n / a.max_tokens:.2f} per step)")
+
+
+def main(argv=None):
+    a = _args(argv)
+    vllm_model.make(a.model)
+    import torch  # noqa: PLC0415 - the vLLM venv's
+
+    print(f"vLLM TP=2, random Llama {vllm_model.SHAPE['num_hidden_layers']} layers x hidden "
+          f"{vllm_model.SHAPE['hidden_size']} bf16, {a.prompts} sequence(s) x {a.max_tokens} "
+          f"tokens, greedy; {a.runs} timed runs per job; torch {torch.__version__}, "
+          f"{os.cpu_count()} cores", flush=True)
+    rows, results, counts = measure(a)
+    report(a, rows, counts)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    bad = [(lay, m, c) for lay, m, c, r, h in rows
+           if r is not None and c != "harmpi" and r["tokens"] != h["tokens"]]
+    if bad:
+        print(f"\nsampled tokens differ from harmpi's: {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""One rank of a vLLM offline generation at TP=N, for bench/vllm_demo.py and
+tests/test_vllm_generation.py (run by harmpi-launch with the vLLM venv's Python):
+
+    HARMPI_VLLM=1 harmpi-launch -np 2 -- python bench/vllm_job.py --model DIR \\
+        --comm harmpi --mode compiled --out result.json
+
+Every rank builds the same ``LLM`` with ``distributed_executor_backend=
+"external_launcher"`` (vLLM runs its worker in this process; harmpi-launch
+exported RANK, WORLD_SIZE, MASTER_ADDR... from MPI), generates greedily
+(``--warmup`` untimed runs, then ``--runs`` timed ones) and rank 0 writes
+``--out``: the sampled token ids, the seconds of each timed run, the output
+token count, which path vLLM's TP all-reduce took, and (``--count``) the
+collectives one generation made, by kind and size.
+
+``--comm``: ``harmpi`` needs HARMPI_VLLM=1 in the environment (the plug-in);
+``vllm`` is vLLM's own CPU communicator as vLLM picks it (its shared-memory
+op where its AVX-512 library has one, else torch.distributed over Gloo);
+``gloo`` makes vLLM take its own Gloo path even where the shm op exists, the
+way it does when its ranks disagree on the shm group's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+
+from vllm_model import prompts  # this directory (sys.path[0]), not the checkout's root
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--comm", choices=["harmpi", "vllm", "gloo"], required=True)
+    p.add_argument("--mode", choices=["eager", "compiled"], required=True)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=4, help="sequences per generation")
+    p.add_argument("--prompt-len", type=int, default=16, help="words per prompt")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per sequence")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--count", action="store_true", help="count collectives (eager only)")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def _force_gloo():
+    """vLLM's own fallback: its CPU communicator uses torch.distributed (the
+    Gloo device group) when the group's ranks do not share a shm group name."""
+    from vllm.distributed.device_communicators import cpu_communicator as cc  # noqa: PLC0415
+
+    cc.CpuCommunicator._all_group_ranks_share_shm_group_name = lambda self: False
+
+
+def _count_collectives(llm, batch, params) -> Counter:
+    """The TP all_reduce and all_gather calls of one generation, by (kind, bytes)
+    (eager: a compiled graph does not call back into Python)."""
+    from vllm.distributed.parallel_state import GroupCoordinator  # noqa: PLC0415
+
+    counts = Counter()
+    saved = GroupCoordinator.all_reduce, GroupCoordinator.all_gather
+
+    def wrap(kind, fn):
+        def counted(self, input_, *args, **kwargs):
+            if self.unique_name.startswith("tp"):
+                counts[(kind, input_.numel() * input_.element_size())] += 1
+            return fn(self, input_, *args, **kwargs)
+        return counted
+
+    GroupCoordinator.all_reduce = wrap("all_reduce", saved[0])
+    GroupCoordinator.all_gather = wrap("all_gather", saved[1])
+    try:
+        llm.generate(batch, params, use_tqdm=False)
+    finally:
+        GroupCoordinator.all_reduce, GroupCoordinator.all_gather = saved
+    return counts
+
+
+def _tp_path() -> str:
+    """Which path this rank's TP all-reduce takes."""
+    from vllm.distributed.parallel_state import get_tp_group  # noqa: PLC0415
+
+    dc = get_tp_group().device_communicator
+    if dc is None:
+        return "none (one rank)"
+    if getattr(dc, "harmpi", None) is not None:
+        return f"harmpi ({type(dc).__name__})"
+    return "vllm shm op" if type(dc.dist_module).__name__ == "_CPUSHMDistributed" else "gloo"
+
+
+def main(argv=None):
+    a = _args(argv)
+    if a.comm == "gloo":
+        _force_gloo()
+    from vllm import LLM, SamplingParams  # noqa: PLC0415
+
+    llm = LLM(model=a.model, tokenizer=a.model, tensor_parallel_size=a.tp, dtype="bfloat16",
+              distributed_executor_backend="external_launcher", enforce_eager=a.mode == "eager",
+              seed=0, max_model_len=256, max_num_seqs=max(a.prompts, 1),
+              kv_cache_memory_bytes=256 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+    batch = prompts(a.prompts, a.prompt_len)
+    for _ in range(a.warmup):
+        llm.generate(batch, params, use_tqdm=False)
+    counts = _count_collectives(llm, batch, params) if a.count else Counter()
+    seconds, outs = [], None
+    for _ in range(a.runs):
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - t0)
+    if int(os.environ.get("RANK", "0")) == 0:
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        with open(a.out, "w") as f:
+            json.dump({"comm": a.comm, "mode": a.mode, "path": _tp_path(), "tokens": tokens,
+                       "output_tokens": sum(map(len, tokens)), "seconds": seconds,
+                       "counts": [[k, n, c] for (k, n), c in sorted(counts.items())],
+                       "prompts": a.prompts, "max_tokens": a.max_tokens}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

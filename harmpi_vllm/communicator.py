@@ -1,0 +1,47 @@
+"""The device communicator vLLM's CPU platform makes with ``HARMPI_VLLM=1``.
+
+It is vLLM's ``CpuCommunicator`` (set up exactly as vLLM sets it up, so
+every other collective, gather and the pipeline-parallel tensor dicts stay
+vLLM's), except in a tensor-parallel group ("tp:N"), where ``all_reduce``
+and ``all_gather`` go through harmpi (:class:`harmpi_vllm.group.HarmpiGroup`).
+vLLM imports this module by name (harmpi_vllm.COMMUNICATOR) when it makes a
+group of more than one rank; harmpi itself is imported only for a TP group.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+from .group import HarmpiGroup, rank_view
+
+__all__ = ["HarmpiCpuCommunicator"]
+
+
+class HarmpiCpuCommunicator(CpuCommunicator):
+    """vLLM's CPU communicator; a TP group's all-reduce and all_gather by harmpi."""
+
+    def __init__(self, cpu_group, device=None, device_group=None, unique_name: str = "",
+                 use_all2all: bool = False):
+        super().__init__(cpu_group, device, device_group, unique_name, use_all2all=use_all2all)
+        self.harmpi = None
+        if unique_name.split(":")[0] == "tp":
+            views = [None] * self.world_size
+            dist.all_gather_object(
+                views, rank_view(self.global_rank, self.global_world_size, os.environ),
+                group=self.cpu_group)
+            self.harmpi = HarmpiGroup.make(unique_name, self.ranks, views)
+
+    def all_reduce(self, input_):
+        """Out of place for a TP group (vLLM uses the returned tensor);
+        vLLM's own in-place call elsewhere."""
+        if self.harmpi is None:
+            return super().all_reduce(input_)
+        return self.harmpi.all_reduce(input_)
+
+    def all_gather(self, input_, dim: int = -1):
+        if self.harmpi is None:
+            return super().all_gather(input_, dim)
+        return self.harmpi.all_gather(input_, dim)

@@ -1,0 +1,126 @@
+"""One vLLM tensor-parallel group served by harmpi: its MPI communicator and
+its two collectives.
+
+vLLM names a group's members by their torch.distributed ranks. The plug-in
+needs them to be MPI ranks of the same numbers: vLLM started one process per
+rank under an MPI launcher (``distributed_executor_backend="external_launcher"``
+under ``harmpi-launch`` or ``mpirun``, which export RANK/WORLD_SIZE from MPI's
+own). Each member reads what its MPI launcher says it is from the
+environment (no MPI call: a process that is not an MPI rank must not
+initialise MPI), the members exchange that over vLLM's Gloo group, and every
+member takes the same decision: serve the group, or raise the same
+:class:`~harmpi_vllm.VllmLaunchError` naming what each rank saw.
+
+Served: the group's communicator is MPI.COMM_WORLD when the group is every
+rank of the job (the operator's group "", whose CPU kernel calls harmpi's
+compiled entry directly), otherwise ``COMM_WORLD.Create_group`` of its
+ranks, bound to the vLLM group's name with ``harmpi.native.name_group``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import ENV, VllmLaunchError
+
+# vLLM's logging configuration shows its own "vllm" loggers' INFO lines
+log = logging.getLogger("vllm.harmpi")
+
+#: (rank variable, size variable) of the MPI launchers: Open MPI, then
+#: MPICH's Hydra and Intel MPI
+MPI_ENV = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
+
+HOW = ("run one process per vLLM rank under MPI and let vLLM start no workers of its own: "
+       "LLM(..., distributed_executor_backend=\"external_launcher\") under "
+       "`harmpi-launch -np N -- python script.py` (or mpirun -np N); or unset " + ENV)
+
+
+def mpi_rank_from_env(environ) -> tuple[int, int] | None:
+    """(rank, size) that this process's MPI launcher exported, or None."""
+    for rank_var, size_var in MPI_ENV:
+        if rank_var in environ and size_var in environ:
+            return int(environ[rank_var]), int(environ[size_var])
+    return None
+
+
+def rank_view(torch_rank: int, torch_world: int, environ) -> tuple:
+    """What one member contributes to :func:`check_ranks`."""
+    return torch_rank, torch_world, mpi_rank_from_env(environ)
+
+
+def check_ranks(name: str, views) -> None:
+    """Raise VllmLaunchError unless every member's torch rank is its MPI rank
+    in a job whose MPI world is torch's world. ``views``: every member's
+    :func:`rank_view`, the same list on every member (so all raise alike)."""
+    bad = []
+    for torch_rank, torch_world, mpi in views:
+        if mpi is None:
+            bad.append(f"vLLM rank {torch_rank} was not started by an MPI launcher")
+        elif mpi != (torch_rank, torch_world):
+            bad.append(f"vLLM rank {torch_rank} of {torch_world} is MPI rank {mpi[0]} of "
+                       f"{mpi[1]}")
+    if bad:
+        raise VllmLaunchError(
+            f"{ENV}=1: harmpi cannot carry vLLM's group {name!r} (ranks "
+            f"{[v[0] for v in views]}): vLLM's ranks are not MPI ranks ({'; '.join(bad)}). "
+            f"vLLM's default multiprocessing executor starts its workers itself; {HOW}")
+
+
+def communicator_for(ranks, world):
+    """(comm, op group name or "") for the group of MPI ranks ``ranks``:
+    ``world`` itself when the group is all of it, else a communicator of
+    those ranks (collective over the group's members only)."""
+    ranks = list(ranks)
+    if ranks == list(range(world.Get_size())):
+        return world, ""
+    return world.Create_group(world.Get_group().Incl(ranks)), None
+
+
+class HarmpiGroup:
+    """A vLLM TP group's collectives through harmpi (made by :meth:`make`).
+
+    all_reduce(x): rank r holds x_r; every rank gets a new tensor holding
+    x_0 + ... + x_{n-1} (bitwise the same everywhere), x untouched.
+    all_gather(x, dim): every rank gets cat([x_0, ..., x_{n-1}], dim).
+    """
+
+    def __init__(self, comm, op_group: str, name: str, ranks):
+        import torch  # noqa: PLC0415 - loaded by vLLM by now
+
+        import harmpi  # noqa: PLC0415 - the point of this class: imported late
+
+        self.comm, self.op_group, self.name, self.ranks = comm, op_group, name, list(ranks)
+        self._op = torch.ops.harmpi.all_reduce
+        self._allgather = harmpi.allgather
+
+    @classmethod
+    def make(cls, name: str, ranks, views):
+        """The group ``name`` of vLLM ranks ``ranks``, or VllmLaunchError;
+        ``views``: :func:`rank_view` of every member (collective)."""
+        check_ranks(name, views)
+        from mpi4py import MPI  # noqa: PLC0415
+
+        import harmpi  # noqa: PLC0415 - only now: see harmpi_vllm's docstring
+        from harmpi import native  # noqa: PLC0415
+
+        if native.load() is None:
+            raise harmpi.HarmpiError(
+                f"{ENV}=1: vLLM's compiled graph needs the operator torch.ops.harmpi.all_reduce "
+                f"from harmpi's torch extension, which is {native.status()}")
+        comm, op_group = communicator_for(ranks, MPI.COMM_WORLD)
+        if op_group is None:
+            op_group = name
+            native.name_group(name, comm)
+        harmpi.init(comm)  # collective: windows, transport, kernels now, not in a timed step
+        where = harmpi.info(comm)
+        (log.info if comm.Get_rank() == 0 else log.debug)(
+            "harmpi carries vLLM's all-reduce and all_gather in group %s: vLLM/MPI ranks %s, "
+            "%s node(s), communicator %s", name, list(ranks), where["nodes"],
+            "MPI.COMM_WORLD" if not op_group else f"of ranks {list(ranks)} ({op_group!r})")
+        return cls(comm, op_group, name, ranks)
+
+    def all_reduce(self, x):
+        return self._op(x, self.op_group)
+
+    def all_gather(self, x, dim: int):
+        return self._allgather(x.contiguous(), dim=dim, comm=self.comm)

@@ -1,0 +1,64 @@
+"""vLLM's CPU engine generating at TP=2 under harmpi-launch with harmpi's
+plug-in (HARMPI_VLLM=1), eager and compiled: the sampled tokens must equal
+those of vLLM's own communicator in the same mode, and vLLM's TP all-reduce
+must really have gone through harmpi. Runs bench/vllm_demo.py (short
+generations) with the vLLM venv's Python (.venv-vllm, `make vllm-venv`).
+
+`make test` builds that venv and sets HARMPI_VLLM_REQUIRED=1, so there a
+missing venv fails; a bare pytest run without it skips, saying why."""
+
+import os
+import re
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_PY = os.path.join(REPO, ".venv-vllm", "bin", "python")
+pytestmark = pytest.mark.timeout(1500)
+
+
+def _need_venv():
+    if os.access(VLLM_PY, os.X_OK) and os.path.exists(
+            os.path.join(REPO, ".venv-vllm", ".harmpi-installed")):
+        return
+    msg = f"{VLLM_PY} (with harmpi installed) is missing: `make vllm-venv` builds it"
+    if os.environ.get("HARMPI_VLLM_REQUIRED") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def test_tp2_generation_through_harmpi_equals_vllms_own(tmp_path):
+    _need_venv()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HARMPI_", "OMPI_COMM_WORLD", "PMIX_"))}
+    env["PATH"] = os.path.dirname(VLLM_PY) + os.pathsep + env.get("PATH", "")
+    for k in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
+        env[k] = "1"
+    out = tmp_path / "jobs.json"
+    proc = subprocess.run(
+        [VLLM_PY, os.path.join(REPO, "bench", "vllm_demo.py"), "--layouts", "1x2",
+         "--modes", "eager,compiled", "--runs", "3", "--warmup", "0", "--prompts", "2",
+         "--max-tokens", "8", "--model", str(tmp_path / "model"), "--json", str(out),
+         "--timeout", "600"],
+        env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=1450)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    import json
+    jobs = json.loads(out.read_text())
+    by = {(j["mode"], j["comm"]): j for j in jobs}
+    for mode in ("eager", "compiled"):
+        h, v = by[(mode, "harmpi")], by[(mode, "vllm")]
+        assert h["path"].startswith("harmpi"), h["path"]    # the plug-in carried it
+        assert not v["path"].startswith("harmpi"), v["path"]
+        assert h["output_tokens"] == 2 * 8
+        assert h["tokens"] == v["tokens"], (mode, h["tokens"], v["tokens"])
+        if (mode, "gloo") in by:                            # where vLLM's shm op exists
+            assert h["tokens"] == by[(mode, "gloo")]["tokens"]
+    # the eager harmpi job counted the collectives: 9 all-reduces per step
+    # (4 layers x 2, the vocabulary-parallel embedding) and one logits gather
+    counts = by[("eager", "harmpi")]["counts"]
+    reduces = sum(n for kind, _, n in counts if kind == "all_reduce")
+    gathers = sum(n for kind, _, n in counts if kind == "all_gather")
+    assert reduces == 9 * 8 and gathers == 8, counts
+    assert re.search(r"harmpi \(HarmpiCpuCommunicator\)", text), text[-3000:]
