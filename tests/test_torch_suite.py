@@ -56,3 +56,20 @@ def test_the_check_compares_with_gloo_or_the_committed_list():
     assert suite.regressions({"harmpi": harmpi}, ["a", "b"]) == ["b"]
     assert suite.regressions({"harmpi": harmpi}, None) == []
     assert set(suite.EXEMPT) <= set(suite.METHODS)
+
+
+def test_the_small_world_guard_comes_off_at_three_ranks():
+    from torch.testing._internal.common_distributed import skip_if_small_worldsize
+
+    def method(self):
+        return "ran"
+
+    guarded = skip_if_small_worldsize(method)
+    assert rank.unguarded(guarded, 3) is method and rank.unguarded(guarded, 4) is method
+    assert rank.unguarded(guarded, 2) is guarded          # torch's skip stands at 2 ranks
+    assert rank.unguarded(method, 3) is method
+
+
+def test_disagreements_that_leave_nothing_open_are_known_methods():
+    assert set(rank.NOTHING_LEFT_OPEN) <= set(suite.METHODS)
+    assert set(rank.NOTHING_LEFT_OPEN) <= set(suite.EXEMPT)  # torch refuses them, not harmpi

@@ -107,6 +107,8 @@ EXEMPT = {
     "test_monitored_barrier_gloo": "torch's dist.monitored_barrier refuses every backend but "
     "gloo (ValueError in torch's Python, before the group is called)",
     "test_monitored_barrier_gloo_subgroup": "as test_monitored_barrier_gloo",
+    "test_monitored_barrier_failure_order": "as test_monitored_barrier_gloo",
+    "test_monitored_barrier_wait_all_ranks": "as test_monitored_barrier_gloo",
 }
 
 BACKENDS = ("gloo", "harmpi")
