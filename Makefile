@@ -34,14 +34,20 @@ all: test
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-deepspeed.txt pyproject.toml setup.py \
-          harmpi/_native.cpp
+# Debian packages both venvs need (the tools the tests run, g++, python3-venv);
+# its own target so that the two venvs, installed side by side, share one apt run.
+SYSTEM_STAMP := $(CURDIR)/.system-packages-checked
+$(SYSTEM_STAMP):
 	@if ! command -v ip >/dev/null 2>&1 || ! command -v unshare >/dev/null 2>&1 || ! command -v pkill >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES); \
 	  else echo "note: ip/unshare/g++ missing and cannot apt-get: the two-host test skips, harmpi.allreduce keeps its Python path"; fi; fi
 	@if ! $(PYTHON) -c "import venv, ensurepip" >/dev/null 2>&1; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv python3-dev; fi
+	touch $@
+
+$(STAMP): requirements.txt requirements-deepspeed.txt pyproject.toml setup.py \
+          harmpi/_native.cpp | $(SYSTEM_STAMP)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	@# builds harmpi._C (setup.py: the native part, harmpi/native.py) against the
@@ -84,7 +90,11 @@ test-verbs: setup
 	  $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi/test_allreduce.py \
 	  tests/mpi/test_verbs_rail.py
 
-test: setup lint unit-test mpi-test vllm-test
+# The two venvs install side by side (pip waits on the network most of the
+# time); then the tests, one after another.
+test:
+	$(MAKE) --no-print-directory -j2 setup vllm-venv
+	$(MAKE) --no-print-directory lint unit-test mpi-test torch-suite vllm-test
 
 lint: setup
 	$(PY) -m ruff check .
@@ -93,29 +103,38 @@ unit-test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --color=no --ignore=tests/mpi \
 	  --ignore=tests/test_vllm_generation.py tests
 
-# Every MPI test file at every rank count; one failing rank aborts the job
-# (python -m mpi4py turns an uncaught exception into MPI_Abort).
+# The MPI tests; one failing rank aborts the job (python -m mpi4py turns an
+# uncaught exception into MPI_Abort). Every file at 1-4 ranks on one node and
+# at the virtual-node layouts that differ in kind (2x2 and 2+1 over tcp, 2x2
+# and 3x2 over mpi: rails, uneven nodes, rail folding); the data-path files
+# (MPI_CORE_TESTS: every algorithm and size class, allgather, logits, bad
+# input) at the others and under the forced slot-store modes. The torch and
+# fault files do not change with those settings, and each run of them costs
+# ~1 min on 2 cores: the whole matrix must fit CI's budget.
+MPI_CORE_TESTS := tests/mpi/test_allreduce.py tests/mpi/test_allgather_topology.py \
+  tests/mpi/test_logits.py tests/mpi/test_inputs.py tests/mpi/test_errors.py
+MPI_PYTEST = $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no
 mpi-test: setup
 	@for n in $(NPS); do \
 	  echo "== mpirun -np $$n (MPI tests)"; \
-	  timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIRUN) -np $$n $(MPI_FLAGS) \
-	    $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi || exit 1; \
+	  timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIRUN) -np $$n $(MPI_FLAGS) $(MPI_PYTEST) tests/mpi \
+	    || exit 1; \
 	done
 	@# the slot-store modes the tuner may pick, forced (auto picks by timing)
 	@for cfg in "2 on" "3 flush"; do set -- $$cfg; \
-	  echo "== mpirun -np $$1 with HARMPI_STREAM_STORES=$$2"; \
+	  echo "== mpirun -np $$1 with HARMPI_STREAM_STORES=$$2 (data-path tests)"; \
 	  HARMPI_STREAM_STORES=$$2 timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIRUN) -np $$1 $(MPI_FLAGS) \
-	    -x HARMPI_STREAM_STORES $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi \
-	    || exit 1; \
+	    -x HARMPI_STREAM_STORES $(MPI_PYTEST) $(MPI_CORE_TESTS) || exit 1; \
 	done
 	@echo "== virtual nodes: 2x2, 2x1, 2+1 (uneven), 4x1, 3x1 and 3x2 (rail folding)"
 	@echo "   over the tcp transport (auto), then 2x2, 2+1 and 3x2 again over the mpi transport"
-	@for cfg in "4 2 auto" "2 1 auto" "3 2 auto" "4 1 auto" "3 1 auto" "6 2 auto" \
-	            "4 2 mpi" "3 2 mpi" "6 2 mpi"; do set -- $$cfg; \
-	  echo "== mpirun -np $$1 with HARMPI_RANKS_PER_NODE=$$2 HARMPI_TRANSPORT=$$3"; \
+	@for cfg in "4 2 auto all" "2 1 auto core" "3 2 auto all" "4 1 auto core" "3 1 auto core" \
+	            "6 2 auto core" "4 2 mpi all" "3 2 mpi core" "6 2 mpi all"; do set -- $$cfg; \
+	  if [ $$4 = all ]; then files=tests/mpi; else files="$(MPI_CORE_TESTS)"; fi; \
+	  echo "== mpirun -np $$1 with HARMPI_RANKS_PER_NODE=$$2 HARMPI_TRANSPORT=$$3 ($$4 tests)"; \
 	  HARMPI_RANKS_PER_NODE=$$2 HARMPI_TRANSPORT=$$3 timeout -k 10 $(MPI_TEST_TIMEOUT) \
 	    $(MPIRUN) -np $$1 $(MPI_FLAGS) -x HARMPI_RANKS_PER_NODE -x HARMPI_TRANSPORT \
-	    $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi || exit 1; \
+	    $(MPI_PYTEST) $$files || exit 1; \
 	done
 
 # vLLM's CPU engine with harmpi's plug-in (README "vLLM"): its own venv,
@@ -139,7 +158,7 @@ VLLM_LAUNCH := $(VLLM_VENV)/bin/harmpi-launch
 
 vllm-venv: $(VLLM_HARMPI_STAMP)
 
-$(VLLM_STAMP): requirements-vllm.txt
+$(VLLM_STAMP): requirements-vllm.txt | $(SYSTEM_STAMP)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check -r requirements-vllm.txt
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
@@ -176,16 +195,17 @@ vllm-demo: vllm-venv
 	$(VLLM_PY) bench/vllm_demo.py
 
 # torch's own distributed tests as the conformance test (tests/torch_suite,
-# README "torch's own tests"): the collective and point-to-point methods of
-# DistributedTest._DistTestBase under mpirun, backend harmpi at 2 and 3
-# ranks and 2 virtual nodes x 2; fails when harmpi does not pass a method
-# that gloo passes on this machine (tests/torch_suite/gloo_passes.json).
+# README "torch's own tests"), part of make test: the collective and
+# point-to-point methods of DistributedTest._DistTestBase under mpirun,
+# backend harmpi at 2 and 3 ranks and 2 virtual nodes x 2, one job per
+# layout (~2-4 min in all on 2 cores); fails when harmpi does not pass a
+# method that gloo passes on this machine (tests/torch_suite/gloo_passes.json).
 # torch-suite-gloo runs gloo beside it and checks against that run instead
-# (twice the time); it writes gloo's passes to $(TORCH_SUITE_GLOO_OUT).
+# (more than twice the time); it writes gloo's passes to $(TORCH_SUITE_GLOO_OUT).
 TORCH_SUITE_LAYOUTS ?= 2,3,2x2
 TORCH_SUITE_GLOO_OUT ?= /tmp/harmpi-gloo-passes.json
 torch-suite: setup
-	timeout -k 10 1800 $(PY) tests/torch_suite/suite.py --backends harmpi \
+	timeout -k 10 900 $(PY) tests/torch_suite/suite.py --backends harmpi \
 	  --layouts $(TORCH_SUITE_LAYOUTS) --expect tests/torch_suite/gloo_passes.json --check
 
 torch-suite-gloo: setup
@@ -196,5 +216,5 @@ demo: setup
 	$(PY) -m bench.demo
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info harmpi/_C.*.so
+	rm -rf $(VENV) $(VLLM_VENV) $(SYSTEM_STAMP) .pytest_cache build *.egg-info harmpi/_C.*.so
 	find . -name __pycache__ -prune -exec rm -rf {} +
