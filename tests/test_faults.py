@@ -51,6 +51,17 @@ def _job(tmp_path, body, np=2, mpi4py_main=False, extra_env=None):
     return argv, env, shm
 
 
+# Job-script text (four spaces in, as the job bodies): usage() gives this
+# rank's (RSS MB, open fds, mappings, files in the job's shm directory
+# ``shm``), what the create/destroy cycle jobs compare before and after.
+RESOURCE_USAGE = """\
+    def usage():
+        pages = int(open("/proc/self/statm").read().split()[1])
+        return (pages * os.sysconf("SC_PAGE_SIZE") >> 20, len(os.listdir("/proc/self/fd")),
+                sum(1 for _ in open("/proc/self/maps")), len(os.listdir(shm)))
+"""
+
+
 def _run(tmp_path, body, limit_s, **kw):
     argv, env, shm = _job(tmp_path, body, **kw)
     t0 = time.monotonic()

@@ -4,7 +4,7 @@ some ranks saw, and communicators set up and freed again and again give
 everything back."""
 
 import pytest
-from test_faults import _run
+from test_faults import RESOURCE_USAGE, _run
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -96,11 +96,7 @@ CYCLES = """
     r = comm.rank
     shm = os.path.join(sys.argv[1], "shm")
 
-    def usage():
-        pages = int(open("/proc/self/statm").read().split()[1])
-        return (pages * os.sysconf("SC_PAGE_SIZE") >> 20, len(os.listdir("/proc/self/fd")),
-                sum(1 for _ in open("/proc/self/maps")), len(os.listdir(shm)))
-
+{usage}
     def cycle():
         c = comm.Dup()
         harmpi.init(c)
@@ -140,7 +136,7 @@ def test_communicators_set_up_and_freed_keep_resources_flat(tmp_path, layout):
     500 cycles after warm-up, under +0.2 MB per 500 after 2,000)."""
     extra = {} if layout == "one-node" else {"HARMPI_RANKS_PER_NODE": "1",
                                              "HARMPI_TRANSPORT": layout.split("-")[1]}
-    proc = _run(tmp_path, CYCLES.format(keep=False, warmup=1000, cycles=500), limit_s=250, np=2,
-                extra_env=extra)
+    body = CYCLES.format(usage=RESOURCE_USAGE, keep=False, warmup=1000, cycles=500)
+    proc = _run(tmp_path, body, limit_s=250, np=2, extra_env=extra)
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
     assert proc.stdout.count("flat") == 2, proc.stdout

@@ -7,7 +7,7 @@ tests/mpi/test_torch_ops_full.py.)"""
 import re
 
 import pytest
-from test_faults import _run
+from test_faults import RESOURCE_USAGE, _run
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(300)
@@ -99,11 +99,7 @@ DESTROY_CYCLES = """
     n, r = dist.get_world_size(), dist.get_rank()
     shm = os.path.join(sys.argv[1], "shm")
 
-    def usage():
-        pages = int(open("/proc/self/statm").read().split()[1])
-        return (pages * os.sysconf("SC_PAGE_SIZE") >> 20, len(os.listdir("/proc/self/fd")),
-                sum(1 for _ in open("/proc/self/maps")), len(os.listdir(shm)))
-
+{usage}
     def cycle():
         g = dist.new_group(list(range(n)))
         x = torch.ones(5120, dtype=torch.bfloat16)
@@ -132,7 +128,7 @@ def test_destroyed_groups_keep_fds_mappings_and_shm_flat(tmp_path, layout):
     (a socket or window kept per group: the job dies or grows; with
     ``keep=True``, groups not freed, the mappings grow by one a cycle)."""
     extra = {"HARMPI_RANKS_PER_NODE": "1"} if layout != "one node" else None
-    proc = _run(tmp_path, DESTROY_CYCLES.format(keep=False, cycles=100), 200, np=2,
-                extra_env=extra)
+    body = DESTROY_CYCLES.format(usage=RESOURCE_USAGE, keep=False, cycles=100)
+    proc = _run(tmp_path, body, 200, np=2, extra_env=extra)
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
     assert proc.stdout.count("flat") == 2, proc.stdout
