@@ -328,9 +328,8 @@ def _native_status(ctx):
         return "off (HARMPI_NATIVE=0 or Config(native=False))"
     if ctx is _STATE.world and _STATE.native is not None:
         return "serving harmpi.allreduce(t) for this context"
-    native = sys.modules.get("harmpi.native")
-    if native is None:
-        return "not loaded (it loads with torch, for the world context)"
+    from . import native  # noqa: PLC0415 - no torch import: status() reads the file
+
     status = native.status()
     if status == "loaded":
         return ("loaded; not serving this context (it serves the world communicator's "

@@ -61,6 +61,8 @@ import importlib
 import importlib.util
 import logging
 import mmap
+import sys
+from pathlib import Path
 
 from . import control
 from .errors import HarmpiArgumentError
@@ -68,15 +70,16 @@ from .errors import HarmpiArgumentError
 log = logging.getLogger("harmpi")
 
 __all__ = ["MODULE", "load", "attach", "detach", "status", "built_against", "name_group",
-           "unname_group"]
+           "unname_group", "checkout_root", "rebuild_advice"]
 
 MODULE = "harmpi._C"
 #: what precedes the torch version in the module's file (_native.cpp)
 VERSION_MARKER = b"harmpi-built-against-torch="
-REBUILD = "pip install -e . --no-build-isolation rebuilds it; make does"
+#: _status before load() ran (status() then looks at the file, without loading)
+NOT_YET = "not loaded yet"
 
 _loaded = None
-_status = "not loaded yet"
+_status = NOT_YET
 #: group name -> communicator, for the operators' ``group`` argument
 _groups = {}
 
@@ -99,6 +102,33 @@ def _module_file():
     return spec.origin if spec is not None else None
 
 
+def checkout_root(package_dir: Path | None = None) -> Path | None:
+    """The source checkout harmpi runs from (a plain or editable ``pip install
+    -e .``), or None when it runs from an installed copy (site-packages)."""
+    package_dir = Path(__file__).resolve().parent if package_dir is None else package_dir
+    root = package_dir.parent
+    if (root / "setup.py").is_file() and (root / "pyproject.toml").is_file():
+        return root
+    return None
+
+
+def rebuild_advice(root: Path | None = None, python: str = sys.executable) -> str:
+    """How to (re)build the module, for the way harmpi is installed here (pure
+    given ``root``, the checkout or None for an installed copy)."""
+    if root is not None:
+        return (f"to build it: cd {root} && {python} -m pip install -e . --no-build-isolation "
+                "(with torch installed first; make setup does it)")
+    return (f"to build it: reinstall harmpi from its source with this torch installed: "
+            f"{python} -m pip install --no-deps --no-build-isolation --force-reinstall "
+            "/path/to/harmpi-checkout (a wheel brings the module of the torch it was built with)")
+
+
+def _not_built(root: Path | None) -> str:
+    return (f"not built: there is no {MODULE} (it is built at install when torch and a C++ "
+            f"compiler are present; without it harmpi.allreduce keeps its Python path); "
+            f"{rebuild_advice(root)}")
+
+
 def _refusal():
     """Why the built module must not be loaded (None: it may)."""
     try:
@@ -107,12 +137,11 @@ def _refusal():
         return f"unavailable (torch is not importable: {exc})"
     path = _module_file()
     if path is None:
-        return (f"not built: {MODULE} is built at install when torch and a C++ compiler are "
-                f"present ({REBUILD})")
+        return _not_built(checkout_root())
     built = built_against(path)
     if built != torch.__version__:
         return (f"not loaded: {MODULE} was built against torch {built or '(unknown)'}, this is "
-                f"torch {torch.__version__} ({REBUILD})")
+                f"torch {torch.__version__}; {rebuild_advice(checkout_root())}")
     return None
 
 
@@ -200,4 +229,14 @@ def detach() -> None:
 
 
 def status() -> str:
-    return _status
+    """What is true of the module now: "loaded"; why load() refused it; or,
+    before any load(), whether it is built (read from its file, without
+    importing torch or the module)."""
+    if _loaded is not None or _status != NOT_YET:
+        return _status
+    path = _module_file()
+    if path is None:
+        return _not_built(checkout_root())
+    built = built_against(path) or "(unknown)"
+    return (f"built (against torch {built}), not loaded yet: it loads when this process first "
+            "passes a torch tensor to harmpi and the world communicator runs on one node")
