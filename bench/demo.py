@@ -20,6 +20,13 @@ Each job is an ``mpirun`` started from here (the one next to the running
 Python, else the one on PATH) with the environment a root container needs;
 their tables are printed as they come and their ``--json`` files (in
 ``--out``) feed the summary.  Exit status: non-zero if any job failed.
+
+Time limits: each job gets BASE_TIMEOUT_S times the processes that want
+each CPU when it starts (its ranks plus the load average), so a busy
+machine gets more time; ``--timeout SECONDS`` sets one limit for every job,
+and a job that runs out says so and names that option. The lines the demo
+prints itself (commands, summary, notes) fit 100 columns; the jobs' own
+tables come from bench.osu_allreduce and bench.decode.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Sequence
@@ -162,43 +171,46 @@ def _fmt_us(value) -> str:
     return "n/a" if value is None else (f"{value:.1f}" if value < 1000 else f"{value:.0f}")
 
 
-def _fmt_x(value) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
-
-
 #: the summary's columns, in order (those no job ran are left out)
 SUMMARY_IMPLS = ("harmpi", "torch:harmpi", "mpi", "gloo", "gloo:unbound", "deepspeed")
 
 
+#: the width every line the demo prints itself fits in (its jobs' tables are theirs)
+WIDTH = 100
+_CELL = 16  # "1234.5 (12.34x)" and a space
+
+
+def _cell(value, base) -> str:
+    """One other implementation's latency and its ratio to harmpi's."""
+    if value is None:
+        return "n/a"
+    ratio = value / base if base else None
+    if ratio is None:
+        return _fmt_us(value)
+    return f"{_fmt_us(value)} ({ratio:.0f}x)" if ratio >= 1000 else \
+        f"{_fmt_us(value)} ({ratio:.2f}x)"
+
+
 def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
+    """One block per job: its sizes as rows, each implementation a column
+    holding the median latency and, in brackets, other/harmpi (fits WIDTH)."""
     present = {row["impl"] for _, doc in allreduce_docs for row in doc.get("rows", [])}
     impl_order = [name for name in SUMMARY_IMPLS if name in present] or ["harmpi", "mpi", "gloo"]
     others = [name for name in impl_order if name != "harmpi"]
-    width = {name: max(10, len(name) + 2) for name in impl_order}
-    ratio_width = {name: len(name) + 9 for name in others}
-    lines = [
-        "# Summary: all-reduce, bf16, median latency (us); ratio = other / harmpi "
-        "(above 1: harmpi faster)",
-        f"{'# setup':<28}{'size (B)':>10}"
-        + "".join(f"{name:>{width[name]}}" for name in impl_order)
-        + "".join(f"{name + '/harmpi':>{ratio_width[name]}}" for name in others),
-    ]
+    lines = ["# Summary: all-reduce, bf16, median latency (us); (r) = other/harmpi, "
+             "above 1: harmpi faster"]
+    header = (f"{'# size (B)':<10}{'harmpi':>9}"
+              + "".join(f"{name:>{_CELL}}" for name in others))
     notes = []
     for label, doc in allreduce_docs:
         rows = {(row["impl"], row["size"]): row for row in doc.get("rows", [])}
         notes += _allreduce_notes(label, rows, doc)
+        lines += [f"# {label}", header]
         for size in SUMMARY_SIZES:
             values = {name: (rows.get((name, size)) or {}).get("avg_us") for name in impl_order}
             base = values["harmpi"]
-            ratio = {
-                name: (values[name] / base if values[name] is not None and base else None)
-                for name in others
-            }
-            lines.append(
-                f"{label:<28}{size:>10}"
-                + "".join(f"{_fmt_us(values[name]):>{width[name]}}" for name in impl_order)
-                + "".join(f"{_fmt_x(ratio[name]):>{ratio_width[name]}}" for name in others)
-            )
+            lines.append(f"{size:>10}{_fmt_us(base):>9}"
+                         + "".join(f"{_cell(values[name], base):>{_CELL}}" for name in others))
     return lines + notes
 
 
@@ -336,21 +348,70 @@ def summary_lines(allreduce_docs: Sequence[tuple[str, dict]], decode_docs) -> li
     lines = _allreduce_summary(allreduce_docs)
     for label, decode_doc in decode_docs:
         lines += _decode_summary(label, decode_doc)
-    return lines
+    return lines  # main() folds the long comment lines as it prints them
 
 
-def _run_job(job: dict, mpirun: str, timeout_s: float) -> tuple[int, float]:
+def fold(line: str, width: int = WIDTH) -> list[str]:
+    """A comment line longer than ``width`` as several, each a comment (pure)."""
+    if len(line) <= width or not line.startswith("#"):
+        return [line]
+    return textwrap.wrap(line, width, subsequent_indent="#   ", break_on_hyphens=False)
+
+
+def shown_command(env: dict, argv: Sequence[str], width: int = WIDTH) -> list[str]:
+    """A job's command line as the shell would take it, continued with a
+    backslash so that no line is longer than ``width`` (pure)."""
+    words = [f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv]
+    lines, line = [], "$"
+    for word in words:
+        if len(line) + 1 + len(word) + 2 > width and line not in ("$", "   "):
+            lines.append(line + " \\")
+            line = "   "
+        line += " " + word
+    return lines + [line]
+
+
+#: seconds a job may take with a CPU per rank and nothing else running (the
+#: slowest, a 4-rank decode, took ~60-90 s on an idle 2-core VM): scaled up
+#: by job_timeout_s for the ranks and the other work sharing the CPUs
+BASE_TIMEOUT_S = 240.0
+
+
+def job_timeout_s(ranks: int, cpus: int, load1: float, base_s: float = BASE_TIMEOUT_S) -> float:
+    """A job's time limit: ``base_s`` times the processes that will want each
+    CPU (the job's ranks plus the 1-minute load average), at least 1 (pure)."""
+    return base_s * max(1.0, (ranks + max(load1, 0.0)) / max(cpus, 1))
+
+
+def timeout_note(timeout_s: float, scaled: str) -> str:
+    """What a job that ran out of time prints: the limit, how it was set and
+    the option that raises it (pure)."""
+    return (f"timed out after {timeout_s:.0f} s ({scaled}); give the jobs more time with "
+            f"python -m bench.demo --timeout SECONDS")
+
+
+def _say(line: str) -> None:
+    print("\n".join(fold(line)), flush=True)
+
+
+def _run_job(job: dict, mpirun: str, timeout_s: float | None) -> tuple[int, float]:
     argv = mpirun_argv(job["ranks"], job["module"], job["args"], mpirun=mpirun)
     env = mpirun_env(job["env"])
-    shown_env = " ".join(f"{k}={v}" for k, v in job["env"].items())
-    print(f"\n## {job['name']}\n$ {shown_env + ' ' if shown_env else ''}{' '.join(argv)}",
-          flush=True)
+    print(f"\n## {job['name']}", flush=True)
+    print("\n".join(shown_command(job["env"], argv)), flush=True)
+    if timeout_s is None:
+        cpus, load1 = os.cpu_count() or 1, os.getloadavg()[0]
+        limit_s = job_timeout_s(job["ranks"], cpus, load1)
+        scaled = (f"{BASE_TIMEOUT_S:.0f} s scaled for {job['ranks']} ranks on {cpus} CPUs "
+                  f"at load {load1:.1f}")
+    else:
+        limit_s, scaled = timeout_s, "--timeout"
     t0 = time.monotonic()
     try:
-        completed = subprocess.run(argv, env=env, timeout=timeout_s)
+        completed = subprocess.run(argv, env=env, timeout=limit_s)
         code = completed.returncode
     except subprocess.TimeoutExpired:
-        print(f"## {job['name']}: timed out after {timeout_s:.0f} s", flush=True)
+        _say(f"## {job['name']}: {timeout_note(limit_s, scaled)}")
         code = 124
     return code, time.monotonic() - t0
 
@@ -379,8 +440,9 @@ def _read_docs(jobs: Sequence[dict]):
 @click.option("--decode-comms", default=None,
               help="Backends of the decode run (default: --impls reordered "
                    "harmpi,torch:harmpi,gloo,mpi).")
-@click.option("--timeout", "timeout_s", type=float, default=240.0, show_default=True,
-              help="Seconds allowed to each job.")
+@click.option("--timeout", "timeout_s", type=float, default=None,
+              help=f"Seconds allowed to each job. Default: {BASE_TIMEOUT_S:.0f} s times the "
+                   "processes per CPU when the job starts (its ranks plus the load average).")
 def main(out_dir, impls, decode_comms, timeout_s):
     """Run the README's benchmarks on this machine and print a summary with ratios."""
     out = Path(out_dir)
@@ -394,11 +456,11 @@ def main(out_dir, impls, decode_comms, timeout_s):
                                 if name in names)
     mpirun = mpirun_path()
     load = os.getloadavg()
-    print(f"# harmpi demo: {os.cpu_count()} CPUs, load average "
-          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
-          f"(other work on the machine slows every number below)", flush=True)
+    _say(f"# harmpi demo: {os.cpu_count()} CPUs, load average "
+         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+         f"(other work on the machine slows every number below)")
     if left_out:
-        print(left_out, flush=True)
+        _say(left_out)
     t_start = time.monotonic()
     failures = []
     jobs = demo_jobs(out, impls, decode_comms)
@@ -412,9 +474,9 @@ def main(out_dir, impls, decode_comms, timeout_s):
 
     print()
     for line in summary_lines(*_read_docs(jobs)):
-        print(line)
-    print(f"# demo took {time.monotonic() - t_start:.0f} s"
-          + (f"; FAILED: {', '.join(failures)}" if failures else ""), flush=True)
+        _say(line)
+    _say(f"# demo took {time.monotonic() - t_start:.0f} s"
+         + (f"; FAILED: {', '.join(failures)}" if failures else ""))
     sys.exit(1 if failures else 0)
 
 

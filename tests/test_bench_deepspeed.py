@@ -89,12 +89,13 @@ def test_demo_summary_has_a_deepspeed_column():
                {"impl": "deepspeed", "size": 10240, "avg_us": None}]
     lines = summary_lines([("1 node x 2", {"rows": rows}),
                            ("2 vnodes x 2", {"rows": refused})], None)
-    header = next(line for line in lines if line.startswith("# setup"))
-    assert "deepspeed" in header and "deepspeed/harmpi" in header
-    ours = [line for line in lines if line.startswith("1 node x 2")]
-    assert "2.25x" in ours[0] and "3.50x" in ours[0]  # deepspeed, mpi / harmpi at 10 KB
-    assert "3.00x" in ours[1]  # deepspeed / harmpi at 4 MB
-    assert any(line.startswith("2 vnodes x 2") and "n/a" in line for line in lines), lines
+    header = next(line for line in lines if line.startswith("# size"))
+    assert header.split()[-1] == "deepspeed", header
+    first = lines.index("# 1 node x 2")
+    ours, refused_rows = lines[first + 2:first + 4], lines[lines.index("# 2 vnodes x 2") + 2:]
+    assert "9.0 (2.25x)" in ours[0] and "14.0 (3.50x)" in ours[0]  # deepspeed, mpi / harmpi
+    assert "1800 (3.00x)" in ours[1]  # deepspeed / harmpi at 4 MB
+    assert refused_rows[0].split()[:2] == ["10240", "20.0"] and "n/a" in refused_rows[0], lines
 
 
 # --------------------------------------------------------------------------
