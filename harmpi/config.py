@@ -177,11 +177,12 @@ class Config:
         check_timeout(self.timeout_s, f"timeout_s={self.timeout_s!r}")
         if self.algorithm != "auto" and self.algorithm not in ALGORITHMS:
             raise HarmpiArgumentError(
-                f"unknown algorithm {self.algorithm!r}; choose auto or one of "
-                f"{', '.join(ALGORITHMS)}")
+                f"HARMPI_ALGORITHM (Config.algorithm)={self.algorithm!r}: unknown algorithm; "
+                f"choose auto or one of {', '.join(ALGORITHMS)}")
         if self.transport not in TRANSPORTS:
             raise HarmpiArgumentError(
-                f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+                f"HARMPI_TRANSPORT (Config.transport)={self.transport!r}: unknown transport; "
+                f"choose one of {', '.join(TRANSPORTS)}")
         if self.stream_stores not in STREAM_STORES:
             raise HarmpiArgumentError(
                 f"HARMPI_STREAM_STORES={self.stream_stores!r}: choose one of "
@@ -191,10 +192,12 @@ class Config:
                 f"HARMPI_LOGITS_ROUTE={self.logits_route!r}: choose one of "
                 f"{', '.join(LOGITS_ROUTES)}")
         if self.spin_count is not None and self.spin_count < 0:
-            raise HarmpiArgumentError(f"spin_count={self.spin_count} must be >= 0 (or None: auto)")
+            raise HarmpiArgumentError(f"HARMPI_SPIN_COUNT (Config.spin_count)={self.spin_count} "
+                                      "must be >= 0 (or None: auto)")
         if self.slot_nbytes % 64:
             raise HarmpiArgumentError(
-                f"slot size {self.slot_nbytes} must be a multiple of 64 bytes")
+                f"HARMPI_SLOT_BYTES (Config.slot_nbytes)={self.slot_nbytes}: the slot size "
+                "must be a multiple of 64 bytes")
 
     @classmethod
     def from_env(cls, env=None) -> "Config":

@@ -226,11 +226,11 @@ _RUN_HELP = """Run COMMAND on every rank through mpirun, placed and bound for CP
 
 \b
 Examples:
-  python -m launch -np 2 -- python script.py
-  python -m launch -np 4 --virtual-nodes 2 --dry-run python bench.py
-  python -m launch -np 8 --hosts a,b --ranks-per-node 4 -- python tp.py
-  python -m launch --standalone --nproc-per-node 2 tp.py   # torchrun's flags
-  python -m launch info -np 4          # topology, MPI found and the plan
+  harmpi-launch -np 2 -- python script.py
+  harmpi-launch -np 4 --virtual-nodes 2 --dry-run python bench.py
+  harmpi-launch -np 8 --hosts a,b --ranks-per-node 4 -- python tp.py
+  harmpi-launch --standalone --nproc-per-node 2 tp.py   # torchrun's flags
+  harmpi-launch info -np 4          # topology, MPI found and the plan
 
 The MPI (Open MPI, MPICH/Hydra or Intel MPI) is found next to this Python, then
 on PATH, and spoken to in its own dialect. OMP_NUM_THREADS, OpenMP binding and
