@@ -91,6 +91,7 @@ import numpy as np
 from bench import harness
 from bench.harness import DTYPES
 from bench.impls import close_impls, harmpi_info_of, make_impls, parse_impls, torch_backend
+from bench.load import host_load
 
 __all__ = [
     "ModelConfig",
@@ -1174,10 +1175,12 @@ def _jsonable(value):
 
 def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int,
         warmup_steps: int, seed: int, threads: int | None, json_path: str | None,
-        rounds: int = 4, tp_api: bool = False, comm=None, profile: bool = False) -> int:
+        rounds: int = 4, tp_api: bool = False, comm=None, profile: bool = False,
+        load: int = 0) -> int:
     """Run the benchmark on every rank of ``comm`` (default: the world); rank 0
     prints and writes ``json_path``.  Returns the exit code, the same on every
-    rank: 1 if any backend's ranks generated different tokens."""
+    rank: 1 if any backend's ranks generated different tokens.  ``load``: busy
+    processes on the first rank of each host while the rounds run (bench.load)."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -1192,14 +1195,16 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
         models = {impl.name: DTensorDecoder(model, impl.group) if tp_api else model
                   for impl in impls}
         identical = _run_backends(plan, models, prompt, impls, comm, threads=threads_used,
-                                  build_s=build_s, json_path=json_path, profile=profile)
+                                  build_s=build_s, json_path=json_path, profile=profile,
+                                  load=load)
         return int(comm.allreduce(0 if identical else 1, op=MPI.MAX))
     finally:
         close_impls(impls)
 
 
 def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _Threads,
-                  build_s: float, json_path: str | None, profile: bool = False) -> bool:
+                  build_s: float, json_path: str | None, profile: bool = False,
+                  load: int = 0) -> bool:
     """Print the header, run the rounds, report (rank 0).  True if every
     backend's ranks generated identical tokens."""
     from bench.osu import bench_version, environment_lines, topology
@@ -1228,7 +1233,10 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _T
         print("\n".join(lines), flush=True)
 
     profiles = _step_profiles(impls) if profile else None
-    measured = _run_rounds(models, impls, prompt, plan, comm, profiles)
+    with host_load(comm, load) as busy:
+        measured = _run_rounds(models, impls, prompt, plan, comm, profiles)
+    if rank == 0 and load:
+        print(busy.summary(), flush=True)
     rows = [_gather_row(impl.name, measured[impl.name], plan, comm, same_host) for impl in impls]
     split = _profile_lines(profiles, comm) if profiles else []
     if rank == 0:
@@ -1304,8 +1312,11 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _T
                    "step split: compute, waiting for the last rank, the collective's own time.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
               default=None, help="Write the results as JSON (rank 0).")
+@click.option("--load", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Run N busy processes (unbound spin loops) on each host during the rounds, "
+                   "started by the host's first rank; a busy machine on purpose.")
 def main(comm_spec, tp_api, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len,
-         steps, rounds, warmup_steps, threads, seed, profile, json_path):
+         steps, rounds, warmup_steps, threads, seed, profile, json_path, load):
     if comm_spec is None:
         comm_spec = "torch:harmpi,gloo" if tp_api else "harmpi,gloo,mpi"
     comms = _parse_comms(comm_spec, tp_api)
@@ -1320,7 +1331,7 @@ def main(comm_spec, tp_api, hidden, layers, heads, kv_heads, ffn, vocab, batch, 
     code = harness.run_or_abort(run, cfg, comms=comms, batch=batch, prompt_len=prompt_len,
                                 steps=steps, warmup_steps=warmup_steps, seed=seed,
                                 threads=threads, json_path=json_path, rounds=rounds,
-                                tp_api=tp_api, profile=profile)
+                                tp_api=tp_api, profile=profile, load=load)
     harness.exit_all(code)
 
 

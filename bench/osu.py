@@ -18,6 +18,7 @@ import numpy as np
 from bench import harness
 from bench.harness import DTYPES, Collective, DType, Row
 from bench.impls import ImplUnavailable, close_impls, harmpi_info_of, make_impls, parse_impls
+from bench.load import host_load
 
 __all__ = ["command", "run", "environment_lines", "topology", "bench_version"]
 
@@ -354,8 +355,12 @@ def run(
     gloo_max_iters: int | None,
     seed: int,
     comm=None,
+    load: int = 0,
 ) -> int:
-    """Run the benchmark on every rank; rank 0 prints.  Returns the exit code."""
+    """Run the benchmark on every rank; rank 0 prints.  Returns the exit code.
+
+    ``load``: busy processes started on the first rank of each host for the
+    measured part of the run (``bench.load``)."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -373,7 +378,10 @@ def run(
         title = f"# harmpi OSU-style {collective.name} Latency Test v{bench_version()}"
         for line in [title, *_header_lines(settings, env_lines, impls, impl_names)]:
             say(line)
-        rows, notes = _run_sizes(comm, settings, impls, impl_names, sizes, say)
+        with host_load(comm, load) as busy:
+            rows, notes = _run_sizes(comm, settings, impls, impl_names, sizes, say)
+        if load:
+            say(busy.summary())
         if settings.full and len(impl_names) > 1:
             for line in harness.format_tables(rows, impl_names, check=settings.check,
                                               stat=settings.stat):
@@ -480,13 +488,18 @@ def command(collective: Collective) -> click.Command:
                        "(it spins without yielding).")
     @click.option("--seed", type=int, default=20240607, show_default=True,
                   help="Seed of the check pass's data.")
+    @click.option("--load", type=click.IntRange(min=0), default=0, show_default=True,
+                  metavar="N",
+                  help="Run N busy processes (unbound spin loops) on each host while "
+                       "measuring, started by the host's first rank; a busy machine on purpose.")
     def main(message_size, extra_sizes, iterations, warmup, full, check, impl_spec, dtype_name,
-             stat, json_path, plot_path, gloo_max_iters, seed):
+             stat, json_path, plot_path, gloo_max_iters, seed, load):
         sizes, impl_names = _parse_arguments(message_size, extra_sizes, impl_spec, plot_path)
         code = harness.run_or_abort(
             run, collective, sizes=sizes, impl_names=impl_names, dtype_name=dtype_name,
             iterations=iterations, warmup=warmup, full=full, check=check, stat=stat,
-            json_path=json_path, plot_path=plot_path, gloo_max_iters=gloo_max_iters, seed=seed)
+            json_path=json_path, plot_path=plot_path, gloo_max_iters=gloo_max_iters, seed=seed,
+            load=load)
         harness.exit_all(code)
 
     return main

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import harmpi
+from bench.load import host_load
 
 IMPLS = ("harmpi", "mpi", "gloo")
 
@@ -84,12 +85,17 @@ def parse_args(argv):
                    "(a quarter of it above 256 KiB)")
     p.add_argument("--rounds", type=int, default=8, help="turns the impls take per size")
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--load", type=int, default=0, metavar="N",
+                   help="N busy processes (unbound spin loops) on each host while measuring, "
+                        "started by the host's first rank")
     args = p.parse_args(argv)
     args.impls = [i for i in args.impl.split(",") if i]
     unknown = set(args.impls) - set(IMPLS)
     if unknown:
         p.error(f"unknown --impl {sorted(unknown)}; choose from {IMPLS}")
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.load < 0:
+        p.error(f"--load {args.load}: the number of busy processes must be >= 0")
     if any(size % 4 for size in args.sizes):
         p.error("every size must be a multiple of 4 bytes (float32)")
     return args
@@ -142,11 +148,14 @@ def main(argv=None):
     if "gloo" in args.impls:
         groups["gloo"] = dist.new_group(backend="gloo")
     rows = []
-    for size in args.sizes:
-        medians, calls = measure(size, args, groups, comm)
-        rows.append((size, medians, calls))
+    with host_load(comm, args.load) as busy:
+        for size in args.sizes:
+            medians, calls = measure(size, args, groups, comm)
+            rows.append((size, medians, calls))
     if comm.Get_rank() == 0:
         report(rows, args.impls, comm.Get_size())
+        if args.load:
+            print(busy.summary())
     comm.Free()
     dist.destroy_process_group()
 
