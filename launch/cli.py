@@ -245,15 +245,19 @@ forwarded to every rank. Options end at the first non-option word or `--`.
 @_plan_options
 @click.option("--dry-run", is_flag=True,
               help="Print the environment and the exact command line; start nothing.")
+@click.option("--tag/--no-tag", "tag_output", default=True, show_default=True,
+              help="Prefix every output line with the rank that printed it (Open MPI: "
+                   "'[1,R]<stdout>: ', MPICH/Intel MPI: '[R] ').")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[--] COMMAND [ARGS]...")
 @click.pass_context
-def run_cmd(ctx: click.Context, command: tuple[str, ...], dry_run: bool, **params: Any) -> None:
+def run_cmd(ctx: click.Context, command: tuple[str, ...], dry_run: bool, tag_output: bool,
+            **params: Any) -> None:
     if not command:
         raise click.UsageError(
             "missing command: give the program to run after the options, "
             "e.g. `-np 2 -- python script.py`", ctx)
     try:
-        inputs = _inputs(params, command, free_port())
+        inputs = replace(_inputs(params, command, free_port()), tag_output=tag_output)
         topo = detect_topology()
         plan_layout(inputs, topo)  # user mistakes first, even without an MPI
         bad_hosts = _unresolvable_hosts(inputs)

@@ -103,6 +103,7 @@ class PlanInputs:
     run_as_root: bool = False
     python: str = "python"  # the interpreter `python` and bare scripts run with
     master_port: int | None = None  # MASTER_PORT (None: only the caller's, if any)
+    tag_output: bool = False  # prefix every output line with its rank (the CLI's default)
 
 
 @dataclass(frozen=True)
@@ -415,6 +416,8 @@ def _openmpi(inputs: PlanInputs, lay: Layout, mpi: MpiInfo, topo: HostTopology,
         argv.append("--use-hwthread-cpus")
     if inputs.oversubscribe and not modern:
         argv.append("--oversubscribe")
+    if inputs.tag_output:  # "[1,R]<stdout>: " before every line of rank R
+        argv += ["--output", "tag"] if modern else ["--tag-output"]
     if inputs.hostfile:
         argv += ["--hostfile", inputs.hostfile]
     elif lay.explicit_hosts:
@@ -432,6 +435,8 @@ def _mpich(inputs: PlanInputs, lay: Layout, mpi: MpiInfo, topo: HostTopology,
     if bind in ("core", "hwthread") and lay.cpus_per_rank > 1:
         bind += f":{lay.cpus_per_rank}"
     argv = [mpi.path, "-n", str(inputs.np), "-bind-to", bind]
+    if inputs.tag_output:  # "[R] " before every line of rank R
+        argv.append("-prepend-rank")
     if inputs.map_by in ("numa", "socket") or (
         inputs.map_by in ("core", "hwthread") and lay.cpus_per_rank == 1
     ):
@@ -469,6 +474,8 @@ def _intel(inputs: PlanInputs, lay: Layout, mpi: MpiInfo, topo: HostTopology,
            base_env: Mapping[str, str], env: dict[str, str],
            forward: list[str]) -> list[str]:
     argv = [mpi.path, "-n", str(inputs.np)]
+    if inputs.tag_output:  # "[R] " before every line of rank R
+        argv.append("-prepend-rank")
     if inputs.ranks_per_node is not None:
         argv += ["-ppn", str(inputs.ranks_per_node)]
     elif lay.explicit_hosts and not inputs.hostfile and any(h.slots for h in inputs.hosts):

@@ -123,7 +123,7 @@ def test_pip_install_into_a_fresh_venv(source, tmp_path):
     env = _clean_env(PATH=os.pathsep.join([str(env_dir / "bin"), os.path.dirname(sys.executable),
                                            os.environ["PATH"]]))
     proc = subprocess.run(
-        [env_dir / "bin" / "harmpi-launch", "-np", "2", "--bind-to", "none", "--",
+        [env_dir / "bin" / "harmpi-launch", "-np", "2", "--bind-to", "none", "--no-tag", "--",
          "python", "-c", JOB],
         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout, proc.stderr)

@@ -594,6 +594,32 @@ def test_cli_dry_run_mpi_arg_and_warning(fake_machine):
     assert "relaxed from core to none" in result.stderr
 
 
+@pytest.mark.parametrize("mpi, tag", [(OMPI5, ["--output", "tag"]), (OMPI4, ["--tag-output"]),
+                                      (MPICH, ["-prepend-rank"]), (INTEL, ["-prepend-rank"])])
+def test_tag_output_in_each_dialect(mpi, tag):
+    inputs = PlanInputs(np=2, command=CMD, tag_output=True)
+    argv, _, _ = build_command(inputs, mpi, make_topo(), {})
+    at = argv.index(tag[0])
+    assert argv[at:at + len(tag)] == tag and argv.index(RANKENV) > at
+    untagged, _, _ = build_command(PlanInputs(np=2, command=CMD), mpi, make_topo(), {})
+    assert tag[0] not in untagged
+
+
+def test_cli_tags_output_unless_no_tag(fake_machine):
+    tagged = shlex.split(invoke("-np", "2", "--dry-run", "--", "python", "s.py").stdout
+                         .splitlines()[-1])
+    assert tagged[tagged.index("--output") + 1] == "tag"
+    plain = invoke("-np", "2", "--no-tag", "--dry-run", "--", "python", "s.py")
+    assert plain.exit_code == 0 and "--output" not in shlex.split(plain.stdout.splitlines()[-1])
+
+
+def test_cli_help_examples_name_the_installed_command():
+    result = invoke("--help")
+    assert "--tag / --no-tag" in result.output and "[default: tag]" in result.output
+    examples = result.output.split("Examples:")[1].split("\n\n")[0].splitlines()[1:]
+    assert examples and all(line.strip().startswith("harmpi-launch ") for line in examples)
+
+
 def test_cli_explicit_run_subcommand(fake_machine):
     result = invoke("run", "-np", "1", "--dry-run", "true")
     assert result.exit_code == 0 and result.stdout.splitlines()[-1].endswith(" true")
@@ -654,8 +680,8 @@ def test_main_entry_point(fake_machine, capsys):
         cli_mod.main(["-np", "1", "--dry-run", "--", "true"], prog_name="harmpi-launch")
     assert exc.value.code == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith(
-        "--bind-to core -x GOMP_SPINCOUNT -x KMP_BLOCKTIME -x MASTER_ADDR -x MASTER_PORT "
-        "-x OMP_NUM_THREADS -x OMP_PLACES -x OMP_PROC_BIND "
+        "--bind-to core --output tag -x GOMP_SPINCOUNT -x KMP_BLOCKTIME -x MASTER_ADDR "
+        "-x MASTER_PORT -x OMP_NUM_THREADS -x OMP_PLACES -x OMP_PROC_BIND "
         f"{shlex.join([sys.executable, '-I', '-S', RANKENV])} -- true")
 
 
@@ -736,8 +762,11 @@ def test_two_rank_job_through_the_launcher():
         cwd=REPO, env=env, capture_output=True, text=True, timeout=110,
     )
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
-    assert len(lines) == 2, (proc.stdout, proc.stderr)
+    assert "\0" not in proc.stdout + proc.stderr  # grep would call the output binary
+    # every line says which rank printed it (the default --tag)
+    tagged = sorted(line for line in proc.stdout.splitlines() if "<stdout>: rank " in line)
+    assert [line.split("<stdout>: ")[0] for line in tagged] == ["[1,0]", "[1,1]"], proc.stdout
+    lines = [line.split("<stdout>: ", 1)[1] for line in tagged]
     for rank, line in enumerate(lines):
         # harmpi.allreduce over 2 virtual nodes of 1 rank, through the MPI transport
         assert line.startswith(f"rank {rank} of 2 sum 3 nodes 2 transport mpi "), line

@@ -232,7 +232,8 @@ def _job(tmp_path, script, command):
     env["PATH"] = os.pathsep.join([str(fake), os.path.dirname(sys.executable), env["PATH"]])
     env["PYTHONPATH"] = str(REPO)
     proc = subprocess.run(
-        [sys.executable, "-m", "launch", "-np", "2", "--bind-to", "none", "--", *command],
+        [sys.executable, "-m", "launch", "-np", "2", "--bind-to", "none", "--no-tag", "--",
+         *command],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
