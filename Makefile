@@ -116,15 +116,15 @@ lint: setup
 	$(PY) -m ruff check .
 
 # Unit tests in two passes: the files whose whole mpirun jobs assert
-# deadlines of a few seconds (UNIT_SERIAL) one at a time; the others two
-# files at a time (pytest-xdist), since a third of their time is spent
-# waiting (pip, subprocesses). With three at a time on 2 cores, ranks of one
-# job started up to 5 s apart and missed those deadlines.
+# deadlines of a few seconds, down to 1.5 s for a set-up (UNIT_SERIAL), one
+# at a time; the others two files at a time (pytest-xdist), since a third of
+# their time is spent waiting (pip, subprocesses). With three at a time on 2
+# cores, ranks of one job started up to 5 s apart and missed those
+# deadlines. The launcher, torchrun, cleanup, after-finalize, fail-fast,
+# two-host and torch-backend job files assert no deadline shorter than 30 s
+# and run in the first pass.
 UNIT_SERIAL := tests/test_faults.py tests/test_teardown.py tests/test_setup_faults.py \
-  tests/test_launch.py tests/test_after_finalize.py tests/test_torch_ops_jobs.py \
-  tests/test_failfast.py tests/test_cleanup.py tests/test_multihost.py \
-  tests/test_torch_backend_jobs.py tests/test_torchrun_habits.py tests/test_abandon_notice.py \
-  tests/test_worldenv.py tests/test_torch_suite.py
+  tests/test_torch_ops_jobs.py
 UNIT_PYTEST = $(PY) -m pytest -q -p no:cacheprovider --color=no --durations=10
 # Both passes run even when the first fails.
 unit-test: setup
@@ -149,8 +149,10 @@ unit-test: setup
 #   run there once per rail, as each such job costs ~1 min on 2 cores;
 # - the data-path files at 2+1 (uneven nodes: a local rank with no rail
 #   peer), 2x1 and 4x1 (one-rank nodes, recursive doubling over 4) and 3x2
-#   over tcp (rail folding over tcp), and under the forced slot-store modes
-#   the tuner may pick (auto picks by timing);
+#   over tcp (rail folding over tcp); the slot-store modes the tuner may
+#   pick (auto picks by timing) forced in two of these, flush at 2+1 and
+#   on at 3x2 (each node has ranks copying into slots; a job of its own
+#   per mode cost ~20 s of start-up);
 # - the data-path files with HARMPI_WAIT=sleep (issue 25) at 2 and 4 ranks
 #   and 2x2 over tcp.
 # Cut as duplicates (each was ~10-15 s of a CI budget that was over): 3x1
@@ -163,8 +165,8 @@ MPI_CORE_TESTS := tests/mpi/test_allreduce.py tests/mpi/test_allgather_topology.
 MPI_PYTEST = $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no
 MPI_MATRIX ?= $(foreach n,$(NPS),$(n):-:-:-:all) \
   4:2:auto:-:all 6:2:mpi:-:all \
-  3:2:auto:-:core 2:1:auto:-:core 4:1:auto:-:core 6:2:auto:-:core \
-  2:-:-:HARMPI_STREAM_STORES=on:core 3:-:-:HARMPI_STREAM_STORES=flush:core \
+  3:2:auto:HARMPI_STREAM_STORES=flush:core 2:1:auto:-:core 4:1:auto:-:core \
+  6:2:auto:HARMPI_STREAM_STORES=on:core \
   2:-:-:HARMPI_WAIT=sleep:core 4:-:-:HARMPI_WAIT=sleep:core 4:2:auto:HARMPI_WAIT=sleep:core
 mpi-test: setup
 	@failed=""; t0=$$(date +%s); \
