@@ -7,8 +7,15 @@ by an environment variable so that launch scripts need no code changes.
 variable                   default    meaning
 =========================  =========  ==========================================
 HARMPI_TIMEOUT_S           60         deadline of every wait on a peer, seconds
-HARMPI_SPIN_COUNT          (auto)     busy-poll iterations before yielding; auto:
-                                      20000, or 64 when ranks outnumber cores
+HARMPI_WAIT                auto       how a rank waits for its peers: "auto"
+                                      spins for a budget learned from recent
+                                      waits, then sleeps until the peer wakes
+                                      it (futex); "sleep" sleeps at once;
+                                      "spin" polls and yields (cores reserved
+                                      for the ranks, nothing else running)
+HARMPI_SPIN_COUNT          (auto)     HARMPI_WAIT=spin: busy-poll iterations
+                                      before yielding; auto: 20000, or 64 when
+                                      ranks outnumber cores
 HARMPI_SLOT_BYTES          1048576    bytes per rank per buffer in the node arena;
                                       larger tensors are processed in chunks
 HARMPI_SMALL_MAX_BYTES     65536      up to this size on one node every rank sums
@@ -66,6 +73,7 @@ ALGORITHMS = ("shm", "shm_rsag", "har_latency", "har_bandwidth", "leader", "flat
 TRANSPORTS = ("auto", "tcp", "mpi", "verbs")
 STREAM_STORES = ("auto", "on", "off", "flush")
 LOGITS_ROUTES = ("auto", "allgather", "allreduce")
+WAITS = ("auto", "sleep", "spin")
 #: the longest deadline accepted (a year; the compiled waits count nanoseconds in an int64)
 MAX_TIMEOUT_S = 365 * 86400.0
 _SWITCH = {"on": True, "1": True, "yes": True, "true": True,
@@ -144,7 +152,9 @@ class Config:
     """Tunables of one harmpi context (see the module docstring)."""
 
     timeout_s: float = 60.0
-    #: None: 20000, or 64 when ranks outnumber cores (harmpi.context)
+    #: how waits spin and sleep: auto, sleep or spin (harmpi.sync)
+    wait: str = "auto"
+    #: wait "spin": None: 20000, or 64 when ranks outnumber cores (harmpi.context)
     spin_count: int | None = None
     slot_nbytes: int = 1 << 20
     small_max_nbytes: int = 64 << 10
@@ -191,6 +201,9 @@ class Config:
             raise HarmpiArgumentError(
                 f"HARMPI_LOGITS_ROUTE={self.logits_route!r}: choose one of "
                 f"{', '.join(LOGITS_ROUTES)}")
+        if self.wait not in WAITS:
+            raise HarmpiArgumentError(
+                f"HARMPI_WAIT={self.wait!r}: choose one of {', '.join(WAITS)}")
         if self.spin_count is not None and self.spin_count < 0:
             raise HarmpiArgumentError(f"HARMPI_SPIN_COUNT (Config.spin_count)={self.spin_count} "
                                       "must be >= 0 (or None: auto)")
@@ -205,6 +218,7 @@ class Config:
         rpn = env.get("HARMPI_RANKS_PER_NODE")
         return cls(
             timeout_s=_timeout(env, "HARMPI_TIMEOUT_S", cls.timeout_s),
+            wait=(env.get("HARMPI_WAIT") or "auto").strip().lower(),
             spin_count=_int(env, "HARMPI_SPIN_COUNT", cls.spin_count, 0),
             slot_nbytes=_int(env, "HARMPI_SLOT_BYTES", cls.slot_nbytes, 64),
             small_max_nbytes=_int(env, "HARMPI_SMALL_MAX_BYTES", cls.small_max_nbytes, 0),

@@ -31,7 +31,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from . import control, copytune, dtypes, kind, node, owner, transports
+from . import control, copytune, dtypes, kind, node, owner, sync, transports
 from .algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
 from .algorithms.base import Call
 from .algorithms.har_latency import HAR2_FINISH, HAR2_START, HAR2_STEP
@@ -67,11 +67,21 @@ log = logging.getLogger("harmpi")
 #: kind word of an auto all-reduce, without its format
 AUTO_CODE = kind.encode(op=kind.OP_SUM, coll=kind.COLL_ALLREDUCE, algo=ALGORITHM_IDS["auto"])
 
-#: spin count of waits when every rank owns a core: ~1 ms of polling
+#: wait "spin": spin count of waits when every rank owns a core (~1 ms of polling)
 SPIN_COUNT = 20000
-#: spins before yielding when ranks outnumber cores (a spinning waiter would
-#: hold the core its peer needs to arrive)
+#: wait "spin": spins before yielding when ranks outnumber cores (a spinning
+#: waiter would hold the core its peer needs to arrive)
 OVERSUBSCRIBED_SPIN_COUNT = 64
+#: wait "auto", every rank with a core: a wait spins at least the floor and at
+#: most the cap (ns) before it sleeps, twice the recent mean wait in between
+#: (harmpi.sync): waking a sleeper costs tens of microseconds
+SPIN_FLOOR_NS, SPIN_CAP_NS = 30_000, 300_000
+#: wait "auto", ranks outnumber cores: a spinning waiter holds the core its
+#: peer needs to arrive, so it spins only a few microseconds
+OVERSUBSCRIBED_SPIN_NS = 3_000
+#: polls of a cross-node transport before it sleeps, wait "auto" (a poll is a
+#: system call, ~1 us) and "sleep"
+RAIL_SPIN_AUTO, RAIL_SPIN_SLEEP = 32, 1
 
 _ITEMSIZE = tuple(f.itemsize for f in dtypes.FORMATS)
 
@@ -176,15 +186,25 @@ class Context:
         if spin is None:
             spin = OVERSUBSCRIBED_SPIN_COUNT if self.oversubscribed else SPIN_COUNT
         self.spin_count = spin
+        self.wait_policy = sync.WAIT_POLICIES[self.config.wait] if sync.HAS_FUTEX \
+            else sync.WAIT_SPIN
+        if self.oversubscribed:
+            floor = cap = OVERSUBSCRIBED_SPIN_NS
+        else:
+            floor, cap = SPIN_FLOOR_NS, SPIN_CAP_NS
         # A transport poll (MPI_Testall, ~0.7 us) costs ~50 spin-loop pauses:
-        # poll proportionally fewer times before yielding.
+        # poll proportionally fewer times before yielding (or sleeping).
         self.transport_spin_count = max(1, spin // 64)
+        if self.wait_policy == sync.WAIT_AUTO:
+            self.transport_spin_count = min(self.transport_spin_count, RAIL_SPIN_AUTO)
+        elif self.wait_policy == sync.WAIT_SLEEP:
+            self.transport_spin_count = RAIL_SPIN_SLEEP
         self.arena = Arena(self.node_comm, self.config.slot_nbytes)
         self.ctl = control.new()
         self._tune_state = np.zeros(copytune.STATE_WORDS, np.int64)  # read by local rank 0
         node.init_control(self.ctl, self.arena, spin, self.config.timeout_s, AUTO_CODE,
                           self.config.small_max_nbytes, self.config.stream_stores, sigfd,
-                          self._tune_state)
+                          self._tune_state, self.wait_policy, floor, cap)
         self.sigfd = sigfd
         # the compiled waits name late ranks by communicator rank
         self._local_ranks = np.array(self.topo.node_ranks[self.topo.node_index], np.int64)
@@ -207,6 +227,7 @@ class Context:
             self._rail_transport, self.transport_reason = transports.select(
                 self.config.transport, self.rail_comm, self.transport_spin_count,
                 self.config.timeout_s, self.config, self.topo.local_rank)
+            self._rail_transport.naps = self.wait_policy != sync.WAIT_SPIN
             self.log_once(f"cross-node transport: {self._rail_transport.name} "
                           f"({self.transport_reason})")
             if isinstance(self._rail_transport, transports.TcpTransport):
@@ -335,6 +356,7 @@ class Context:
                                                          self.transport_spin_count,
                                                          self.config.timeout_s, self.config,
                                                          self.topo.local_rank)
+            self._world_transport.naps = self.wait_policy != sync.WAIT_SPIN
             if isinstance(self._world_transport, transports.TcpTransport):
                 self._world_transport.watch_signals(self.sigfd)
         return self._world_transport

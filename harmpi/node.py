@@ -58,12 +58,15 @@ from .shm import FLAG_LINE_NBYTES, STAMP_WORDS, W_CULPRIT, W_EPOCH, W_META, W_ST
 from .sync import ABANDONED as FLAG_ABANDONED
 from .sync import (
     WAIT_INTERRUPTED,
+    WAIT_SPIN,
     compare_exchange,
     cpu_relax,
+    fence,
     load_acquire,
     monotonic_ns,
     store_release,
     wait_flags_ge,
+    wake_sleepers,
 )
 
 __all__ = ["init_control", "stage", "stage_meta", "publish_wait", "publish_wait_status",
@@ -84,17 +87,21 @@ NEVER_RSAG = 1 << 62
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 _BF16, _F16, _F32 = dtypes.BF16, dtypes.F16, dtypes.F32
 _HOOK_OFFSET = control.HOOK_OFFSET
+_WAIT_OFFSET = control.WAIT_OFFSET
 _BUSY_OFFSET = control.offset("busy")
 _voidptr = control._voidptr
 
 
 def init_control(ctl, arena, spin_count: int, timeout_s: float, auto_code: int,
                  small_max_nbytes: int, stream_stores: str, sigfd: int = -1,
-                 tune_state=None) -> None:
+                 tune_state=None, wait_policy: int = WAIT_SPIN, spin_floor_ns: int = 0,
+                 spin_cap_ns: int = 0) -> None:
     """Fill the node part of a control block (the rail part: har_latency).
     ``stream_stores``: "auto" (local rank 0 times the slot modes per size
     and picks, see copytune; ``tune_state`` is its int64[STATE_WORDS]
-    array), "on", "off" or "flush"."""
+    array), "on", "off" or "flush". ``wait_policy`` (sync.WAIT_*) and the
+    spin floor and cap of policy auto: how waits spin and sleep (harmpi.sync);
+    an arena without sleeper lines always spins."""
     c = ctl[0]
     c["flags"] = arena.flags_addr
     c["slots"] = arena.slots_addr
@@ -120,6 +127,11 @@ def init_control(ctl, arena, spin_count: int, timeout_s: float, auto_code: int,
                            mpiprogress.hook_values()):
         c[name] = value
     c["hook_sigfd"] = sigfd
+    c["sleepers"] = getattr(arena, "sleepers_addr", 0)
+    c["wait_policy"] = wait_policy
+    c["wait_gap"] = 0
+    c["wait_floor"] = spin_floor_ns
+    c["wait_cap"] = spin_cap_ns
 
 
 @intrinsic
@@ -359,8 +371,22 @@ def hook_addr(ctl):
 
 
 @numba.njit(cache=True, nogil=True)
+def wait_addr(ctl):
+    """Address of the control block's wait state (sync.WS_*)."""
+    return ctl.ctypes.data + _WAIT_OFFSET
+
+
+@numba.njit(cache=True, nogil=True)
 def _flag_addr(c, j):
     return c.flags + j * _LINE + W_EPOCH * _WORD
+
+
+@numba.njit(cache=True, nogil=True)
+def _wake(c, j):
+    """Wake the ranks asleep on local rank j's epoch word (after an exchange
+    or a fence; one load when none sleeps)."""
+    if c.sleepers != 0:
+        wake_sleepers(c.sleepers + j * _LINE, _flag_addr(c, j))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -385,6 +411,8 @@ def abandon(ctl, culprit):
         line = c.flags + c.local_rank * _LINE
         store_release(line + W_CULPRIT * _WORD, culprit)
         store_release(line + W_EPOCH * _WORD, FLAG_ABANDONED)
+        fence()
+        _wake(c, c.local_rank)
     return ABANDONED
 
 
@@ -523,6 +551,7 @@ def _publish(ctl):
     if compare_exchange(_flag_addr(c, c.local_rank), c.epoch, epoch) != c.epoch:
         return _abandoned_by(ctl, _who_abandoned(c), epoch)  # a peer gave up on this rank
     c.epoch = epoch
+    _wake(c, c.local_rank)
     return OK
 
 
@@ -535,7 +564,7 @@ def _await(ctl):
     extended = False
     while True:
         j = wait_flags_ge(c.flags + W_EPOCH * _WORD, _LINE, c.local_size, epoch, c.spin,
-                          c.timeout_ns, hook_addr(ctl))
+                          c.timeout_ns, hook_addr(ctl), c.sleepers, wait_addr(ctl))
         if j == -1:
             if c.profile != 0:
                 _read_stamps(c, epoch)
@@ -559,6 +588,7 @@ def _await(ctl):
         late = _local_rank_of(c, j)
         store_release(c.flags + j * _LINE + W_CULPRIT * _WORD, late)
         if compare_exchange(_flag_addr(c, j), seen, FLAG_ABANDONED) == seen:
+            _wake(c, j)
             c.err_peer = j
             c.err_a = epoch
             c.err_b = seen

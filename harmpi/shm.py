@@ -7,6 +7,9 @@ Layout (offsets from the window base; L ranks on the node)::
                               bucket, written by local rank 0)
     [T, T + L*64)             stamp lines, one per local rank, T = L*64 + 512
                               (harmpi.profile; written only while profiling)
+    [Z, Z + L*64)             sleeper lines, one per local rank, Z = T + L*64:
+                              word 0 counts the ranks asleep on that rank's
+                              epoch word (harmpi.sync's futex waits)
     [F, F + 2*L*S)            payload slots, F = flags rounded up to 4 KiB,
                               slot(p, l) = F + (p*L + l) * S
 
@@ -66,8 +69,9 @@ class Arena:
         self.slot_nbytes = int(slot_nbytes)
         self.tune_offset = self.local_size * FLAG_LINE_NBYTES
         self.stamps_offset = self.tune_offset + TABLE_NBYTES
-        stamps_end = self.stamps_offset + self.local_size * FLAG_LINE_NBYTES
-        self.flags_nbytes = -(-stamps_end // _PAGE) * _PAGE
+        self.sleepers_offset = self.stamps_offset + self.local_size * FLAG_LINE_NBYTES
+        lines_end = self.sleepers_offset + self.local_size * FLAG_LINE_NBYTES
+        self.flags_nbytes = -(-lines_end // _PAGE) * _PAGE
         self.nbytes = self.flags_nbytes + 2 * self.local_size * self.slot_nbytes
         self._win = MPI.Win.Allocate_shared(
             self.nbytes if self.local_rank == 0 else 0, 1, comm=node_comm)
@@ -78,6 +82,7 @@ class Arena:
         self.slots_addr = self.base_addr + self.flags_nbytes
         self.tune_addr = self.base_addr + self.tune_offset
         self.stamps_addr = self.base_addr + self.stamps_offset
+        self.sleepers_addr = self.base_addr + self.sleepers_offset
         # The window is not guaranteed zeroed: the owner clears the flags and
         # the barrier orders that before any rank's first wait.
         self._win.Lock_all()

@@ -10,15 +10,36 @@ Why intrinsics: numba (LLVM) treats a plain load in a loop as loop-invariant
 and hoists it, so ``while flags[i] < s: pass`` spins forever. The loads and
 stores below are LLVM atomic instructions, which cannot be hoisted.
 
-Backoff: a wait polls with ``pause`` for ``spin_count`` iterations (cheap and
-fastest when every rank owns a core), then calls ``sched_yield`` so that an
-oversubscribed peer (4 ranks on 2 cores) gets the core it needs to arrive,
-and after ``SLEEP_AFTER_NS`` of yielding it sleeps 50 us per poll so a long
-wait does not burn a core. While it yields it also lets MPI progress (see
-mpiprogress: a peer may be stuck in an MPI call that needs this rank's
-progress). Every wait has a deadline; on expiry it returns
-the index of the flag that never reached the target instead of raising, and
-the caller (which knows ranks and sequence numbers) raises a clear error.
+Waiting (the policy is a context's ``wait`` setting, HARMPI_WAIT):
+
+- ``auto`` (default) and ``sleep``: spin on the flag for a budget, then
+  sleep in the kernel on a futex on the flag word itself, woken by the
+  publisher. ``sleep`` has no budget; ``auto`` learns it per context from
+  recent wait times (twice their running mean, kept within [floor, cap];
+  the floor alone once waits run past the cap, since spinning then only
+  steals the core a late peer needs). The context picks floor and cap:
+  tens to hundreds of microseconds when every rank has a core, a few
+  microseconds when ranks outnumber cores.
+- ``spin``: poll with ``pause`` for ``spin_count`` iterations, then
+  ``sched_yield``, and after ``SLEEP_AFTER_NS`` of yielding sleep 50 us per
+  poll: the fastest when every rank owns a core and nothing else runs.
+
+No lost wake-up (the announce protocol): a sleeper increments the
+*sleepers* word of the flag it waits on, then loads the flag again, and
+only if it is still short calls FUTEX_WAIT with the value it saw (the
+kernel refuses to sleep if the word changed meanwhile). A publisher stores
+its flag, then loads its sleepers word and calls FUTEX_WAKE only if it is
+non-zero. Both pairs are sequentially consistent (a locked instruction and
+a plain load on x86), so either the sleeper sees the new flag or the
+publisher sees the sleeper: the fast path of a publish is one extra load.
+A futex sleep is bounded (``SLEEP_SLICE_NS``): every slice the waiter also
+looks for SIGINT (a signal also ends the sleep at once), its deadline and
+abandonment, and lets MPI progress (see mpiprogress: a peer may be stuck in
+an MPI call that needs this rank's progress).
+
+Every wait has a deadline; on expiry it returns the index of the flag that
+never reached the target instead of raising, and the caller (which knows
+ranks and sequence numbers) raises a clear error.
 
 All helpers are numba intrinsics or ``@njit`` functions callable from other
 compiled code; they refer to libc symbols by name, so callers stay cacheable.
@@ -27,6 +48,7 @@ compiled code; they refer to libc symbols by name, so callers stay cacheable.
 from __future__ import annotations
 
 import platform
+import sys
 
 import numba
 from llvmlite import ir
@@ -38,7 +60,10 @@ from .mpiprogress import iprobe
 
 __all__ = ["load_acquire", "store_release", "compare_exchange", "ABANDONED", "cpu_relax",
            "sched_yield", "monotonic_ns", "realtime_ns", "sleep_us", "wait_flags_ge", "poke",
-           "sigint_arrived", "WAIT_INTERRUPTED", "SLEEP_AFTER_NS", "POKE_AFTER_NS"]
+           "sigint_arrived", "WAIT_INTERRUPTED", "SLEEP_AFTER_NS", "POKE_AFTER_NS",
+           "load_seq_cst", "fetch_add", "fence", "futex_wait", "futex_wake", "wake_sleepers",
+           "HAS_FUTEX", "WAIT_SPIN", "WAIT_AUTO", "WAIT_SLEEP", "WAIT_POLICIES", "WS_WORDS",
+           "SLEEP_SLICE_NS", "spin_budget", "learn_gap"]
 
 #: the flag value of a rank that gave up on a collective (flags are epochs >= 0
 #: otherwise): every wait on it, and every later publish over it, fails at once
@@ -48,6 +73,20 @@ SLEEP_AFTER_NS = 20_000_000
 #: after this long waiting, a waiter also lets MPI progress (mpiprogress);
 #: a collective that completes sooner never pays for it
 POKE_AFTER_NS = 100_000
+
+#: longest futex sleep between looks at SIGINT, the deadline and MPI
+#: progress; ten times that once a wait has lasted LONG_WAIT_NS (a late peer:
+#: each look costs a few system calls)
+SLEEP_SLICE_NS = 1_000_000
+LONG_WAIT_NS = 20_000_000
+
+#: wait policies (Config.wait, HARMPI_WAIT)
+WAIT_SPIN, WAIT_AUTO, WAIT_SLEEP = 0, 1, 2
+WAIT_POLICIES = {"spin": WAIT_SPIN, "auto": WAIT_AUTO, "sleep": WAIT_SLEEP}
+#: a wait state: int64 words [policy, learned wait (ns), floor (ns), cap (ns),
+#: sleep slice (ns; 0: SLEEP_SLICE_NS), sleeps that ran a whole slice]
+WS_POLICY, WS_GAP, WS_FLOOR, WS_CAP, WS_SLICE, WS_EXPIRED = range(6)
+WS_WORDS = 6
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -68,13 +107,14 @@ def load_acquire(typingctx, addr):
 @intrinsic
 def compare_exchange(typingctx, addr, expected, value):
     """Atomically: if the int64 at ``addr`` equals ``expected``, store ``value``
-    (acquire-release). Returns the value found, so the exchange happened iff
-    it equals ``expected``."""
+    (sequentially consistent: a publish by exchange pairs with a sleeper's
+    announce, see the module docstring). Returns the value found, so the
+    exchange happened iff it equals ``expected``."""
     sig = types.int64(types.intp, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
         ptr = builder.inttoptr(args[0], _I64.as_pointer())
-        pair = builder.cmpxchg(ptr, args[1], args[2], "acq_rel", "acquire")
+        pair = builder.cmpxchg(ptr, args[1], args[2], "seq_cst", "seq_cst")
         return builder.extract_value(pair, 0)
 
     return sig, codegen
@@ -88,6 +128,44 @@ def store_release(typingctx, addr, value):
     def codegen(context, builder, signature, args):
         ptr = builder.inttoptr(args[0], _I64.as_pointer())
         builder.store_atomic(args[1], ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def load_seq_cst(typingctx, addr):
+    """int64 load, sequentially consistent (a plain load on x86)."""
+    sig = types.int64(types.intp)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _I64.as_pointer())
+        return builder.load_atomic(ptr, "seq_cst", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def fetch_add(typingctx, addr, delta):
+    """Atomically add ``delta`` to the int64 at ``addr`` (sequentially
+    consistent); returns the previous value."""
+    sig = types.int64(types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], _I64.as_pointer())
+        return builder.atomic_rmw("add", ptr, args[1], "seq_cst")
+
+    return sig, codegen
+
+
+@intrinsic
+def fence(typingctx):
+    """A sequentially consistent fence (for the rare stores that are not
+    exchanges: abandonment)."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.fence("seq_cst")
         return context.get_dummy_value()
 
     return sig, codegen
@@ -172,6 +250,57 @@ def _clock_ns(clock_id, doc):
 
 
 monotonic_ns = _clock_ns(1, "CLOCK_MONOTONIC in nanoseconds.")
+
+# futex(2) by number through libc's syscall(); no number known: no futex,
+# and every wait spins (WAIT_SPIN) whatever the setting says
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221,
+              "ppc64": 221, "s390x": 238, "riscv64": 98}.get(_MACHINE, 0)
+HAS_FUTEX = _SYS_FUTEX != 0 and sys.platform.startswith("linux")
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # not the _PRIVATE ones: waiters are other processes
+#: the 32-bit futex word inside an int64 flag: its low half
+LOW32_OFFSET = 0 if sys.byteorder == "little" else 4
+
+
+def _syscall_fn(builder):
+    fnty = ir.FunctionType(_I64, [_I64], var_arg=True)
+    return cgutils.get_or_insert_function(builder.module, fnty, "syscall")
+
+
+@intrinsic
+def futex_wait(typingctx, addr, expected, timeout_ns):
+    """FUTEX_WAIT on the 32-bit word at ``addr``: sleep while it holds
+    ``expected`` (its low 32 bits), for at most ``timeout_ns``, until a
+    FUTEX_WAKE on it or a signal. Returns the syscall's result (0 woken,
+    -1 otherwise: changed, timed out, interrupted); callers look again."""
+    sig = types.int64(types.intp, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ts = cgutils.alloca_once(builder, ir.ArrayType(_I64, 2))  # struct timespec
+        billion = ir.Constant(_I64, 1_000_000_000)
+        builder.store(builder.sdiv(args[2], billion), cgutils.gep(builder, ts, 0, 0))
+        builder.store(builder.srem(args[2], billion), cgutils.gep(builder, ts, 0, 1))
+        fn = _syscall_fn(builder)
+        return builder.call(fn, [ir.Constant(_I64, _SYS_FUTEX), args[0],
+                                 ir.Constant(_I32, _FUTEX_WAIT), builder.trunc(args[1], _I32),
+                                 builder.ptrtoint(ts, _I64), ir.Constant(_I64, 0),
+                                 ir.Constant(_I32, 0)])
+
+    return sig, codegen
+
+
+@intrinsic
+def futex_wake(typingctx, addr):
+    """FUTEX_WAKE every sleeper on the 32-bit word at ``addr``."""
+    sig = types.int64(types.intp)
+
+    def codegen(context, builder, signature, args):
+        fn = _syscall_fn(builder)
+        return builder.call(fn, [ir.Constant(_I64, _SYS_FUTEX), args[0],
+                                 ir.Constant(_I32, _FUTEX_WAKE), ir.Constant(_I32, 0x7FFFFFFF),
+                                 ir.Constant(_I64, 0), ir.Constant(_I64, 0),
+                                 ir.Constant(_I32, 0)])
+
+    return sig, codegen
 #: comparable across hosts (to NTP's accuracy), for deadlines that travel in messages
 realtime_ns = _clock_ns(0, "CLOCK_REALTIME in nanoseconds.")
 
@@ -230,19 +359,52 @@ def poke(hook_addr):
                    load_acquire(hook_addr + 24))
 
 
+@numba.njit(types.void(types.intp, types.intp), cache=True, nogil=True)
+def wake_sleepers(sleepers_addr, flag_addr):
+    """After a store to the flag at ``flag_addr`` by exchange (or after a
+    fence): wake whoever sleeps on it. One load when nobody does."""
+    if sleepers_addr != 0 and load_seq_cst(sleepers_addr) != 0:
+        futex_wake(flag_addr + LOW32_OFFSET)
+
+
+@numba.njit(types.int64(types.intp), cache=True, nogil=True)
+def spin_budget(state_addr):
+    """How long a wait of the policy at ``state_addr`` spins before it
+    sleeps (ns); -1: spin the old way (WAIT_SPIN, or no futex here)."""
+    if state_addr == 0:
+        return -1
+    policy = load_acquire(state_addr + 8 * WS_POLICY)
+    if policy == WAIT_SLEEP:
+        return 0
+    if policy != WAIT_AUTO:
+        return -1
+    gap = load_acquire(state_addr + 8 * WS_GAP)
+    floor = load_acquire(state_addr + 8 * WS_FLOOR)
+    cap = load_acquire(state_addr + 8 * WS_CAP)
+    if gap > cap:
+        return floor  # waits outlast any spin worth paying for
+    return min(cap, max(floor, 2 * gap))
+
+
+@numba.njit(types.void(types.intp, types.int64), cache=True, nogil=True)
+def learn_gap(state_addr, waited_ns):
+    """Fold one wait's length into the running mean (weight 1/8); a wait
+    counts at most four caps, so one very late peer is forgotten after a
+    dozen quick waits."""
+    if state_addr == 0:
+        return
+    cap = load_acquire(state_addr + 8 * WS_CAP)
+    w = min(waited_ns, 4 * cap)
+    gap = load_acquire(state_addr + 8 * WS_GAP)
+    store_release(state_addr + 8 * WS_GAP, gap + ((w - gap) >> 3))
+
+
 @numba.njit(types.int64(types.intp, types.intp, types.int64, types.int64, types.int64, types.int64,
                         types.int64), cache=True, nogil=True)
-def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook_addr):
-    """Wait until the int64 at ``base_addr + j*stride`` is >= ``target`` for
-    every j in [0, count). Returns -1 once all are; ``-2 - j`` as soon as
-    flag j is negative (ABANDONED: that rank gave up on the collective);
-    WAIT_INTERRUPTED when a SIGINT arrives (looked at every 32 polls once
-    the wait yields: within ~1 ms); or the first j still below ``target``
-    when ``timeout_ns`` elapsed since the wait started yielding (spinning is
-    bounded, so the deadline is exact to ~spin time). After POKE_AFTER_NS it
-    lets MPI progress every 32 polls (``hook_addr``: an mpiprogress hook and
-    the wakeup fd, 0 for none).
-    """
+def _wait_spinning(base_addr, stride, count, target, spin_count, timeout_ns, hook_addr):
+    """wait_flags_ge under WAIT_SPIN: ``spin_count`` pause polls, then
+    sched_yield, then 50 us sleeps after SLEEP_AFTER_NS; the deadline
+    counts from the first yield (spinning is bounded)."""
     polls = 0
     started = 0
     for j in range(count):
@@ -270,4 +432,74 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
                     return j
                 if waited > SLEEP_AFTER_NS:
                     sleep_us(50)
+    return -1
+
+
+@numba.njit(types.int64(types.intp, types.intp, types.int64, types.int64, types.int64, types.int64,
+                        types.int64, types.intp, types.intp), cache=True, nogil=True)
+def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook_addr,
+                  sleepers_addr, state_addr):
+    """Wait until the int64 at ``base_addr + j*stride`` is >= ``target`` for
+    every j in [0, count). Returns -1 once all are; ``-2 - j`` as soon as
+    flag j is negative (ABANDONED: that rank gave up on the collective);
+    WAIT_INTERRUPTED when a SIGINT arrives; or the first j still below
+    ``target`` when ``timeout_ns`` elapsed. ``hook_addr``: an mpiprogress
+    hook and the wakeup fd (0 for none), MPI progress after POKE_AFTER_NS.
+
+    ``sleepers_addr``: the sleepers word of flag 0 (flag j's is at
+    ``sleepers_addr + j*stride``; 0: no sleeping, the WAIT_SPIN loop);
+    ``state_addr``: the wait state (WS_*). The deadline counts from the
+    first look that found a flag short.
+    """
+    budget = spin_budget(state_addr) if sleepers_addr != 0 and HAS_FUTEX else -1
+    if budget < 0:
+        return _wait_spinning(base_addr, stride, count, target, spin_count, timeout_ns,
+                              hook_addr)
+    started = 0
+    now = 0
+    polls = 0
+    slice_ns = load_acquire(state_addr + 8 * WS_SLICE)
+    if slice_ns <= 0:
+        slice_ns = SLEEP_SLICE_NS
+    for j in range(count):
+        addr = base_addr + j * stride
+        while True:
+            v = load_acquire(addr)
+            if v >= target:
+                break
+            if v < 0:
+                return -2 - j
+            if started == 0:
+                started = monotonic_ns()
+                now = started
+            polls += 1
+            if now - started < budget:
+                cpu_relax()
+                if (polls & 15) == 0:
+                    now = monotonic_ns()
+                continue
+            now = monotonic_ns()
+            waited = now - started
+            if sigint_arrived(hook_addr):
+                return WAIT_INTERRUPTED
+            if waited > POKE_AFTER_NS:
+                poke(hook_addr)
+            if waited > timeout_ns:
+                return j
+            # announce, look again, sleep only on the value seen (see the
+            # module docstring: no wake-up is lost between look and sleep)
+            sleepers = sleepers_addr + j * stride
+            fetch_add(sleepers, 1)
+            v = load_seq_cst(addr)
+            if 0 <= v < target:
+                nap = slice_ns if waited < LONG_WAIT_NS else 10 * slice_ns
+                nap = min(nap, timeout_ns - waited + 1)
+                futex_wait(addr + LOW32_OFFSET, v, nap)
+                if monotonic_ns() - now >= nap:  # not woken: counted for tests
+                    store_release(state_addr + 8 * WS_EXPIRED,
+                                  load_acquire(state_addr + 8 * WS_EXPIRED) + 1)
+            fetch_add(sleepers, -1)
+            now = monotonic_ns()
+    if budget >= 0 and load_acquire(state_addr + 8 * WS_POLICY) == WAIT_AUTO:
+        learn_gap(state_addr, 0 if started == 0 else monotonic_ns() - started)
     return -1

@@ -55,7 +55,7 @@ def test_config_algorithm_names_are_the_algorithms():
 def test_wait_returns_when_all_flags_reached():
     flags = np.zeros(8 * 4, np.int64)
     flags[::8] = 7
-    assert wait_flags_ge(flags.ctypes.data, 64, 4, 7, 10, 10 ** 9, 0) == -1
+    assert wait_flags_ge(flags.ctypes.data, 64, 4, 7, 10, 10 ** 9, 0, 0, 0) == -1
 
 
 def test_wait_times_out_naming_the_late_flag():
@@ -63,7 +63,7 @@ def test_wait_times_out_naming_the_late_flag():
     flags[::8] = 5
     flags[8] = 4                     # flag 1 is one step behind
     t0 = time.perf_counter()
-    assert wait_flags_ge(flags.ctypes.data, 64, 3, 5, 10, 50_000_000, 0) == 1
+    assert wait_flags_ge(flags.ctypes.data, 64, 3, 5, 10, 50_000_000, 0, 0, 0) == 1
     assert 0.04 < time.perf_counter() - t0 < 2.0
 
 

@@ -16,11 +16,14 @@ pattern so that every rank raises instead of some waiting forever.
 from __future__ import annotations
 
 import abc
+import os
+import time
 
 from ..errors import HarmpiTimeoutError
 from ..kind import MAX_TAG, POISON_TAG
 
-__all__ = ["Transport", "Pending", "POISON_TAG", "MAX_TAG", "timeout_error"]
+__all__ = ["Transport", "Pending", "POISON_TAG", "MAX_TAG", "timeout_error", "idle",
+           "NAP_FIRST_S", "NAP_MAX_S"]
 
 
 class Pending(abc.ABC):
@@ -32,6 +35,9 @@ class Transport(abc.ABC):
 
     #: short name shown in logs and benchmark headers
     name = "abstract"
+    #: after its spin budget, a wait sleeps between polls (HARMPI_WAIT auto
+    #: or sleep; the context sets it) instead of yielding the core in a loop
+    naps = False
 
     @abc.abstractmethod
     def post(self, sends, recvs) -> Pending:
@@ -72,3 +78,19 @@ def timeout_error(rank, what, timeout_s, transport, waiting, late):
         f"{transport} transport; that rank crashed, hangs, or called a different collective "
         "(HARMPI_TIMEOUT_S sets the deadline)",
         culprit=late[0] if late else -1)
+
+
+#: first and longest sleep between the polls of a napping transport wait:
+#: doubling from NAP_FIRST_S keeps a prompt peer's wait short and a late
+#: one's cheap (a nap of 1 ms costs ~0.1% of a core in wake-ups)
+NAP_FIRST_S, NAP_MAX_S = 10e-6, 1e-3
+
+
+def idle(naps: bool, pause: float) -> float:
+    """One idle poll of a transport wait past its spin budget: yield the core
+    (``naps`` false) or sleep ``pause`` seconds; returns the next pause."""
+    if not naps:
+        os.sched_yield()
+        return pause
+    time.sleep(pause)
+    return min(2 * pause, NAP_MAX_S)

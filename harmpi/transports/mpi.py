@@ -1,14 +1,15 @@
 """Portable transport: MPI point-to-point (Isend/Irecv) on a communicator.
 
 Works wherever MPI works (TCP, shared memory, UCX, ...). Completion polls
-``Testall`` with the same spin-then-yield backoff as the shared-memory
-waits, so oversubscribed ranks still progress, and gives up at a deadline
-with an error naming the peers that never answered.
+``Testall`` ``spin_count`` times, then yields the core between polls (wait
+spin) or naps, 10 us doubling to 1 ms (wait auto and sleep: MPI has no
+blocking wait that sleeps, its own MPI_Wait polls too), so oversubscribed
+ranks still progress and a busy host gets the core back; it gives up at a
+deadline with an error naming the peers that never answered.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -16,7 +17,7 @@ from mpi4py import MPI
 
 from ..errors import HarmpiMismatchError, HarmpiTimeoutError
 from ..kind import ABANDON_TAG
-from .base import Pending, Transport
+from .base import NAP_FIRST_S, Pending, Transport, idle
 
 _EMPTY = np.empty(0, np.uint8)
 
@@ -71,11 +72,12 @@ class MpiTransport(Transport):
         try:
             polls = 0
             deadline = None
+            pause = NAP_FIRST_S
             while not MPI.Request.Testall(reqs, statuses):
                 polls += 1
                 if polls < self.spin_count:
                     continue
-                os.sched_yield()
+                pause = idle(self.naps, pause)
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + timeout_s

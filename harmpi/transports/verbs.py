@@ -60,7 +60,8 @@ between two processes took 42 us and a 1 MB one 365 us, against 40 us and
 average of ~5: read them as an upper bound of the Python protocol's cost,
 which does not depend on the NIC). Waiting spins
 ``spin_count`` polls, then yields the core on every further poll
-(sched_yield), until ``timeout_s``. Errors: a completion with any status
+(sched_yield, wait spin) or naps between polls, 10 us doubling to 1 ms
+(wait auto and sleep), until ``timeout_s``. Errors: a completion with any status
 other than success raises HarmpiTransportError naming the peer, operation
 and status (verbs_proto.completion_error); a wait past the deadline raises
 HarmpiTimeoutError naming the peers still outstanding; a peer that gave up
@@ -72,7 +73,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import os
 import random
 import time
 
@@ -83,7 +83,7 @@ from ..errors import HarmpiTimeoutError, HarmpiTransportError
 from ..kind import ABANDON_TAG
 from ..topology import arrive
 from . import verbs_proto as proto
-from .base import Pending, Transport, timeout_error
+from .base import NAP_FIRST_S, Pending, Transport, idle, timeout_error
 
 __all__ = ["VerbsTransport", "CHUNK_NBYTES", "NSLOTS"]
 
@@ -281,12 +281,13 @@ class VerbsTransport(Transport):
     def complete(self, pending, timeout_s, what):
         deadline = time.monotonic() + timeout_s
         polls = 0
+        pause = NAP_FIRST_S
         try:
             while not self._progress(pending, what):
                 polls += 1
                 if polls < self.spin_count:
                     continue
-                os.sched_yield()
+                pause = idle(self.naps, pause)
                 if time.monotonic() > deadline and not self._progress(pending, what):
                     self._raise_timeout(pending, timeout_s, what)
         except HarmpiTransportError as exc:
