@@ -1,78 +1,276 @@
-"""One line when numba compiles harmpi's kernels: the first run after install.
+"""harmpi's numba kernels compile once per host, and say so with a measured time.
 
 numba compiles each kernel on first use and keeps the machine code in its
 cache (``cache=True``), so the first ``import harmpi`` after an install (or
 after a source change) spends minutes compiling and later ones load in
-about a second. pip cannot run code after installing a wheel and numba's
-cache is tied to the installed files' timestamps and to the CPU, so the
-compile cannot move to install time (``make setup`` does run it once). To
-not sit silent instead, :func:`install` listens for numba's
-``numba:compile`` event, which numba raises for a real compile and not for
-a cache load; the first one for a harmpi kernel logs one warning (logger
-"harmpi": shown on stderr even without any logging set up) on local rank 0:
+about a second. When several ranks of a host start on a cold cache they
+would all compile the same kernels at once (4 ranks on 2 cores: four
+times the CPU, each twice as slow). :func:`install`, run by ``import
+harmpi`` before any kernel module loads, prevents that:
 
-    compiling harmpi kernels (numba cache is cold), first run only, ~80 s
+1. warm check, no lock: a record file in the kernels' cache directory
+   (``harmpi-kernels.json``) holds a key of everything numba's cache
+   depends on (every harmpi source file's mtime and size, numba, Python,
+   the CPU). Key equal: the cache is warm, go on (stat calls, ~1 ms).
+2. cold: take an exclusive ``fcntl.flock`` on ``harmpi-kernels.lock``
+   beside it. The first process gets it at once; the others of the host
+   block there until it is done.
+3. holding the lock, read the record again: another process may have
+   compiled meanwhile (then this one only loads from the cache). Else
+   log one warning (logger "harmpi", shown on stderr without any logging
+   set up), compile every kernel (harmpi.precompile.compile_all: the
+   import-time ones and the ones Python calls lazily, multi-node and rail
+   kernels included), then write the record with the time it took.
+
+The warning's estimate is measured on this host: the CPU seconds the last
+compile here took (kept in the record across source changes), scaled by
+the load average; before any compile here, a probe kernel is compiled
+and timed and scaled by the ratio measured on the development machine:
+
+    compiling harmpi kernels (numba cache is cold), once per host, ~95 s
+    (the longest compile here took 80 s of CPU; load 1.2 on 2 CPUs)
+
+pip cannot run code after installing a wheel, so the compile cannot move to
+install time; ``make setup`` runs ``python -m harmpi.precompile``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import importlib
+import json
 import logging
-import math
 import os
-from typing import Mapping
+import sys
+import time
+from pathlib import Path
+from typing import Callable
 
 from numba.core import event
 
-__all__ = ["COLD_COMPILE_S", "install", "local_rank_and_size", "message"]
+__all__ = ["RECORD", "LOCK", "KERNEL_MODULES", "cache_dir", "source_key", "estimate", "message",
+           "compile_once", "compile_all", "install"]
 
 log = logging.getLogger("harmpi")
 
-#: CPU seconds one process took to compile every kernel from a cold cache
-#: (2-core Xeon VM, numba 0.68; two runs: 72 s and 81 s; wall time grows
-#: with the load: 138 s and 485 s on this shared machine)
-COLD_COMPILE_S = 80
-_LOCAL = (("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-          ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-          ("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+RECORD = "harmpi-kernels.json"
+LOCK = "harmpi-kernels.lock"
+#: a full compile's CPU seconds over the probe's (numba 0.68, 2-core Xeon VM:
+#: compile_all ~75 s of CPU, the probe ~0.5 s)
+PROBE_RATIO = 150
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+def _probe(x):
+    return x + 1
 
 
-def local_rank_and_size(environ: Mapping[str, str]) -> tuple[int, int]:
-    """(local rank, ranks on this host) from the launcher's variables; (0, 1) alone."""
-    for rank, size in _LOCAL:
-        if environ.get(rank, "").isdigit() and environ.get(size, "").isdigit():
-            return int(environ[rank]), int(environ[size])
-    return 0, 1
+def cache_dir(func=_probe) -> Path:
+    """The directory numba caches ``func``'s module in (NUMBA_CACHE_DIR, the
+    source's __pycache__ if writable, else the user's cache): harmpi's."""
+    from numba.core.caching import FunctionCache
+
+    return Path(FunctionCache(func)._impl.locator.get_cache_path())
 
 
-def message(local_size: int, n_cpus: int) -> str:
-    """The line, with the time scaled by ranks per CPU (every rank compiles)."""
-    seconds = COLD_COMPILE_S * math.ceil(local_size / max(n_cpus, 1))
-    return f"compiling harmpi kernels (numba cache is cold), first run only, ~{seconds} s"
+def source_key(package_dir: Path = PACKAGE_DIR) -> str:
+    """A digest of what numba's cache of this package depends on: each source
+    file's path, mtime and size (numba's own check), numba, Python, the CPU."""
+    import llvmlite.binding as llvm
+    import numba
+
+    digest = hashlib.sha256()
+    for part in (numba.__version__, sys.version, llvm.get_host_cpu_name(),
+                 llvm.get_host_cpu_features().flatten()):
+        digest.update(part.encode() + b"\0")
+    for path in sorted(package_dir.rglob("*.py")):
+        st = path.stat()
+        digest.update(f"{path.relative_to(package_dir)}\0{st.st_mtime_ns}\0{st.st_size}\0"
+                      .encode())
+    return digest.hexdigest()
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _probe_cpu_s() -> float:
+    """CPU seconds numba takes to compile a small kernel here, uncached."""
+    import numba
+    import numpy as np
+
+    def probe(a, out):
+        for i in range(a.shape[0]):
+            out[i] = np.float32(a[i]) * np.float32(2.0) + np.float32(i)
+        return out.sum()
+
+    t0 = time.process_time()
+    numba.njit("float32(float64[::1], float32[::1])", cache=False)(probe)
+    return time.process_time() - t0
+
+
+def estimate(record: dict, load1: float, cpus: int,
+             probe: Callable[[], float] = _probe_cpu_s) -> tuple[float, str]:
+    """(seconds, how they were measured) a full compile will take here now:
+    the longest compile's CPU seconds here (``record``: a full compile; a
+    source edit recompiles only some kernels) or a timed probe compile
+    scaled by PROBE_RATIO, times the processes per CPU (pure but ``probe``)."""
+    share = max(1.0, (load1 + 1) / max(cpus, 1))
+    cpu_s = record.get("most_cpu_s")
+    if cpu_s:
+        how = f"the longest compile here took {cpu_s:.0f} s of CPU"
+    else:
+        probe_s = probe()
+        cpu_s = probe_s * PROBE_RATIO
+        how = f"a test compile here took {probe_s:.2f} s"
+    return cpu_s * share, f"{how}; load {load1:.1f} on {cpus} CPUs"
+
+
+def message(seconds: float, how: str) -> str:
+    return (f"compiling harmpi kernels (numba cache is cold), once per host, ~{seconds:.0f} s "
+            f"({how})")
+
+
+@contextlib.contextmanager
+def _host_lock(path: Path):
+    """An exclusive flock on ``path``; yields True if this process had to wait."""
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:
+            log.info("harmpi: another process of this host compiles the kernels; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+            waited = True
+        try:
+            yield waited
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def compile_once(compile_all: Callable[[], None], package_dir: Path = PACKAGE_DIR,
+                 directory: Path | None = None) -> str:
+    """Make sure the kernels are in numba's cache, compiling them in one
+    process of the host: "warm" (nothing to do), "waited" (another process
+    compiled them while this one waited), "compiled" (this one did), or
+    "loaded" (the sources changed but every kernel was still in the cache)."""
+    directory = cache_dir() if directory is None else directory
+    key = source_key(package_dir)
+    record_path = directory / RECORD
+    if _read(record_path).get("key") == key:
+        return "warm"
+    directory.mkdir(parents=True, exist_ok=True)
+    with _host_lock(directory / LOCK) as waited:
+        record = _read(record_path)
+        if record.get("key") == key:
+            return "waited" if waited else "warm"
+        load1, cpus = os.getloadavg()[0], os.cpu_count() or 1
+        note = _ColdCacheNote(package_dir.name, lambda: message(*estimate(record, load1, cpus)))
+        wall0, cpu0 = time.monotonic(), time.process_time()
+        event.register("numba:compile", note)
+        try:
+            compile_all()
+        finally:
+            event.unregister("numba:compile", note)
+        if note.compiles:  # else every kernel loaded: keep the last compile's figures
+            cpu_s = round(time.process_time() - cpu0, 2)
+            record = {"compile_cpu_s": cpu_s, "most_cpu_s": max(cpu_s, record.get("most_cpu_s", 0)),
+                      "compile_wall_s": round(time.monotonic() - wall0, 2), "load1": load1,
+                      "cpus": cpus, "kernels": note.compiles}
+        tmp = record_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**record, "key": key, "at": time.time()}))
+        os.replace(tmp, record_path)
+    return "compiled" if note.compiles else "loaded"
 
 
 class _ColdCacheNote(event.Listener):
-    """Logs :func:`message` at the first compile of a harmpi kernel (once)."""
+    """Logs the line at the first real compile (numba raises numba:compile
+    for a compile, not for a cache load) of a kernel of ``package``; counts them."""
 
-    def __init__(self, text: str, package: str):
-        self.text, self.package = text, package
-        self.said = False  # (not unregistered: numba is iterating its listeners)
+    def __init__(self, package: str, text: Callable[[], str]):
+        self.package, self.text = package, text
+        self.compiles = 0
+        self.measuring = False  # text() may compile a probe: not a kernel
 
     def on_start(self, ev):
         dispatcher = (ev.data or {}).get("dispatcher")
         module = getattr(getattr(dispatcher, "py_func", None), "__module__", "") or ""
-        if self.said or module.split(".")[0] != self.package:
+        if self.measuring or module.split(".")[0] != self.package:
             return
-        self.said = True
-        log.warning("%s", self.text)
+        self.compiles += 1
+        if self.compiles == 1:
+            self.measuring = True
+            try:
+                log.warning("%s", self.text())
+            finally:
+                self.measuring = False
 
     def on_end(self, ev):
         pass
 
 
-def install(environ: Mapping[str, str] = os.environ, package: str = "harmpi") -> None:
-    """Register the note for kernels of ``package`` on local rank 0 (other
-    ranks compile silently)."""
-    rank, size = local_rank_and_size(environ)
-    if rank == 0:
-        text = message(size, os.cpu_count() or 1)
-        event.register("numba:compile", _ColdCacheNote(text, package))
+# -- harmpi's kernels ----------------------------------------------------------
+# Most have explicit signatures and compile (or load) when their module is
+# imported. A few take their types from their first call and are called from
+# Python only on some paths: the tcp rail's socket steps (multi-node runs over
+# HARMPI_TRANSPORT=tcp/auto), the bandwidth variant's part bounds and the rail
+# tag (multi-node, any transport). Left alone they compile in every rank at
+# its first multi-node collective, in the middle of a timed run; compile_all
+# calls each once, on scratch arrays, with the argument types their callers
+# use (other types would compile another specialisation: keep these in step
+# with harmpi/transports/tcp.py and harmpi/algorithms/).
+
+#: modules with kernels, in the order ``import harmpi`` meets them
+#: (harmpi.logits only through harmpi.api: the two import each other)
+KERNEL_MODULES = ("harmpi.control", "harmpi.kind", "harmpi.copytune", "harmpi.profrec",
+                  "harmpi.reduce", "harmpi.sync", "harmpi.node", "harmpi.algorithms",
+                  "harmpi.transports.sockio", "harmpi.transports.tcp", "harmpi.api")
+
+
+def _rail_socket_steps():
+    """sockio's steps as TcpTransport calls them: int64 rows, fds from an
+    int64 array, Python ints; no row is pending, so nothing touches a socket."""
+    import numpy as np
+
+    from harmpi.transports import sockio
+
+    ops, pollfds, scratch = sockio.new_ops(4), sockio.new_pollfds(4), sockio.new_scratch()
+    fds = np.full(2, -1, np.int64)
+    buf = np.zeros(8, np.uint8)
+    sockio.set_recv(ops, 0, fds[0], buf.ctypes.data, buf.nbytes)
+    sockio.set_send(ops, 1, fds[0], buf.ctypes.data, buf.nbytes, 1, time.time_ns())
+    sockio.kick(ops, 0, scratch)
+    sockio.progress(ops, 0, 1, int(1e9), pollfds, scratch, 0)
+
+
+def _rail_arithmetic():
+    """The pure integer kernels the rail algorithms call from Python."""
+    from harmpi import kind, node
+
+    node.part_bounds(1024, 2, 0, 2)
+    kind.rail_tag(2048, 1)
+
+
+def compile_all() -> None:
+    """Import every kernel module and run the lazily typed kernels once."""
+    for name in KERNEL_MODULES:
+        importlib.import_module(name)
+    importlib.import_module("harmpi.reduce").warm_up()
+    _rail_socket_steps()
+    _rail_arithmetic()
+
+
+#: what install() found at ``import harmpi`` (compile_once's answer)
+outcome = None
+
+
+def install() -> str:
+    """``import harmpi``'s first step: the kernels compiled once per host (see
+    the module docstring); returns (and keeps in ``outcome``) what compile_once did."""
+    global outcome
+    outcome = compile_once(compile_all)
+    return outcome
