@@ -35,7 +35,8 @@ if not _LAUNCHED and "OMPI_MCA_btl" not in _os.environ and "mpi4py.MPI" not in _
 else:
     _import_mpi()
 
-# numba compiles the kernels below on a cold cache: say so once (harmpi.compilenote)
+# on a cold numba cache one process per host compiles every kernel, saying so once,
+# while the others wait for it (harmpi.compilenote)
 from . import compilenote as _compilenote  # noqa: E402
 
 _compilenote.install()
