@@ -157,7 +157,12 @@ def compile_once(compile_all: Callable[[], None], package_dir: Path = PACKAGE_DI
     """Make sure the kernels are in numba's cache, compiling them in one
     process of the host: "warm" (nothing to do), "waited" (another process
     compiled them while this one waited), "compiled" (this one did), or
-    "loaded" (the sources changed but every kernel was still in the cache)."""
+    "loaded" (the sources changed but every kernel was still in the cache);
+    "no jit" under NUMBA_DISABLE_JIT=1."""
+    from numba.core import config
+
+    if config.DISABLE_JIT:  # NUMBA_DISABLE_JIT=1: nothing compiles, and no record is written
+        return "no jit"
     directory = cache_dir() if directory is None else directory
     key = source_key(package_dir)
     record_path = directory / RECORD

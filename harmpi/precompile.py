@@ -29,7 +29,8 @@ def main() -> int:
     took = {"compiled": f"compiled in {record.get('compile_wall_s', 0):.0f} s",
             "waited": "compiled by another process (waited for it)",
             "loaded": "all loaded from the cache (sources changed, kernels did not)",
-            "warm": "already in the cache"}[how]
+            "warm": "already in the cache",
+            "no jit": "none compiled (NUMBA_DISABLE_JIT=1)"}[how]
     print(f"harmpi kernels: {took}; cache {compilenote.cache_dir()}"
           + (f"; the last compile here took {record['compile_cpu_s']:.0f} s of CPU"
              if record.get("compile_cpu_s") else ""), flush=True)
