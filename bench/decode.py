@@ -367,14 +367,41 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _decode_table_100(rows: Sequence[dict]) -> list[str]:
+    """format_decode_table within 100 columns."""
+    lines = [
+        f"{'#':<13}{' median step '.center(28, '-'):>30}"
+        f"{' mean step: compute + coll. '.center(32, '-'):>34}"
+        f"{' after last '.center(14, '-'):>15}",
+        f"{'# comm':<13}{'tok/s':>8}{'rounds':>14}{'ms/tok':>8}"
+        f"{'compute':>9}{'collect.':>9}{'share':>7}{'min rank':>9}"
+        f"{'ms/tok':>8}{'share':>7}{'agree':>6}",
+    ]
+    for row in rows:
+        agree = {None: "-", True: "yes", False: "NO"}[row.get("tokens_identical_across_ranks")]
+        lines.append(
+            f"{row['comm']:<13}{row['tokens_per_s']:>8.1f}{_spread(row):>14}"
+            f"{row['ms_per_token']:>8.2f}{_ms(row.get('compute_ms_per_token')):>9}"
+            f"{_ms(row['comm_ms_per_token']):>9}{_pct(row['comm_share']):>7}"
+            f"{_pct(row['comm_share_min']):>9}"
+            f"{_ms(row.get('comm_latency_ms_per_token')):>8}"
+            f"{_pct(row.get('comm_latency_share')):>7}{agree:>6}"
+        )
+    return lines
+
+
 def _spread(row: dict) -> str:
     spread = row.get("tokens_per_s_rounds")
     return "-" if not spread else f"{spread['min']:.1f}-{spread['max']:.1f}"
 
 
-def format_decode_table(rows: Sequence[dict]) -> list[str]:
+def format_decode_table(rows: Sequence[dict], wide: bool = False) -> list[str]:
     """The result table (rank 0 prints it): tok/s and its rounds' range from
-    median steps; the split of the mean step (compute + collectives = mean)."""
+    median steps; the split of the mean step (compute + collectives = mean).
+    100 columns; ``wide`` adds the mean step and the prefill time (both are
+    in the JSON too) with longer labels."""
+    if not wide:
+        return _decode_table_100(rows)
     lines = [
         f"{'#':<14}{' median step '.center(30, '-'):>32}"
         f"{' mean step = compute + collectives '.center(44, '-'):>46}"
@@ -969,11 +996,12 @@ def _threads_line(threads: _Threads, interop_threads: int) -> str:
 
 def _method_lines(same_host: bool) -> list[str]:
     lines = [
-        "# tok/s = batch / median step time; ms/token = median step time (one token of every "
-        "sequence); rounds min-max: the lowest and highest round's tok/s",
-        "# mean step = compute + collectives (means over steps and ranks, so they add up); "
+        "# tok/s = batch / median step time; ms/tok(en) = median step time (one token of every "
+        "sequence); rounds (min-max): the lowest and highest round's tok/s",
+        "# mean step = compute + collectives (means over steps and ranks, so they add up; "
+        "the mean step and the prefill time are in --json and --wide); "
         "collect.: time in the 2 x layers all-reduces and the logits gather, waiting for the "
-        "last rank included; share = collect. / mean ms; min rank: the share of the rank that "
+        "last rank included; share = collect. / mean step; min rank: the share of the rank that "
         "waits least; compute grows when waiting ranks slow the computing ones",
     ]
     if same_host:
@@ -1130,9 +1158,9 @@ def _mark_agreement(rows: list[dict], tokens: dict[str, np.ndarray],
             row["prefill_logits_gap_ulps"] = logits_gap_ulps(prefill[first], prefill[row["comm"]])
 
 
-def _report_lines(rows: Sequence[dict]) -> list[str]:
+def _report_lines(rows: Sequence[dict], wide: bool = False) -> list[str]:
     """The table and the notes under it (rows marked by ``_mark_agreement``)."""
-    lines = format_decode_table(rows)
+    lines = format_decode_table(rows, wide)
     for row in rows:
         if not row["tokens_identical_across_ranks"]:
             lines.append(f"# ERROR: {row['comm']}: ranks generated different tokens")
@@ -1176,7 +1204,7 @@ def _jsonable(value):
 def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int,
         warmup_steps: int, seed: int, threads: int | None, json_path: str | None,
         rounds: int = 4, tp_api: bool = False, comm=None, profile: bool = False,
-        load: int = 0) -> int:
+        load: int = 0, wide: bool = False) -> int:
     """Run the benchmark on every rank of ``comm`` (default: the world); rank 0
     prints and writes ``json_path``.  Returns the exit code, the same on every
     rank: 1 if any backend's ranks generated different tokens.  ``load``: busy
@@ -1196,7 +1224,7 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
                   for impl in impls}
         identical = _run_backends(plan, models, prompt, impls, comm, threads=threads_used,
                                   build_s=build_s, json_path=json_path, profile=profile,
-                                  load=load)
+                                  load=load, wide=wide)
         return int(comm.allreduce(0 if identical else 1, op=MPI.MAX))
     finally:
         close_impls(impls)
@@ -1204,7 +1232,7 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
 
 def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _Threads,
                   build_s: float, json_path: str | None, profile: bool = False,
-                  load: int = 0) -> bool:
+                  load: int = 0, wide: bool = False) -> bool:
     """Print the header, run the rounds, report (rank 0).  True if every
     backend's ranks generated identical tokens."""
     from bench.osu import bench_version, environment_lines, topology
@@ -1230,7 +1258,7 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _T
             *(f"# {text}" for text in descriptions.values()),
             *_method_lines(same_host),
         ]
-        print("\n".join(lines), flush=True)
+        print("\n".join(harness.fit_lines(lines, None if wide else harness.WIDTH)), flush=True)
 
     profiles = _step_profiles(impls) if profile else None
     with host_load(comm, load) as busy:
@@ -1243,7 +1271,8 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _T
         _mark_agreement(rows, {name: m.longest_tokens() for name, m in measured.items()},
                         {name: m.longest().margin_ulps for name, m in measured.items()},
                         {name: m.rounds[0].prefill_logits for name, m in measured.items()})
-        print("\n".join(_report_lines(rows) + split), flush=True)
+        print("\n".join(harness.fit_lines(_report_lines(rows, wide) + split,
+                                           None if wide else harness.WIDTH)), flush=True)
         if json_path:
             meta = {
                 "benchmark": "decode",
@@ -1312,11 +1341,14 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _T
                    "step split: compute, waiting for the last rank, the collective's own time.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
               default=None, help="Write the results as JSON (rank 0).")
+@click.option("--wide", is_flag=True,
+              help=f"Print the table with every column (mean step, prefill) and comment lines "
+                   f"unwrapped (default: everything fits {harness.WIDTH} columns).")
 @click.option("--load", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Run N busy processes (unbound spin loops) on each host during the rounds, "
                    "started by the host's first rank; a busy machine on purpose.")
 def main(comm_spec, tp_api, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len,
-         steps, rounds, warmup_steps, threads, seed, profile, json_path, load):
+         steps, rounds, warmup_steps, threads, seed, profile, json_path, wide, load):
     if comm_spec is None:
         comm_spec = "torch:harmpi,gloo" if tp_api else "harmpi,gloo,mpi"
     comms = _parse_comms(comm_spec, tp_api)
@@ -1331,7 +1363,7 @@ def main(comm_spec, tp_api, hidden, layers, heads, kv_heads, ffn, vocab, batch, 
     code = harness.run_or_abort(run, cfg, comms=comms, batch=batch, prompt_len=prompt_len,
                                 steps=steps, warmup_steps=warmup_steps, seed=seed,
                                 threads=threads, json_path=json_path, rounds=rounds,
-                                tp_api=tp_api, profile=profile, load=load)
+                                tp_api=tp_api, profile=profile, load=load, wide=wide)
     harness.exit_all(code)
 
 

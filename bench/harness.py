@@ -89,7 +89,9 @@ ITERS_LARGE = 100
 WARMUP_LARGE = 10
 
 FIELD_WIDTH = 18
-SIZE_WIDTH = 10
+SIZE_WIDTH = 9  # "4194304" and two spaces: a median -f table is then 100 wide
+#: what every printed line fits by default (a terminal); --wide lifts it
+WIDTH = 100
 
 
 # --------------------------------------------------------------------------
@@ -496,15 +498,107 @@ def _row_cells(row: Row | None, full: bool, check: bool) -> list[str]:
     return cells
 
 
-def _names_line(impls: Sequence[str], group_width: int, width: int) -> str:
+def _names_line(impls: Sequence[str], group_widths: Sequence[int], first_widths: Sequence[int],
+                extra: str = "") -> str:
     """The line naming the implementation above each group of columns."""
     top = f"{'#':<{SIZE_WIDTH}}"
-    for name in impls:
+    for name, group_width, width in zip(impls, group_widths, first_widths):
         if group_width == width:
             top += f"{name:>{width}}"
         else:  # a dashed rule over the group's columns, name in the middle
             top += "    " + f" {name} ".center(group_width - 4, "-")
-    return top.rstrip()
+    return (top + extra).rstrip()
+
+
+def _group_labels(stat: str, full: bool, check: bool, compact: bool) -> list[str]:
+    """One implementation's column labels: OSU's, or short ones under a names line."""
+    if not compact:
+        group = [f"{_stat_label(stat)} Latency(us)"]
+        if full:
+            group += ["Min Latency(us)", "Max Latency(us)", "Iterations", "BusBW(GB/s)"]
+        return group + (["Validation"] if check else [])
+    group = [f"{_stat_label(stat)}(us)"]
+    if full:
+        group += ["Min(us)", "Max(us)", "Iters", "BusBW"]
+    return group + (["Check"] if check else [])
+
+
+def _group_widths(group: Sequence[str], name: str, compact: bool) -> list[int]:
+    """Column widths of one implementation's group; wide enough for its name above."""
+    if compact:
+        widths = [max(10, len(group[0]) + 2)] + [len(col) + 2 for col in group[1:]]
+        need = len(name) + (6 if len(group) > 1 else 2)  # the dashed rule or the name alone
+    else:
+        widths = [max(FIELD_WIDTH, len(group[0]) + 2)] + [max(12, len(col) + 2)
+                                                            for col in group[1:]]
+        need = len(name) + 6 if len(group) > 1 else 0
+    widths[0] += max(0, need - sum(widths))
+    return widths
+
+
+def _side_by_side(rows, impls, full, check, stat, compact) -> list[str]:
+    """Several implementations: a names line, then each one's group of columns
+    and one ratio column per other implementation (against the reference)."""
+    group = _group_labels(stat, full, check, compact)
+    widths = {name: _group_widths(group, name, compact) for name in impls}
+    reference = reference_impl(impls)
+    ratio_impls = [name for name in impls if name != reference]
+    if compact:  # the names line says "/ harmpi" over the ratio columns
+        ratio_labels = list(ratio_impls)
+        ratio_widths = [max(8, len(text) + 2) for text in ratio_labels]
+        rule = f" / {reference} "
+        span = sum(ratio_widths) - 2
+        extra = "  " + rule.center(span, "-") if span >= len(rule) + 2 else f"  /{reference}"
+    else:
+        ratio_labels = [f"{name}/{reference}" for name in ratio_impls]
+        ratio_widths = [max(FIELD_WIDTH, len(text) + 2) for text in ratio_labels]
+        extra = ""
+    lines = [_names_line(impls, [sum(widths[n]) for n in impls], [widths[n][0] for n in impls],
+                         extra)]
+    header = f"{'# Size':<{SIZE_WIDTH}}"
+    header += "".join(f"{col:>{w}}" for name in impls for col, w in zip(group, widths[name]))
+    header += "".join(f"{text:>{w}}" for text, w in zip(ratio_labels, ratio_widths))
+    lines.append(header)
+    by_key = {(row.impl, row.size): row for row in rows}
+    for size in sorted({row.size for row in rows}):
+        line = f"{size:<{SIZE_WIDTH}}"
+        for name in impls:
+            cells = _row_cells(by_key.get((name, size)), full, check)
+            line += "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths[name]))
+        ref_row = by_key.get((reference, size))
+        for name, w in zip(ratio_impls, ratio_widths):
+            row = by_key.get((name, size))
+            value = ratio(row.avg_us if row else None, ref_row.avg_us if ref_row else None)
+            line += f"{'n/a' if value is None else f'{value:.2f}':>{w}}"
+        lines.append(line)
+    return lines
+
+
+def _stacked(rows, impls, full, check, stat) -> list[str]:
+    """Several implementations, one line each per size: what fits when their
+    columns side by side would not."""
+    group = _group_labels(stat, full, check, compact=full)  # -f: short labels
+    widths = ([max(11, len(col) + 2) for col in group[:3]] + [7, 9, 7])[:len(group)]
+    if not full:
+        widths = [max(FIELD_WIDTH, len(group[0]) + 2)] + [len(col) + 2 for col in group[1:]]
+    name_width = max(16, max(len(name) for name in impls) + 2)
+    reference = reference_impl(impls)
+    ratio_label = "ratio"  # to the reference: the '# Ratios:' line names it
+    ratio_width = 8
+    header = f"{'# Size':<{SIZE_WIDTH}}{'Implementation':<{name_width}}"
+    header += "".join(f"{col:>{w}}" for col, w in zip(group, widths))
+    lines = [header + f"{ratio_label:>{ratio_width}}"]
+    by_key = {(row.impl, row.size): row for row in rows}
+    for size in sorted({row.size for row in rows}):
+        ref_row = by_key.get((reference, size))
+        for name in impls:
+            row = by_key.get((name, size))
+            cells = _row_cells(row, full, check)
+            value = ratio(row.avg_us if row else None, ref_row.avg_us if ref_row else None)
+            lines.append(f"{size:<{SIZE_WIDTH}}{name:<{name_width}}"
+                         + "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths))
+                         + f"{'n/a' if value is None else f'{value:.2f}':>{ratio_width}}")
+    return lines
 
 
 def format_table(
@@ -514,49 +608,39 @@ def format_table(
     full: bool = False,
     check: bool = False,
     stat: str = "mean",
+    width: int | None = WIDTH,
 ) -> list[str]:
     """Lines of the OSU-layout table (without the title and '#' header lines).
 
     One implementation: exactly OSU's columns, ``# Size  Avg Latency(us)``
     [Min Latency(us)  Max Latency(us)  Iterations] [Validation], with
-    ``-f`` adding BusBW(GB/s) after Iterations.  Several: a first header line
-    names the implementation above each group of columns, then one ratio
-    column per other implementation, ``<impl>/<reference>`` = its latency
-    divided by the reference's (above 1: the reference is faster).  Each
-    column is as wide as its label and two spaces, so a one-implementation
-    ``-f`` table stays near 100 characters (see :func:`format_tables`).
+    ``-f`` adding BusBW(GB/s) after Iterations (100 columns at most).
+    Several: side by side, a names line above each one's group of short
+    columns (``Avg(us)``, ``Check``), then one ratio column per other
+    implementation under ``/ <reference>`` = its latency divided by the
+    reference's (above 1: the reference is faster).  When that would be
+    wider than ``width``, one line per implementation and size instead
+    (``# Size  Implementation  Avg Latency(us) ...  /<reference>``), so the
+    table always fits.  ``width`` None (``--wide``): side by side with OSU's
+    column labels, however wide.
     """
-    label = f"{_stat_label(stat)} Latency(us)"
-    width = max(FIELD_WIDTH, len(label) + 2)  # "Median Latency(us)" is 18 characters
-    group = [label]
-    if full:
-        group += ["Min Latency(us)", "Max Latency(us)", "Iterations", "BusBW(GB/s)"]
-    if check:
-        group += ["Validation"]
-    widths = [width] + [max(12, len(col) + 2) for col in group[1:]]
-    reference = reference_impl(impls)
-    ratio_impls = [name for name in impls if name != reference] if len(impls) > 1 else []
-    ratio_labels = [f"{name}/{reference}" for name in ratio_impls]
-    ratio_widths = [max(width, len(text) + 2) for text in ratio_labels]
-
-    lines = [_names_line(impls, sum(widths), width)] if len(impls) > 1 else []
-    header = f"{'# Size':<{SIZE_WIDTH}}"
-    header += "".join(f"{col:>{w}}" for _ in impls for col, w in zip(group, widths))
-    header += "".join(f"{text:>{w}}" for text, w in zip(ratio_labels, ratio_widths))
-    lines.append(header)
-    by_key = {(row.impl, row.size): row for row in rows}
-    for size in sorted({row.size for row in rows}):
-        line = f"{size:<{SIZE_WIDTH}}"
-        for name in impls:
-            cells = _row_cells(by_key.get((name, size)), full, check)
-            line += "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths))
-        ref_row = by_key.get((reference, size))
-        for name, w in zip(ratio_impls, ratio_widths):
-            row = by_key.get((name, size))
-            value = ratio(row.avg_us if row else None, ref_row.avg_us if ref_row else None)
-            line += f"{'n/a' if value is None else f'{value:.2f}':>{w}}"
-        lines.append(line)
-    return lines
+    if len(impls) == 1:
+        group = _group_labels(stat, full, check, compact=False)
+        widths = _group_widths(group, impls[0], compact=False)
+        lines = [f"{'# Size':<{SIZE_WIDTH}}" + "".join(f"{col:>{w}}"
+                                                        for col, w in zip(group, widths))]
+        by_size = {row.size: row for row in rows if row.impl == impls[0]}
+        for size in sorted({row.size for row in rows}):
+            cells = _row_cells(by_size.get(size), full, check)
+            lines.append(f"{size:<{SIZE_WIDTH}}"
+                         + "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths)))
+        return lines
+    if width is None:
+        return _side_by_side(rows, impls, full, check, stat, compact=False)
+    side = _side_by_side([], impls, full, check, stat, compact=True)
+    if max(len(line) for line in side) <= width:
+        return _side_by_side(rows, impls, full, check, stat, compact=True)
+    return _stacked(rows, impls, full, check, stat)
 
 
 def format_tables(rows: Sequence[Row], impls: Sequence[str], *, check: bool = False,
@@ -570,6 +654,22 @@ def format_tables(rows: Sequence[Row], impls: Sequence[str], *, check: bool = Fa
         lines += ["#", f"# {name}"]
         lines += format_table(own, [name], full=True, check=check, stat=stat)
     return lines
+
+
+def fit_lines(lines: Iterable[str], width: int | None = WIDTH) -> list[str]:
+    """``#`` lines longer than ``width`` wrapped at spaces onto ``#   ``
+    continuation lines (tables are laid out to fit on their own; a line
+    without ``#`` is left alone).  ``width`` None: every line as it is."""
+    import textwrap
+
+    out: list[str] = []
+    for line in lines:
+        if width is None or len(line) <= width or not line.startswith("#"):
+            out.append(line)
+            continue
+        out += textwrap.wrap(line, width, subsequent_indent="#   ", break_long_words=False,
+                             break_on_hyphens=False)
+    return out
 
 
 def rows_to_json(rows: Sequence[Row], meta: dict) -> str:

@@ -199,9 +199,10 @@ class _Settings:
     check: bool
     stat: str
     seed: int
+    width: int | None = harness.WIDTH  # None: --wide
 
     def table_options(self) -> dict:
-        return dict(full=self.full, check=self.check, stat=self.stat)
+        return dict(full=self.full, check=self.check, stat=self.stat, width=self.width)
 
 
 def _prepare_cell(comm, settings: _Settings, impl, row: Row, wire: DType, notes: dict):
@@ -283,7 +284,7 @@ def _header_lines(settings: _Settings, env_lines, impls, impl_names) -> list[str
     if full:
         timing += f"; BusBW = Size/t x {'2(n-1)/n' if op == 'allreduce' else '(n-1)'}"
         if len(impls) > 1:
-            timing += ("; -f: latencies side by side while running, then one table per "
+            timing += ("; -f: latencies while running, then one table per "
                        "implementation with every column")
     lines.append(timing)
     if len(impls) > 1:
@@ -356,6 +357,7 @@ def run(
     seed: int,
     comm=None,
     load: int = 0,
+    wide: bool = False,
 ) -> int:
     """Run the benchmark on every rank; rank 0 prints.  Returns the exit code.
 
@@ -366,8 +368,11 @@ def run(
     comm = MPI.COMM_WORLD if comm is None else comm
     rank = comm.Get_rank()
     settings = _Settings(collective, DTYPES[dtype_name], iterations, warmup, full, check, stat,
-                         seed)
-    say = (lambda text="": print(text, flush=True)) if rank == 0 else (lambda text="": None)
+                         seed, None if wide else harness.WIDTH)
+
+    def say(text=""):  # rank 0 prints, '#' lines wrapped to the width unless --wide
+        if rank == 0:
+            print("\n".join(harness.fit_lines([text], settings.width)), flush=True)
 
     impls = make_impls(impl_names, comm, gloo_max_iterations=gloo_max_iters)
     try:
@@ -488,18 +493,22 @@ def command(collective: Collective) -> click.Command:
                        "(it spins without yielding).")
     @click.option("--seed", type=int, default=20240607, show_default=True,
                   help="Seed of the check pass's data.")
+    @click.option("--wide", is_flag=True,
+                  help=f"Print lines as long as they come: several implementations side by "
+                       f"side with OSU's column labels, comment lines unwrapped (default: "
+                       f"everything fits {harness.WIDTH} columns; --json has every detail).")
     @click.option("--load", type=click.IntRange(min=0), default=0, show_default=True,
                   metavar="N",
                   help="Run N busy processes (unbound spin loops) on each host while "
                        "measuring, started by the host's first rank; a busy machine on purpose.")
     def main(message_size, extra_sizes, iterations, warmup, full, check, impl_spec, dtype_name,
-             stat, json_path, plot_path, gloo_max_iters, seed, load):
+             stat, json_path, plot_path, gloo_max_iters, seed, wide, load):
         sizes, impl_names = _parse_arguments(message_size, extra_sizes, impl_spec, plot_path)
         code = harness.run_or_abort(
             run, collective, sizes=sizes, impl_names=impl_names, dtype_name=dtype_name,
             iterations=iterations, warmup=warmup, full=full, check=check, stat=stat,
             json_path=json_path, plot_path=plot_path, gloo_max_iters=gloo_max_iters, seed=seed,
-            load=load)
+            load=load, wide=wide)
         harness.exit_all(code)
 
     return main

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import harmpi
+from bench.harness import fit_lines
 from bench.load import host_load
 
 IMPLS = ("harmpi", "mpi", "gloo")
@@ -125,11 +126,14 @@ def measure(size, args, groups, comm):
 
 def report(rows, impls, n):
     info = harmpi.info()
-    print(f"# all_to_all_single vs MPI_Alltoall: {n} ranks, {info['nodes']} node(s) of "
-          f"{info['ranks_per_node']} ranks ({'virtual, ' if info['virtual_nodes'] else ''}"
-          f"transport {info['transport']}), {info['mpi_library']}")  # MPI's own ends in a NUL
-    print("# the slowest rank's median per call, us (each call starts aligned); "
-          "size = bytes each rank sends to each rank")
+    header = [
+        f"# all_to_all_single vs MPI_Alltoall: {n} ranks, {info['nodes']} node(s) of "
+        f"{info['ranks_per_node']} ranks ({'virtual, ' if info['virtual_nodes'] else ''}"
+        f"transport {info['transport']}), {info['mpi_library']}",  # MPI's own ends in a NUL
+        "# the slowest rank's median per call, us (each call starts aligned); "
+        "size = bytes each rank sends to each rank",
+    ]
+    print("\n".join(fit_lines(header)))
     ratios = [name for name in impls if name != "mpi"] if "mpi" in impls else []
     print(f"{'# size':<10}" + "".join(f"{name:>12}" for name in impls)
           + "".join(f"{name + '/mpi':>14}" for name in ratios) + f"{'calls':>8}")

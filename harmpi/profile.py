@@ -367,7 +367,26 @@ def format_summary(s):
     lines.append("wait: from entry to the last rank's arrival; own: from then to exit; "
                  "last: collectives where the rank arrived last; late by: summed time from "
                  "the first rank's arrival to its own then")
-    return "\n".join(lines)
+    return "\n".join(_fit(lines))
+
+
+#: the summary's width: longer prose lines wrap (the tables are narrower)
+SUMMARY_WIDTH = 100
+
+
+def _fit(lines, width=SUMMARY_WIDTH):
+    """Wrap lines longer than ``width`` at spaces, continuations indented."""
+    import textwrap  # noqa: PLC0415 - only the printed summary needs it
+
+    out = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        lead = "#   " if line.startswith("#") else "    "
+        out += textwrap.wrap(line, width, subsequent_indent=lead, break_long_words=False,
+                             break_on_hyphens=False)
+    return out
 
 
 _ALGO_NAMES = None

@@ -242,7 +242,7 @@ def test_full_tables_one_per_implementation_fit_a_terminal():
     assert lines[1] == "# harmpi" and lines[6] == "# mpi"
     assert lines[2].startswith("# Size") and "Median Latency(us)" in lines[2]
     assert lines[8].split() == ["8", "2.00", "1.80", "2.20", "100", "1.250", "Pass"]
-    assert max(len(line) for line in lines) <= 110
+    assert max(len(line) for line in lines) <= 100
 
 
 def test_median_header():
@@ -257,12 +257,19 @@ def test_multi_impl_table_has_ratio_columns_against_harmpi():
             Row("mpi", "bf16", 20480, None, None, None, 0, None, note="not run")]
     lines = harness.format_table(rows, ["harmpi", "mpi", "gloo"], check=True)
     assert "harmpi" in lines[0] and "gloo" in lines[0]  # implementation names above their columns
+    assert lines[0].endswith("- / harmpi --")  # over the ratio columns
     assert lines[1].startswith("# Size")
-    assert lines[1].split()[-2:] == ["mpi/harmpi", "gloo/harmpi"]
+    assert lines[1].split()[-2:] == ["mpi", "gloo"]
+    assert max(len(line) for line in lines) <= 100
     first = lines[2].split()
     assert first == ["10240", "2.00", "Pass", "5.00", "Pass", "1000.00", "Fail", "2.50", "500.00"]
     second = lines[3].split()
     assert second == ["20480", "4.00", "-", "n/a", "-", "n/a", "n/a", "n/a", "n/a"]
+    # --wide: OSU's labels and named ratio columns, however wide
+    wide = harness.format_table(rows, ["harmpi", "mpi", "gloo"], check=True, width=None)
+    assert wide[1].split()[-2:] == ["mpi/harmpi", "gloo/harmpi"]
+    assert "Avg Latency(us)" in wide[1] and "Validation" in wide[1]
+    assert wide[2].split() == first
 
 
 def test_reference_impl_choice():
@@ -573,17 +580,22 @@ def test_osu_allreduce_under_mpirun(tmp_path):
     assert any(line.startswith("# Datatype: bf16") for line in lines)
     assert any(line.startswith("# Size") and "Avg Latency(us)" in line and "Validation" in line
                for line in lines)
-    assert "mpi: MPI_Allreduce(MPI_IN_PLACE, SUM) float32, same bytes" in proc.stdout
-    # -f with several implementations: the compact table, then one OSU table per implementation
+    assert "# mpi: MPI_Allreduce(MPI_IN_PLACE, SUM) float32, same bytes" in proc.stdout
+    # -f with several implementations: the compact table (one line per implementation
+    # when side by side would not fit 100 columns), then one OSU table per implementation
     compact = lines[: lines.index("#")]
     table = [line.split() for line in compact if line[:1].isdigit()]
-    assert [int(row[0]) for row in table] == [1024, 2048, 4096]
-    assert all(row.count("Pass") == len(_impls().split(",")) for row in table), proc.stdout
+    names = _impls().split(",")
+    assert sorted({int(row[0]) for row in table}) == [1024, 2048, 4096]
+    if len(table) == 3:  # side by side
+        assert all(row.count("Pass") == len(names) for row in table), proc.stdout
+    else:
+        assert [row[1] for row in table] == names * 3 and all(row[-2] == "Pass" for row in table)
     for name in _impls().split(","):
         at = lines.index(f"# {name}")
         assert "Min Latency(us)" in lines[at + 1] and "BusBW(GB/s)" in lines[at + 1]
         assert [line.split()[-1] for line in lines[at + 2: at + 5]] == ["Pass"] * 3
-    assert max(len(line) for line in lines[lines.index("#"):]) <= 110
+    assert max(len(line) for line in lines) <= 100
     doc = json.loads(json_path.read_text())
     assert doc["meta"]["latency_fields"]["avg_us"].startswith("mean over ranks")
     assert {row["impl"] for row in doc["rows"]} == set(_impls().split(","))
@@ -598,7 +610,11 @@ def test_osu_allgather_under_mpirun():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Allgather Latency Test" in proc.stdout
     table = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
-    assert len(table) == 6 and all("Fail" not in row for row in table)
+    names = _impls().split(",")
+    sides = 1 if len(table) == 6 else len(names)  # side by side, else a line per implementation
+    assert len(table) == 6 * sides and all("Fail" not in row for row in table)
+    assert sum(row.count("Pass") for row in table) == 6 * len(names)
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 100
 
 
 @pytest.mark.timeout(180)
