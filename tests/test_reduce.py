@@ -900,6 +900,7 @@ def test_sum_rows_x_callable_from_compiled_code(dt):
     assert_same(xx[lo:hi], expected, dt)
 
 
+@pytest.mark.timeout(330)  # the subprocess's own 300 s first (44 s on a quiet machine)
 @pytest.mark.skipif(not JIT, reason="already in pure-Python mode")
 def test_pure_python_mode():
     """This whole file again with NUMBA_DISABLE_JIT=1: runs the kernel code as

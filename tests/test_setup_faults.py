@@ -96,7 +96,7 @@ def test_set_up_faults_fail_on_every_rank_within_the_deadline(tmp_path, layout):
     harmpi works afterwards."""
     env = LAYOUTS[layout]
     other = "mpi" if env.get("HARMPI_TRANSPORT") == "tcp" else "tcp"
-    proc = _run(tmp_path, SET_UP.format(other=other), limit_s=240, np=4, extra_env=env)
+    proc = _run(tmp_path, SET_UP.format(other=other), work_s=20, np=4, extra_env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for r in range(4):

@@ -15,7 +15,7 @@ LAYOUTS = {
 }
 
 ONE_SIDED = """
-    import dataclasses, time, harmpi, numpy as np
+    import dataclasses, os, sys, time, harmpi, numpy as np
     from mpi4py import MPI
     from harmpi.registry import STATE
     comm = MPI.COMM_WORLD
@@ -40,8 +40,14 @@ ONE_SIDED = """
                 print(f"rank {r}: no error", flush=True)
             except harmpi.HarmpiTimeoutError:
                 pass
+        open(os.path.join(sys.argv[1], f"timed-out-{r}"), "w").close()
     else:
-        time.sleep(16.0)
+        # away until the others have timed out on both (two deadlines; a
+        # fixed 16 s sleep was long, or short on a loaded machine)
+        seen = [os.path.join(sys.argv[1], f"timed-out-{q}") for q in range(n - 1)]
+        give_up = time.monotonic() + 120
+        while not all(map(os.path.exists, seen)) and time.monotonic() < give_up:
+            time.sleep(0.1)
     comm.Barrier()
     t0 = time.monotonic()
     c.Free()
@@ -70,7 +76,7 @@ def test_free_and_finalize_after_a_one_sided_failure_return_on_every_rank(tmp_pa
     context broken anywhere is left to MPI_Finalize on every rank, with a
     warning. A context healthy everywhere is still freed."""
     np_, extra = LAYOUTS[layout]
-    proc = _run(tmp_path, ONE_SIDED, limit_s=300, np=np_, extra_env=extra)
+    proc = _run(tmp_path, ONE_SIDED, work_s=30, np=np_, extra_env=extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert "no error" not in proc.stdout
@@ -137,6 +143,6 @@ def test_communicators_set_up_and_freed_keep_resources_flat(tmp_path, layout):
     extra = {} if layout == "one-node" else {"HARMPI_RANKS_PER_NODE": "1",
                                              "HARMPI_TRANSPORT": layout.split("-")[1]}
     body = CYCLES.format(usage=RESOURCE_USAGE, keep=False, warmup=1000, cycles=500)
-    proc = _run(tmp_path, body, limit_s=250, np=2, extra_env=extra)
+    proc = _run(tmp_path, body, work_s=60, np=2, extra_env=extra)
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
     assert proc.stdout.count("flat") == 2, proc.stdout

@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(300)
 
 ABSENT_RANK = """
-    import datetime, time, torch, torch.distributed as dist, harmpi
+    import datetime, os, sys, time, torch, torch.distributed as dist, harmpi
     from harmpi.distributed import _mpi_rendezvous
     dist.init_process_group("harmpi")
     r, n = dist.get_rank(), dist.get_world_size()
@@ -33,7 +33,12 @@ ABSENT_RANK = """
         try:
             raise ValueError("a bug on the last rank")
         except ValueError:
-            time.sleep({timeout_s} * (len(calls) + 2) + 6)
+            # away until every other rank is through its ops (a fixed sleep
+            # was either long or, on a loaded machine, too short)
+            done = [os.path.join(sys.argv[1], f"done-{{q}}") for q in range(n - 1)]
+            give_up = time.monotonic() + {timeout_s} * (len(calls) + 2) * 10
+            while not all(map(os.path.exists, done)) and time.monotonic() < give_up:
+                time.sleep(0.1)
     else:
         for name, call in calls.items():
             x = torch.arange(8)
@@ -62,6 +67,7 @@ ABSENT_RANK = """
                 print(f"rank {{r}} {{name}} raised after {{took:.1f}} s: {{exc}}", flush=True)
             else:
                 print(f"rank {{r}} {{name}} returned", flush=True)
+        open(os.path.join(sys.argv[1], f"done-{{r}}"), "w").close()
     print(f"rank {{r}} exits", flush=True)
 """
 OPS = ("broadcast", "all_reduce MAX int64", "all_to_all_single", "scatter", "recv", "new_group",
@@ -74,7 +80,8 @@ def test_a_rank_that_never_comes_is_named_within_the_deadline(tmp_path):
     at the deadline, naming it alone, on each op in turn (each on a group of
     its own: a timed-out group is unusable), data untouched."""
     np_, extra = 4, {"HARMPI_RANKS_PER_NODE": "2", "HARMPI_TIMEOUT_S": "2"}
-    proc = _run(tmp_path, ABSENT_RANK.format(timeout_s=2), 200, np=np_, extra_env=extra)
+    proc = _run(tmp_path, ABSENT_RANK.format(timeout_s=2), work_s=20, np=np_,
+                extra_env=extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(np_ - 1):
         for op in OPS:
@@ -129,6 +136,6 @@ def test_destroyed_groups_keep_fds_mappings_and_shm_flat(tmp_path, layout):
     ``keep=True``, groups not freed, the mappings grow by one a cycle)."""
     extra = {"HARMPI_RANKS_PER_NODE": "1"} if layout != "one node" else None
     body = DESTROY_CYCLES.format(usage=RESOURCE_USAGE, keep=False, cycles=100)
-    proc = _run(tmp_path, body, 200, np=2, extra_env=extra)
+    proc = _run(tmp_path, body, work_s=60, np=2, extra_env=extra)
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
     assert proc.stdout.count("flat") == 2, proc.stdout
