@@ -174,3 +174,21 @@ def test_osu_alltoall_through_the_launcher_is_tagged_fits_and_has_no_nul():
     assert any(line.startswith("# all_to_all_single vs MPI_Alltoall") for line in content)
     assert _widest(content) <= WIDTH, content
 
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
+def test_decode_output_fits_at_2_ranks(tmp_path):
+    comms = "harmpi,torch:harmpi,gloo,mpi"
+    proc = _mpirun("bench.decode",
+                   ["--comm", comms, "--hidden", "64", "--layers", "2", "--heads", "4",
+                    "--kv-heads", "2", "--ffn", "256", "--vocab", "1024", "--batch", "2",
+                    "--prompt-len", "4", "--tokens", "4", "--warmup", "1", "--profile",
+                    "--load", "1", "--json", str(tmp_path / "d.json")])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert _widest(lines) <= WIDTH, [line for line in lines if len(line) > WIDTH]
+    assert [line.split()[0] for line in lines if line.split()[:1] and line.split()[0]
+            in comms.split(",")] == comms.split(",")
+    assert any(line.startswith("# profile harmpi:") for line in lines)
+    assert any(line.startswith("# Load: 1 busy process (unbound spin loops)") for line in lines)
