@@ -311,6 +311,7 @@ def info(comm=None):
                        "logits_allreduce_max_nbytes": cfg.logits_allreduce_max_nbytes},
         "logits_route": cfg.logits_route,
         "spin_count": ctx.spin_count,
+        "wait": ctx.wait_description(),
         "stream_stores": cfg.stream_stores,
         "oversubscribed": ctx.oversubscribed,
         "timeout_s": cfg.timeout_s,

@@ -345,6 +345,18 @@ class Context:
             # close the native entry point's gate: the Python path raises
             self.ctl[0]["gate"] = 0
 
+    def wait_description(self) -> str:
+        """How this context's waits spin and sleep (info()["wait"])."""
+        c = self.ctl[0]
+        if self.wait_policy == sync.WAIT_SPIN:
+            why = "" if sync.HAS_FUTEX else " (no futex on this platform)"
+            return f"spin: {self.spin_count} polls, then yield{why}"
+        if self.wait_policy == sync.WAIT_SLEEP:
+            return "sleep: futex at once"
+        now = max(0, sync.spin_budget(self.ctl.ctypes.data + control.WAIT_OFFSET))
+        return (f"auto: spin {c['wait_floor'] // 1000}-{c['wait_cap'] // 1000} us "
+                f"(now {now // 1000} us), then futex")
+
     # -- pieces the algorithms ask for --------------------------------------
 
     def rail_transport(self):

@@ -61,7 +61,10 @@ average of ~5: read them as an upper bound of the Python protocol's cost,
 which does not depend on the NIC). Waiting spins
 ``spin_count`` polls, then yields the core on every further poll
 (sched_yield, wait spin) or naps between polls, 10 us doubling to 1 ms
-(wait auto and sleep), until ``timeout_s``. Errors: a completion with any status
+(wait auto and sleep), until ``timeout_s``. Not a completion channel:
+pyverbs (44) gives a CompChannel no file descriptor to poll with a timeout,
+only a ``get_cq_event`` that blocks without one, which would hold a rank
+past its deadline and past Ctrl-C. Errors: a completion with any status
 other than success raises HarmpiTransportError naming the peer, operation
 and status (verbs_proto.completion_error); a wait past the deadline raises
 HarmpiTimeoutError naming the peers still outstanding; a peer that gave up
