@@ -26,7 +26,9 @@ What each call does (``t``: a CPU tensor of bf16, f16, f32 or f64):
 
 =========================  ==================================================
 all_reduce SUM             harmpi's all-reduce, in place (the hot path: the
-                           native entry on the default group)
+                           native entry on the default group, the group's
+                           context's compiled entry called directly on
+                           the others; nothing is cached per call)
 all_reduce AVG             the sum, then divided by the group size (bf16/f16:
                            two roundings)
 all_reduce MAX / MIN       allgather, then max/min over ranks (exact)
@@ -103,6 +105,7 @@ from .errors import (
 )
 from .registry import STATE
 from .topology import arrive
+from .torch import describe as _describe
 
 __all__ = ["BACKEND", "MIN_TORCH", "ProcessGroupHarmpi", "register"]
 
@@ -236,14 +239,14 @@ def _float_tensor(t, what):
             f"harmpi backend: {what} of {t.dtype} is not supported; it reduces and gathers "
             "torch.bfloat16, float16, float32 and float64 (use a gloo group, "
             "dist.new_group(backend='gloo'), for other dtypes)")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise HarmpiArgumentError(f"harmpi backend: {what}: tensor is on {t.device}; harmpi "
                                   "works on CPU tensors")
     return t
 
 
 def _contiguous_cpu(t, what):
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise HarmpiArgumentError(f"harmpi backend: {what}: tensor is on {t.device}; harmpi "
                                   "works on CPU tensors")
     if not t.is_contiguous():
@@ -253,7 +256,7 @@ def _contiguous_cpu(t, what):
 
 
 def _cpu(t, what):
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise HarmpiArgumentError(f"harmpi backend: {what}: tensor is on {t.device}; harmpi "
                                   "works on CPU tensors")
     return t
@@ -276,13 +279,13 @@ def _split_bytes(t, splits, n, which):
         raise HarmpiArgumentError(f"harmpi backend: all_to_all_single: the {which} needs at "
                                   "least one dimension")
     rows = t.size(0)
-    row_bytes = math.prod(t.shape[1:]) * t.element_size()
     if not splits:
         if rows % n:
             raise HarmpiArgumentError(
                 f"harmpi backend: all_to_all_single: the {which} has {rows} rows, not a "
                 f"multiple of the group size {n}; pass split sizes")
-        return [rows // n * row_bytes] * n
+        return [t.nbytes // n] * n
+    row_bytes = math.prod(t.shape[1:]) * t.element_size()
     splits = list(splits)
     if len(splits) != n or sum(splits) != rows or min(splits) < 0:
         raise HarmpiArgumentError(
@@ -312,6 +315,14 @@ def _user_tag(tag):
 def _bytes_of(t):
     """The tensor's memory as a writable numpy byte view (any dtype, no copy)."""
     return t.view(-1).view(torch.uint8).numpy() if t.numel() else bytearray(0)
+
+
+def _buffer(t):
+    """A contiguous tensor's memory as an MPI buffer (no copy; ~10x cheaper
+    than _bytes_of's views). It holds no reference to ``t``: the caller
+    keeps ``t`` alive until the request completes (the work object's ``keep``)."""
+    nbytes = t.nbytes
+    return MPI.buffer.fromaddress(t.data_ptr(), nbytes) if nbytes else bytearray(0)
 
 
 # -- the MPI channel: dtypes, deadline waits, work objects -------------------------------------
@@ -366,13 +377,14 @@ _SPIN_POLLS = 1000
 _YIELD_S = 0.01
 
 
-def wait_requests(reqs, timeout_s, on_timeout):
+def wait_requests(reqs, timeout_s, on_timeout, statuses=True):
     """Wait until every MPI request in ``reqs`` completes, polling (spin,
     then yield, then short sleeps: a long wait does not burn its core), and
     call ``on_timeout(reqs)`` (which raises) once ``timeout_s`` has passed.
     The backend's one wait on MPI: every MPI operation it starts is
-    non-blocking and completes here, under the deadline. Returns the statuses."""
-    statuses = [MPI.Status() for _ in reqs]
+    non-blocking and completes here, under the deadline. Returns the
+    statuses (None with ``statuses=False``: collectives need none)."""
+    statuses = [MPI.Status() for _ in reqs] if statuses else None
     polls = 0
     deadline = calm = None
     pause = 1e-5
@@ -414,12 +426,15 @@ def _cancel(reqs):
 
 class _MpiWork(dist._Work):
     """MPI requests in flight (a collective or a message); wait() completes
-    them under the deadline, then runs ``finish(statuses)`` (the copy-out), once."""
+    them under the deadline, then runs ``finish(statuses)`` (the copy-out), once.
+    ``keep``: what the requests' buffers point into (tensors made by the
+    call, buffers made from addresses), kept alive until they complete."""
 
-    def __init__(self, pg, reqs, finish, result, what, peer=None):
+    def __init__(self, pg, reqs, finish, result, what, peer=None, keep=None):
         super().__init__()
         self._pg = pg
         self._reqs = reqs
+        self._keep = keep
         self._finish = finish
         self._result = result
         self._what = what
@@ -445,6 +460,7 @@ class _MpiWork(dist._Work):
         except HarmpiError as exc:
             self._error = exc
             raise
+        self._keep = None
 
     def wait(self, timeout=None):
         self._complete()
@@ -559,7 +575,8 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         be inside it), a message that times out is cancelled."""
         try:
             return wait_requests(reqs, self._timeout_s,
-                                 lambda pending: self._timed_out(pending, what, peer))
+                                 lambda pending: self._timed_out(pending, what, peer),
+                                 statuses=peer is not None)
         except MPI.Exception as exc:
             err = self._mpi_error(exc, what, peer)
         if peer is None:
@@ -633,7 +650,7 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
                                     [peers[i] for i in left if i < len(peers)])
 
             try:
-                wait_requests(reqs, self._timeout_s, late)
+                wait_requests(reqs, self._timeout_s, late, statuses=False)
             except MPI.Exception as exc:
                 err = self._mpi_error(exc, what, None)
                 self._broken = str(err)
@@ -662,10 +679,10 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         return f"world rank {self._world_rank(r)} calls {call} with {dtype}, {row[2]} bytes, " \
                f"op/root {row[3]}"
 
-    def _run(self, reqs, finish, result, what, async_op):
+    def _run(self, reqs, finish, result, what, async_op, keep=None):
         """The MPI requests of one collective: a work object to wait on later
         (async_op; the group's next call completes it first), or completed now."""
-        work = _MpiWork(self, reqs, finish, result, what)
+        work = _MpiWork(self, reqs, finish, result, what, keep=keep)
         if async_op:
             self._pending = work
         else:
@@ -675,18 +692,29 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
     # -- all-reduce --------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        # the hot path (dist.all_reduce(t) on the default group): as few
-        # attribute reads as possible, then the native entry (~0.1 us)
-        if self._native_sum is not None and STATE.native is not None \
-                and self._pending is None:
-            # C++ reads opts and runs the world entry (harmpi/_native.cpp):
-            # reading opts.reduceOp from Python alone costs ~0.35 us
-            rc = self._native_sum(tensors, _SYNC_SUM if opts is None else opts)
-            if rc == 0:
-                return _DONE
-            if rc > 0:
-                api._native_failed(tensors[0], rc)
-        if self._pending is not None:
+        # the hot path, dist.all_reduce(t) as a synchronous SUM: as few
+        # Python steps as possible before the context's compiled entry
+        if self._pending is None:
+            native = self._native_sum
+            if native is not None:
+                # the default group: C++ reads opts and runs the world entry
+                # (harmpi/_native.cpp; -1 when no world context is served or
+                # the tensor is not one it takes, -2 for anything but a
+                # synchronous SUM): reading opts.reduceOp from Python alone
+                # costs ~0.35 us
+                rc = native(tensors, _SYNC_SUM if opts is None else opts)
+                if rc == 0:
+                    return _DONE
+                if rc > 0:
+                    api._native_failed(tensors[0], rc)
+            elif len(tensors) == 1 and (opts is None or (not opts.asyncOp
+                                                         and opts.reduceOp == _SUM)):
+                # any other group: its context's entry, called here
+                t = tensors[0]
+                if t.dtype in _FLOATS and t.is_cpu and t.layout is _STRIDED:
+                    self._sum(t)
+                    return _DONE
+        else:
             self._settle()
         if len(tensors) != 1:
             _one(tensors, "all_reduce")
@@ -709,6 +737,26 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
                 api.allreduce(t, comm=self._harmpi_comm)
                 return _DONE
         return self._allreduce_other(t, opts.reduceOp, False)
+
+    def _sum(self, t):
+        """harmpi's all-reduce of the float CPU tensor ``t`` on this group's
+        context: what harmpi.allreduce(t, comm=...) does on its Python path
+        (the same checks and errors, the same entry), without looking the
+        context up again. A context that broke or was freed since the group
+        was made leaves the call to harmpi.allreduce, which raises (or, for
+        the world after harmpi.finalize(), makes a new context)."""
+        ctx = self._ctx
+        if ctx.broken is not None:
+            api.allreduce(t, comm=self._harmpi_comm)
+            return
+        addr, n, fmt = _describe(t, True)
+        try:
+            rc = ctx.entry(ctx.ctl, addr, n, fmt)
+            if rc:
+                ctx.raise_status(rc, addr, n, fmt, AUTO_CODE | fmt, "allreduce")
+        except KeyboardInterrupt:
+            ctx.interrupted()
+            raise
 
     def _allreduce_async(self, t, opts):
         op = opts.reduceOp
@@ -1048,7 +1096,8 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
         """Rows of ``input`` (dim 0) to each rank: split evenly, or by the split sizes."""
-        self._settle()
+        if self._pending is not None:
+            self._settle()
         n = self._size
         _cpu(output, "all_to_all_single")
         _cpu(input, "all_to_all_single")
@@ -1066,8 +1115,9 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
             problem = None if nbytes == output.numel() * output.element_size() else \
                 "input and output sizes differ (even splits)"
             self._agree("all_to_all_single", input.dtype, nbytes, 0, problem)
-            req = self._mpi.Ialltoall(_bytes_of(src), _bytes_of(dst))
-            return self._run([req], finish, [output], "all_to_all_single", _async(opts))
+            req = self._mpi.Ialltoall(_buffer(src), _buffer(dst))
+            return self._run([req], finish, [output], "all_to_all_single", _async(opts),
+                             keep=(src, dst))
         return self._alltoallv("all_to_all_single", src, dst, send_counts, recv_counts,
                                finish, [output], _async(opts))
 
@@ -1092,11 +1142,11 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         sdispl = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
         rdispl = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
         empty = bytearray(0)
-        sbuf = _bytes_of(src) if src is not None and src.numel() else empty
-        rbuf = _bytes_of(dst) if dst.numel() else empty
+        sbuf = _buffer(src) if src is not None else empty
+        rbuf = _buffer(dst)
         req = self._mpi.Ialltoallv([sbuf, (send_counts, sdispl.tolist()), MPI.BYTE],
                                    [rbuf, (recv_counts, rdispl.tolist()), MPI.BYTE])
-        return self._run([req], finish, result, what, async_op)
+        return self._run([req], finish, result, what, async_op, keep=(src, dst))
 
     # -- point to point ----------------------------------------------------------------------
 
