@@ -7,11 +7,16 @@ import pytest
 from conftest import torch
 
 import harmpi
-from harmpi import copytune
+from harmpi import copytune, sync
+
+
+def info_wait(comm):
+    return harmpi.info(comm)["wait"]
 
 ENV = {
     "HARMPI_TIMEOUT_S": "7",
     "HARMPI_SPIN_COUNT": "3",
+    "HARMPI_WAIT": "sleep",
     "HARMPI_SLOT_BYTES": "8192",
     "HARMPI_SMALL_MAX_BYTES": "128",
     "HARMPI_HAR_LATENCY_MAX_BYTES": "256",
@@ -30,7 +35,8 @@ ENV = {
     "HARMPI_IB_PORT": "2",
     "HARMPI_IB_GID_INDEX": "3",
 }
-GIVEN = harmpi.Config(timeout_s=30.0, spin_count=12345, slot_nbytes=16384, small_max_nbytes=4096,
+GIVEN = harmpi.Config(timeout_s=30.0, wait="spin", spin_count=12345, slot_nbytes=16384,
+                      small_max_nbytes=4096,
                       har_latency_max_nbytes=8192, algorithm="leader", transport="tcp",
                       ranks_per_node=1, stream_stores="flush", native=True,
                       logits_route="allgather", logits_allreduce_max_nbytes=12345,
@@ -50,6 +56,7 @@ def test_a_config_given_to_init_wins_over_the_environment(world, monkeypatch):
     # what each field drives, as the context runs it
     c = ctx.ctl[0]
     assert ctx.spin_count == 12345 and c["spin"] == 12345  # also when oversubscribed
+    assert c["wait_policy"] == sync.WAIT_SPIN and info_wait(comm).startswith("spin")
     assert c["timeout_ns"] == 30 * 10 ** 9
     assert c["slot_nbytes"] == 16384 and c["small_max_nbytes"] == 4096
     assert c["mode"] == copytune.MODE_FLUSH and c["tuning"] == 0
