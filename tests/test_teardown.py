@@ -23,6 +23,7 @@ ONE_SIDED = """
     # (6 s: a set-up fails when a rank comes 0.75 x that late, as it may on a
     # loaded machine)
     cfg = dataclasses.replace(harmpi.Config.from_env(), timeout_s=6.0)
+    comm.Barrier()   # the ranks' start-up, seconds apart under load, stays out of the deadline
     harmpi.init(config=cfg)
     c, ok = comm.Dup(), comm.Dup()
     harmpi.init(c, config=cfg)
