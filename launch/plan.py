@@ -30,7 +30,9 @@ Placement rules (every host is assumed to look like the launching host):
 * **Spin.** ``GOMP_SPINCOUNT=100000000`` and ``KMP_BLOCKTIME=infinite`` keep
   OpenMP workers hot between kernels (+13% decode speed in the published
   study). On by default only when ranks x threads fit the cores of each host;
-  forcing ``--spin`` beyond that is allowed but warned about.
+  forcing ``--spin`` beyond that is allowed but warned about. An explicit
+  ``--spin`` also sets ``HARMPI_WAIT=spin`` (harmpi's waits poll instead of
+  sleeping) unless the caller set HARMPI_WAIT.
 * **torchrun's variables.** Every rank gets MASTER_ADDR (127.0.0.1 on one
   host, else the first host, where rank 0 runs) and MASTER_PORT (a free port
   the CLI picked) unless the caller set them, and the command runs under
@@ -562,6 +564,10 @@ def build_command(
     env = dict(decided)
     if inputs.transport is not None:
         env["HARMPI_TRANSPORT"] = inputs.transport
+    if inputs.spin and "HARMPI_WAIT" not in base_env:
+        # an explicit --spin says the cores are the ranks' own: harmpi's waits
+        # spin too (the default, auto, sleeps once spinning stops paying)
+        env["HARMPI_WAIT"] = "spin"
     if inputs.virtual_nodes is not None:
         env["HARMPI_RANKS_PER_NODE"] = str(inputs.virtual_nodes)
     env.update(_master_env(lay, inputs.master_port, base_env))

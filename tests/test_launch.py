@@ -411,6 +411,17 @@ def test_spin_on_off_auto():
     assert any("--spin with 4 ranks x 1 threads on 2 cores" in w for w in warnings)
 
 
+def test_an_explicit_spin_keeps_harmpis_waits_spinning_unless_harmpi_wait_is_set():
+    argv, env, _ = build(np=2, spin=True)
+    assert env["HARMPI_WAIT"] == "spin" and "HARMPI_WAIT" in forwarded_x(argv)
+    _, env, _ = build(np=2)  # spin by default (cores fit): harmpi's waits stay auto
+    assert "HARMPI_WAIT" not in env
+    _, env, _ = build(np=2, spin=False)
+    assert "HARMPI_WAIT" not in env
+    argv, env, _ = build(np=2, spin=True, env={"HARMPI_WAIT": "sleep"})
+    assert "HARMPI_WAIT" not in env and "HARMPI_WAIT" in forwarded_x(argv)
+
+
 def test_forced_threads_beyond_cores_turns_spin_off_and_warns():
     argv, env, warnings = build(np=2, threads_per_rank=2)
     assert env["OMP_NUM_THREADS"] == "2" and "GOMP_SPINCOUNT" not in env
