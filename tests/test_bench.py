@@ -1011,3 +1011,17 @@ def test_demo_says_why_harmpi_loses_in_set_ups_that_are_not_like_for_like():
     text = "\n".join(summary_lines([("2 vnodes x 2, MPI on shm", shm)], None))
     assert "harmpi is slower than mpi at 2048 B (0.50x)" in text
     assert "why: MPI sees one host" in text and "why: 4 ranks share" in text
+
+
+def test_wait_cost_under_mpirun():
+    """bench.wait_cost: every policy gets a row with a CPU share and a
+    wake-up, and a waiting rank asleep (auto, sleep) uses far less of a
+    core than one spinning (the late rank is 0.5 s late)."""
+    result = _mpirun(2, "bench.wait_cost", ["--late-s", "0.5", "--repeats", "2"], timeout_s=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()
+            if line.split()[:1] and line.split()[0] in ("spin", "auto", "sleep")}
+    assert set(rows) == {"spin", "auto", "sleep"}, result.stdout
+    share = {name: float(cols[1]) for name, cols in rows.items()}
+    assert share["auto"] < 5 and share["sleep"] < 5, result.stdout
+    assert all(len(line) <= 100 for line in result.stdout.splitlines())
