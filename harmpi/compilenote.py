@@ -28,7 +28,7 @@ the load average; before any compile here, a probe kernel is compiled
 and timed and scaled by the ratio measured on the development machine:
 
     compiling harmpi kernels (numba cache is cold), once per host, ~95 s
-    (the longest compile here took 80 s of CPU; load 1.2 on 2 CPUs)
+      (estimate: the longest compile here took 80 s of CPU; load 1.2 on 2 CPUs)
 
 pip cannot run code after installing a wheel, so the compile cannot move to
 install time; ``make setup`` runs ``python -m harmpi.precompile``.
@@ -131,8 +131,9 @@ def estimate(record: dict, load1: float, cpus: int,
 
 
 def message(seconds: float, how: str) -> str:
-    return (f"compiling harmpi kernels (numba cache is cold), once per host, ~{seconds:.0f} s "
-            f"({how})")
+    """The warning: two lines, each within 100 columns."""
+    return (f"compiling harmpi kernels (numba cache is cold), once per host, ~{seconds:.0f} s\n"
+            f"  (estimate: {how})")
 
 
 @contextlib.contextmanager

@@ -31,9 +31,10 @@ def main() -> int:
             "loaded": "all loaded from the cache (sources changed, kernels did not)",
             "warm": "already in the cache",
             "no jit": "none compiled (NUMBA_DISABLE_JIT=1)"}[how]
-    print(f"harmpi kernels: {took}; cache {compilenote.cache_dir()}"
-          + (f"; the last compile here took {record['compile_cpu_s']:.0f} s of CPU"
-             if record.get("compile_cpu_s") else ""), flush=True)
+    print(f"harmpi kernels: {took}"
+          + (f" (the last compile here took {record['compile_cpu_s']:.0f} s of CPU)"
+             if record.get("compile_cpu_s") else "")
+          + f"\n  numba cache: {compilenote.cache_dir()}", flush=True)
     return 0
 
 

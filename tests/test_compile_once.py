@@ -130,5 +130,7 @@ def test_the_estimate_is_measured_here():
     s, how = compilenote.estimate({}, load1=0.0, cpus=2, probe=lambda: 0.5)
     assert s == 0.5 * compilenote.PROBE_RATIO and "a test compile here took 0.50 s" in how
     assert compilenote.message(75.4, how).startswith(
-        "compiling harmpi kernels (numba cache is cold), once per host, ~75 s (a test compile")
+        "compiling harmpi kernels (numba cache is cold), once per host, ~75 s\n"
+        "  (estimate: a test compile")
+    assert max(len(x) for x in compilenote.message(9999, how).splitlines()) <= 100
 
