@@ -25,8 +25,11 @@ failure may have left peers behind (timeouts, transport errors).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 
 import numpy as np
 from mpi4py import MPI
@@ -60,7 +63,7 @@ from .errors import (
 from .shm import W_META, Arena
 from .topology import agree, discover
 
-__all__ = ["Context", "AUTO_CODE"]
+__all__ = ["Context", "AUTO_CODE", "HeldSigint"]
 
 log = logging.getLogger("harmpi")
 
@@ -163,6 +166,46 @@ class SizeSwitch:
         return self.large(ctl, x_addr, n, fmt)
 
 
+class HeldSigint:
+    """Hold Ctrl-C over a section that every rank must finish together (the
+    blocking MPI calls of a set-up: a rank that left one half-way would hang
+    its peers in theirs). Inside, Python's SIGINT handler is one that notes
+    the signal; on leaving, the old handler is back and the byte the signal
+    left in harmpi's wakeup pipe is drained (the next wait must not be
+    interrupted by it); :meth:`deliver` then runs the old handler
+    (KeyboardInterrupt) where the caller is ready for it. Only in the main
+    thread (where Python runs signal handlers) and over a Python-level
+    handler; otherwise nothing is held."""
+
+    def __init__(self, sigfd):
+        self.sigfd = sigfd
+        self.old = None
+        self.got = []
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            old = signal.getsignal(signal.SIGINT)
+            if callable(old):
+                self.old = old
+                signal.signal(signal.SIGINT, lambda signum, frame: self.got.append(frame))
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+            if self.got and self.sigfd >= 0:
+                with contextlib.suppress(OSError):
+                    while os.read(self.sigfd, 64):
+                        pass
+        return False
+
+    def deliver(self):
+        """Run the old handler if a SIGINT came while held (once)."""
+        if self.got and self.old is not None:
+            frame, self.got = self.got[0], []
+            self.old(signal.SIGINT, frame)
+
+
 class Context:
     """Everything harmpi keeps for one communicator."""
 
@@ -176,6 +219,15 @@ class Context:
         # every rank being here (a late rank fails here, not in a blocking split)
         agree(comm, self.config.timeout_s, "setting up harmpi on this communicator",
               _must_match(self.config))
+        # the blocking calls of the set-up (splits, the window, the rails):
+        # every rank is here now, so they complete unless one rank leaves
+        # half-way; Ctrl-C waits for their end instead of making it leave
+        # (the registry delivers it once the context is registered)
+        self.held_sigint = HeldSigint(sigfd)
+        with self.held_sigint:
+            self._set_up(comm, sigfd)
+
+    def _set_up(self, comm, sigfd):
         self.topo, self.node_comm, self.rail_comm = discover(comm, self.config.ranks_per_node)
         # set-ups made later, inside a call (the flat ring's transport), run on
         # harmpi's own duplicate: a rank that gives up on one leaves its pending

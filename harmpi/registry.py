@@ -138,6 +138,7 @@ class Registry:
         ctx.ctl[0]["owner"] = ident
         if ctx is self.world:
             self.attach_native()
+        ctx.held_sigint.deliver()  # a Ctrl-C held over the set-up's blocking calls
         return ctx
 
     def _install_hooks(self):
