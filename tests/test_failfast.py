@@ -29,6 +29,7 @@ JOB = """
     import os, signal, sys, time, harmpi, torch
     from mpi4py import MPI
     rank = MPI.COMM_WORLD.rank
+    MPI.COMM_WORLD.Barrier()      # start-up (seconds apart under load) out of a short deadline
     harmpi.allreduce(torch.ones(10))
     if rank == 1:
         time.sleep(0.5)           # the peer is inside its wait (or sleep) by now
