@@ -61,6 +61,7 @@ from .mpiprogress import iprobe
 __all__ = ["load_acquire", "store_release", "compare_exchange", "ABANDONED", "cpu_relax",
            "sched_yield", "monotonic_ns", "realtime_ns", "sleep_us", "wait_flags_ge", "poke",
            "sigint_arrived", "WAIT_INTERRUPTED", "SLEEP_AFTER_NS", "POKE_AFTER_NS",
+           "SLEEP_POKE_NS",
            "load_seq_cst", "fetch_add", "fence", "futex_wait", "futex_wake", "wake_sleepers",
            "HAS_FUTEX", "WAIT_SPIN", "WAIT_AUTO", "WAIT_SLEEP", "WAIT_POLICIES", "WS_WORDS",
            "SLEEP_SLICE_NS", "spin_budget", "learn_gap"]
@@ -73,6 +74,14 @@ SLEEP_AFTER_NS = 20_000_000
 #: after this long waiting, a waiter also lets MPI progress (mpiprogress);
 #: a collective that completes sooner never pays for it
 POKE_AFTER_NS = 100_000
+#: a sleeping wait (and the tcp rail's) lets MPI progress only this often:
+#: Open MPI's progress calls sched_yield when it finds nothing to do (with
+#: mpi_yield_when_idle, which it turns on itself when oversubscribed), and
+#: Linux's EEVDF scheduler moves a yielding task's virtual time on by a
+#: slice, which the rank pays back in its compute while other jobs run. The
+#: rare peer that needs this rank's MPI progress waits at most this long
+#: more.
+SLEEP_POKE_NS = 10_000_000
 
 #: longest futex sleep between looks at SIGINT, the deadline and MPI
 #: progress; ten times that once a wait has lasted LONG_WAIT_NS (a late peer:
@@ -444,7 +453,8 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
     flag j is negative (ABANDONED: that rank gave up on the collective);
     WAIT_INTERRUPTED when a SIGINT arrives; or the first j still below
     ``target`` when ``timeout_ns`` elapsed. ``hook_addr``: an mpiprogress
-    hook and the wakeup fd (0 for none), MPI progress after POKE_AFTER_NS.
+    hook and the wakeup fd (0 for none), MPI progress every SLEEP_POKE_NS
+    (POKE_AFTER_NS when spinning).
 
     ``sleepers_addr``: the sleepers word of flag 0 (flag j's is at
     ``sleepers_addr + j*stride``; 0: no sleeping, the WAIT_SPIN loop);
@@ -457,6 +467,7 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
                               hook_addr)
     started = 0
     now = 0
+    last_poke = 0
     polls = 0
     slice_ns = load_acquire(state_addr + 8 * WS_SLICE)
     if slice_ns <= 0:
@@ -472,6 +483,7 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
             if started == 0:
                 started = monotonic_ns()
                 now = started
+                last_poke = started
             polls += 1
             if now - started < budget:
                 cpu_relax()
@@ -482,8 +494,9 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
             waited = now - started
             if sigint_arrived(hook_addr):
                 return WAIT_INTERRUPTED
-            if waited > POKE_AFTER_NS:
+            if now - last_poke > SLEEP_POKE_NS:
                 poke(hook_addr)
+                last_poke = now
             if waited > timeout_ns:
                 return j
             # announce, look again, sleep only on the value seen (see the

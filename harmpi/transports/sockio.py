@@ -54,7 +54,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..kind import ABANDON_TAG
-from ..sync import POKE_AFTER_NS, monotonic_ns, poke, realtime_ns, sigint_arrived
+from ..sync import SLEEP_POKE_NS, monotonic_ns, poke, realtime_ns, sigint_arrived
 
 __all__ = ["OP_FD", "OP_KIND", "OP_ADDR", "OP_CAP", "OP_DONE", "OP_HDR_N", "OP_HDR_TAG",
            "OP_HDR_DL", "OP_STATE", "OP_ERRNO", "OP_WORDS", "KIND_SEND", "KIND_RECV", "ST_PENDING",
@@ -342,7 +342,7 @@ def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):
     """Complete ops [0, k). Returns IO_OK, IO_FAILED (a row is ST_FAILED),
     IO_TIMEOUT (rows still ST_PENDING) after ``timeout_ns`` of waiting, or
     IO_INTERRUPTED when a SIGINT arrived while it slept (sync.sigint_arrived).
-    Once it has waited POKE_AFTER_NS, it lets MPI progress before each sleep
+    Every SLEEP_POKE_NS of waiting it lets MPI progress before a sleep
     in poll(2) (``hook_addr``: an mpiprogress hook and the wakeup fd, 0 for
     none)."""
     idle = 0
@@ -386,7 +386,7 @@ def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):
             return IO_TIMEOUT
         if sigint_arrived(hook_addr):
             return IO_INTERRUPTED
-        if now - last_poke > POKE_AFTER_NS:
+        if now - last_poke > SLEEP_POKE_NS:
             poke(hook_addr)
             last_poke = now
         if npoll > 0:
