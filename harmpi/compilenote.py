@@ -51,7 +51,7 @@ from typing import Callable
 from numba.core import event
 
 __all__ = ["RECORD", "LOCK", "KERNEL_MODULES", "cache_dir", "source_key", "estimate", "message",
-           "compile_once", "compile_all", "install"]
+           "compile_once", "compile_all", "install", "drop_stale"]
 
 log = logging.getLogger("harmpi")
 
@@ -72,6 +72,30 @@ def cache_dir(func=_probe) -> Path:
     from numba.core.caching import FunctionCache
 
     return Path(FunctionCache(func)._impl.locator.get_cache_path())
+
+
+def drop_stale(package_dir: Path = PACKAGE_DIR) -> int:
+    """Delete numba's cache files of every module of the package; returns how
+    many. numba checks only a kernel's own source file against its cache, so
+    after a change to another module (the control block's layout, an inlined
+    wait) it would load machine code built against the old one: wrong
+    offsets, old protocol. compile_once therefore drops them all whenever
+    any source changed, and everything compiles anew."""
+    from numba.core.caching import CacheImpl
+
+    dropped = 0
+    for source in sorted(package_dir.rglob("*.py")):
+        for locator_class in CacheImpl._locator_classes:
+            locator = locator_class.from_function(_probe, str(source))
+            if locator is None:
+                continue
+            cache = Path(locator.get_cache_path())
+            for stale in (*cache.glob(f"{source.stem}.*.nbi"), *cache.glob(f"{source.stem}.*.nbc")):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
+                    dropped += 1
+            break
+    return dropped
 
 
 def source_key(package_dir: Path = PACKAGE_DIR) -> str:
@@ -174,6 +198,8 @@ def compile_once(compile_all: Callable[[], None], package_dir: Path = PACKAGE_DI
         record = _read(record_path)
         if record.get("key") == key:
             return "waited" if waited else "warm"
+        if record.get("key"):  # sources changed since the last compile here
+            drop_stale(package_dir)
         load1, cpus = os.getloadavg()[0], os.cpu_count() or 1
         note = _ColdCacheNote(package_dir.name, lambda: message(*estimate(record, load1, cpus)))
         wall0, cpu0 = time.monotonic(), time.process_time()

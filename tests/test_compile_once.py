@@ -134,3 +134,50 @@ def test_the_estimate_is_measured_here():
         "  (estimate: a test compile")
     assert max(len(x) for x in compilenote.message(9999, how).splitlines()) <= 100
 
+
+
+LAYOUT_KERNEL = '''
+import numba
+from kernpkg.layout import OFFSET
+
+@numba.njit("int64(int64)", cache=True)
+def shifted(x):
+    return x + OFFSET
+'''
+
+LAYOUT_RANK = '''
+import importlib.util, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("compilenote", {note!r})
+compilenote = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compilenote)
+compilenote.compile_once(lambda: __import__("kernpkg.kernels"), Path({pkg!r}), Path({cache!r}))
+import kernpkg.kernels
+print(kernpkg.kernels.shifted(40))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_change_in_another_module_recompiles_the_kernels_that_use_it(tmp_path):
+    """numba checks only a kernel's own file: after an edit of a module it
+    depends on (the control block's layout, say) it would load the old
+    machine code. compile_once drops the package's cache on any change."""
+    pkg = tmp_path / "kernpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "layout.py").write_text("OFFSET = 1\n")
+    (pkg / "kernels.py").write_text(LAYOUT_KERNEL)
+    cache = tmp_path / "cache"
+    script = LAYOUT_RANK.format(note=str(REPO / "harmpi/compilenote.py"), pkg=str(pkg),
+                                cache=str(cache))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "NUMBA_CACHE_DIR": str(cache)}
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=240)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout.split()[-1])
+
+    assert run() == 41
+    (pkg / "layout.py").write_text("OFFSET = 2  # the layout moved\n")  # kernels.py untouched
+    assert run() == 42
