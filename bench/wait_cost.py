@@ -9,7 +9,8 @@ but the last starts a 10 KB all-reduce at once; the last rank sleeps
 ``--late-s`` first. The early ranks report the CPU time they used during
 the call (getrusage: user + system) as a share of a core, and the time from
 the late rank's entry (CLOCK_MONOTONIC, comparable on one host) to their
-own return: the wake-up. Printed: medians (and ranges) over the repeats,
+own return: the wake-up (the late rank spins its last 50 ms, so it arrives
+hot and the figure is the waiter's). Printed: medians (and ranges) over the repeats,
 rank 0's view. Policies take turns per repeat. ``--load N`` adds N busy
 processes on each host (bench.load).
 """
@@ -40,7 +41,12 @@ def _one(comm, x, late_s, late_rank):
     """One late-peer all-reduce: (cpu share, wake-up us) on an early rank, None on the late one."""
     comm.Barrier()
     if comm.Get_rank() == late_rank:
-        time.sleep(late_s)
+        # sleep, then spin the last 50 ms: the late rank arrives hot, so the
+        # wake-up measured is the waiter's, not this rank's own return from sleep
+        t_end = time.monotonic() + late_s
+        time.sleep(max(0.0, late_s - 0.05))
+        while time.monotonic() < t_end:
+            pass
         t_in = time.monotonic_ns()
         harmpi.allreduce(x, comm=comm)
         comm.bcast(t_in, root=late_rank)
