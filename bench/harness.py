@@ -56,6 +56,7 @@ __all__ = [
     "parse_nbytes",
     "format_nbytes",
     "parse_sizes",
+    "parse_names",
     "iterations_for",
     "time_op",
     "rank_stat_us",
@@ -298,6 +299,15 @@ def parse_nbytes(text: str) -> int:
     if not digits or suffix not in _SUFFIXES:
         raise ValueError(f"not a byte count: {text!r}")
     return int(digits) * _SUFFIXES[suffix]
+
+
+def parse_names(text: str, known) -> list[str]:
+    """'a,b' -> ['a', 'b'], each one of ``known`` (ValueError naming the others)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {unknown}; choose from {', '.join(known)}")
+    return names
 
 
 def format_nbytes(nbytes: int) -> str:

@@ -27,16 +27,10 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import harmpi
-from bench.harness import fit_lines
+from bench.harness import fit_lines, parse_names, parse_nbytes
 from bench.load import host_load
 
 IMPLS = ("harmpi", "mpi", "gloo")
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-    return int(text.rstrip("KM")) * scale
 
 
 def _pattern(rank: int, n: int, size: int) -> torch.Tensor:
@@ -90,11 +84,11 @@ def parse_args(argv):
                    help="N busy processes (unbound spin loops) on each host while measuring, "
                         "started by the host's first rank")
     args = p.parse_args(argv)
-    args.impls = [i for i in args.impl.split(",") if i]
-    unknown = set(args.impls) - set(IMPLS)
-    if unknown:
-        p.error(f"unknown --impl {sorted(unknown)}; choose from {IMPLS}")
-    args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    try:
+        args.impls = parse_names(args.impl, IMPLS)
+        args.sizes = [parse_nbytes(s) for s in args.sizes.split(",")]
+    except ValueError as exc:
+        p.error(f"--impl {args.impl!r} / --sizes {args.sizes!r}: {exc}")
     if args.load < 0:
         p.error(f"--load {args.load}: the number of busy processes must be >= 0")
     if any(size % 4 for size in args.sizes):

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import harmpi
+from bench.harness import parse_names, parse_nbytes
 from harmpi.distributed import ProcessGroupHarmpi
 
 IMPLS = ("torch:harmpi", "torch:newgrp", "torch:noop", "harmpi", "mpi")
@@ -57,12 +58,6 @@ class NoopGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         return self._done
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-    return int(text.rstrip("KM")) * scale
 
 
 def _caller(name, t, buf, groups, comm):
@@ -115,11 +110,11 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=8, help="turns the impls take per size")
     p.add_argument("--warmup", type=int, default=200)
     args = p.parse_args(argv)
-    args.impls = [i for i in args.impl.split(",") if i]
-    unknown = set(args.impls) - set(IMPLS)
-    if unknown:
-        p.error(f"unknown --impl {sorted(unknown)}; choose from {IMPLS}")
-    args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    try:
+        args.impls = parse_names(args.impl, IMPLS)
+        args.sizes = [parse_nbytes(s) for s in args.sizes.split(",")]
+    except ValueError as exc:
+        p.error(f"--impl {args.impl!r} / --sizes {args.sizes!r}: {exc}")
     if any(size % 4 or size <= 0 for size in args.sizes):
         p.error("every size must be a positive multiple of 4 bytes")
     return args

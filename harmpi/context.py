@@ -276,14 +276,9 @@ class Context:
         self._rail_transport = None
         self.transport_reason = "one node: no cross-node transport needed"
         if self.topo.node_count > 1:
-            self._rail_transport, self.transport_reason = transports.select(
-                self.config.transport, self.rail_comm, self.transport_spin_count,
-                self.config.timeout_s, self.config, self.topo.local_rank)
-            self._rail_transport.naps = self.wait_policy != sync.WAIT_SPIN
+            self._rail_transport, self.transport_reason = self._open_transport(self.rail_comm)
             self.log_once(f"cross-node transport: {self._rail_transport.name} "
                           f"({self.transport_reason})")
-            if isinstance(self._rail_transport, transports.TcpTransport):
-                self._rail_transport.watch_signals(sigfd)
         self._har2 = None
         self.entry, self.entry_cfunc = self._default_entry()
         self.gather = self._gather_entry()
@@ -416,14 +411,20 @@ class Context:
 
     def world_transport(self):
         if self._world_transport is None:
-            self._world_transport, _ = transports.select(self.config.transport, self.setup_comm,
-                                                         self.transport_spin_count,
-                                                         self.config.timeout_s, self.config,
-                                                         self.topo.local_rank)
-            self._world_transport.naps = self.wait_policy != sync.WAIT_SPIN
-            if isinstance(self._world_transport, transports.TcpTransport):
-                self._world_transport.watch_signals(self.sigfd)
+            self._world_transport, _ = self._open_transport(self.setup_comm)
         return self._world_transport
+
+    def _open_transport(self, comm):
+        """(transport, reason) over ``comm``, waiting as this context's waits do
+        (naps past the spin budget unless HARMPI_WAIT=spin) and, over tcp,
+        woken by Ctrl-C."""
+        transport, reason = transports.select(self.config.transport, comm,
+                                              self.transport_spin_count, self.config.timeout_s,
+                                              self.config, self.topo.local_rank)
+        transport.naps = self.wait_policy != sync.WAIT_SPIN
+        if isinstance(transport, transports.TcpTransport):
+            transport.watch_signals(self.sigfd)
+        return transport, reason
 
     def rail_recv_buffer(self):
         if self._recv_buf is None:

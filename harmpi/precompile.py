@@ -21,7 +21,7 @@ __all__ = ["compile_all", "main"]
 
 
 def main() -> int:
-    from . import compilenote
+    from . import cliout, compilenote
 
     # ``import harmpi`` (this module's package) has run compile_once already
     how = compilenote.outcome or compilenote.compile_once(compile_all)
@@ -31,10 +31,10 @@ def main() -> int:
             "loaded": "all loaded from the cache (sources changed, kernels did not)",
             "warm": "already in the cache",
             "no jit": "none compiled (NUMBA_DISABLE_JIT=1)"}[how]
-    print(f"harmpi kernels: {took}"
-          + (f" (the last compile here took {record['compile_cpu_s']:.0f} s of CPU)"
-             if record.get("compile_cpu_s") else "")
-          + f"\n  numba cache: {compilenote.cache_dir()}", flush=True)
+    cliout.log.info("%s", f"harmpi kernels: {took}"
+                    + (f" (the last compile here took {record['compile_cpu_s']:.0f} s of CPU)"
+                       if record.get("compile_cpu_s") else "")
+                    + f"\n  numba cache: {compilenote.cache_dir()}")
     return 0
 
 

@@ -22,6 +22,8 @@ import argparse
 import json
 import sys
 
+from . import cliout
+
 __all__ = ["main", "draw", "window"]
 
 WINDOWS = ("last", "slowest")
@@ -138,7 +140,7 @@ def main(argv=None):
     with open(args.trace) as f:
         doc = json.load(f)
     draw(doc, args.output, args.first, args.count, args.window, args.calls_per_step)
-    print(f"wrote {args.output}")
+    cliout.log.info("wrote %s", args.output)
     return 0
 
 

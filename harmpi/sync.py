@@ -101,16 +101,26 @@ _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
 
 
-@intrinsic
-def load_acquire(typingctx, addr):
-    """int64 load with acquire ordering from the integer address ``addr``."""
-    sig = types.int64(types.intp)
+def _atomic_load(ordering, doc):
+    """An intrinsic f(addr) -> int64: an atomic load with ``ordering`` from
+    the integer address ``addr``."""
+    @intrinsic
+    def load(typingctx, addr):
+        sig = types.int64(types.intp)
 
-    def codegen(context, builder, signature, args):
-        ptr = builder.inttoptr(args[0], _I64.as_pointer())
-        return builder.load_atomic(ptr, "acquire", 8)
+        def codegen(context, builder, signature, args):
+            ptr = builder.inttoptr(args[0], _I64.as_pointer())
+            return builder.load_atomic(ptr, ordering, 8)
 
-    return sig, codegen
+        return sig, codegen
+
+    load.__doc__ = doc
+    return load
+
+
+load_acquire = _atomic_load("acquire", "int64 load with acquire ordering from ``addr``.")
+#: pairs with the sleeper's announce and the publisher's exchange (a plain load on x86)
+load_seq_cst = _atomic_load("seq_cst", "int64 load, sequentially consistent, from ``addr``.")
 
 
 @intrinsic
@@ -138,18 +148,6 @@ def store_release(typingctx, addr, value):
         ptr = builder.inttoptr(args[0], _I64.as_pointer())
         builder.store_atomic(args[1], ptr, "release", 8)
         return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def load_seq_cst(typingctx, addr):
-    """int64 load, sequentially consistent (a plain load on x86)."""
-    sig = types.int64(types.intp)
-
-    def codegen(context, builder, signature, args):
-        ptr = builder.inttoptr(args[0], _I64.as_pointer())
-        return builder.load_atomic(ptr, "seq_cst", 8)
 
     return sig, codegen
 
@@ -513,6 +511,6 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
                                   load_acquire(state_addr + 8 * WS_EXPIRED) + 1)
             fetch_add(sleepers, -1)
             now = monotonic_ns()
-    if budget >= 0 and load_acquire(state_addr + 8 * WS_POLICY) == WAIT_AUTO:
-        learn_gap(state_addr, 0 if started == 0 else monotonic_ns() - started)
+    # (policy sleep learns too, unused: one policy read per wait, not two)
+    learn_gap(state_addr, 0 if started == 0 else monotonic_ns() - started)
     return -1

@@ -107,3 +107,17 @@ def assert_same_everywhere(comm, x):
     d = digest(x)
     all_d = comm.allgather(d)
     assert all(v == all_d[0] for v in all_d), f"results differ between ranks: {all_d}"
+
+
+def harmpi_process_group():
+    """harmpi's world context from the environment (a file before may have
+    made it with another config: then harmpi starts over) and the default
+    process group on backend harmpi, for the torch files' fixtures."""
+    import torch.distributed as dist
+
+    try:
+        harmpi.init(config=harmpi.Config.from_env())
+    except harmpi.HarmpiArgumentError:
+        harmpi.finalize()
+    if not dist.is_initialized():
+        dist.init_process_group("harmpi")

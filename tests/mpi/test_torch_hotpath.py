@@ -13,7 +13,7 @@ reference is computed locally in float64 and compared bit for bit.
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_same_everywhere
+from conftest import assert_same_everywhere, harmpi_process_group
 from mpi4py import MPI
 
 import harmpi
@@ -31,12 +31,7 @@ def groups():
     group, a new group of every rank (its own communicator and context),
     consecutive pairs and the even ranks (spanning virtual nodes when
     HARMPI_RANKS_PER_NODE splits the host)."""
-    try:
-        harmpi.init(config=harmpi.Config.from_env())
-    except harmpi.HarmpiArgumentError:
-        harmpi.finalize()
-    if not dist.is_initialized():
-        dist.init_process_group("harmpi")
+    harmpi_process_group()
     n, me = dist.get_world_size(), dist.get_rank()
     out = [(dist.group.WORLD, list(range(n)))]
     specs = [list(range(n))] + [[r, r + 1] for r in range(0, n - 1, 2)] + [list(range(0, n, 2))]

@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_same_everywhere
+from conftest import assert_same_everywhere, harmpi_process_group
 from mpi4py import MPI
 
 import harmpi
@@ -40,12 +40,7 @@ BITWISE = (R.BAND, R.BOR, R.BXOR)
 @pytest.fixture(scope="module")
 def groups():
     """[(group, its world ranks)]: the default group and the even ranks."""
-    try:
-        harmpi.init(config=harmpi.Config.from_env())
-    except harmpi.HarmpiArgumentError:
-        harmpi.finalize()
-    if not dist.is_initialized():
-        dist.init_process_group("harmpi")
+    harmpi_process_group()
     n = dist.get_world_size()
     evens = list(range(0, n, 2))
     sub = dist.new_group(evens)          # every rank calls new_group, members or not
