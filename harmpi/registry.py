@@ -19,7 +19,7 @@ import threading
 
 from mpi4py import MPI
 
-from . import owner
+from . import owner, shm
 from .config import Config
 from .context import Context
 from .errors import HarmpiArgumentError, HarmpiError
@@ -182,6 +182,9 @@ class Registry:
 
     def _on_mpi_finalize(self, comm, keyval, value):
         self.close("MPI has been finalized (MPI.Finalize() or interpreter exit)")
+        # an explicit MPI.Finalize() before exit: MPI still works while it
+        # deletes COMM_SELF's attributes, so the windows go in order here
+        shm.free_remaining()
 
     def _after_fork(self):
         self.close(f"this process was forked (pid {os.getpid()}) from a rank after harmpi "
@@ -210,13 +213,17 @@ class Registry:
                 native.detach()
 
     def at_exit(self):
-        """Interpreter exit: no collective. A peer may be gone, stuck, or
-        exiting on a failure this rank never saw; a collective free would
-        then hang the job. MPI_Finalize reclaims the windows (nothing stays
-        in /dev/shm); the sockets close with the process."""
-        for ctx in self.contexts:
+        """Interpreter exit: no vote, no context's collective free (a peer
+        may be exiting on a failure this rank never saw, or still at work).
+        The sockets close here; the windows, which MPI_Finalize would free
+        anyway (each free waits for the window's ranks), are freed in their
+        allocation order (shm.free_remaining: MPI's own order can differ
+        between ranks and deadlock)."""
+        for ctx in self.contexts + self.leaked:
             ctx.close_transports()
         self.close("the interpreter is exiting")
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            shm.free_remaining()  # (not a forked child's: they are its parent's)
 
     def attach_native(self):
         """Let harmpi.native serve harmpi.allreduce(t) for the world context,

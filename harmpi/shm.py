@@ -37,19 +37,31 @@ The meta words are double-buffered like the slots: a rank may write the
 next step's meta while a slow peer still checks this step's.
 
 The window is allocated once per communicator and freed by
-:meth:`Arena.free` (``harmpi.finalize()`` or interpreter exit); MPI unlinks
-its backing segment then, so nothing remains in /dev/shm.
+:meth:`Arena.free` (``comm.Free()``, ``harmpi.finalize()``, or at the end,
+:func:`free_remaining`); MPI unlinks its backing segment then, so nothing
+remains in /dev/shm.
+
+Windows still allocated at the end are freed by :func:`free_remaining`, in
+the order they were allocated, not left to MPI_Finalize: Open MPI frees
+leftover windows in the order of its handle table, whose freed entries are
+reused, so two ranks that share two windows can reach them in opposite
+orders, and each window's free waits in a barrier for the other rank (seen
+at 3 ranks with overlapping groups: every rank in MPI_Finalize forever).
+Allocation order is the same on every rank that shares two windows (each
+allocation waits for all of its ranks), so the frees meet.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from mpi4py import MPI
 
 from .copytune import TABLE_NBYTES
 
-__all__ = ["Arena", "FLAG_LINE_NBYTES", "W_EPOCH", "W_META", "W_STATUS", "W_CULPRIT",
-           "STAMP_WORDS"]
+__all__ = ["Arena", "free_remaining", "FLAG_LINE_NBYTES", "W_EPOCH", "W_META", "W_STATUS",
+           "W_CULPRIT", "STAMP_WORDS"]
 
 FLAG_LINE_NBYTES = 64
 W_EPOCH = 0   # word index of the epoch in a flag line
@@ -58,6 +70,9 @@ W_STATUS = 5  # parity p uses word W_STATUS + p
 W_CULPRIT = 7  # written before the epoch word turns ABANDONED
 STAMP_WORDS = 3  # words per parity in a stamp line: epoch, time, rank
 _PAGE = 4096
+
+#: windows allocated and not yet freed, in allocation order (free_remaining)
+_LIVE = []
 
 
 class Arena:
@@ -92,6 +107,8 @@ class Arena:
         node_comm.Barrier()
         self._win.Sync()
         self._win.Unlock_all()
+        self._pid = os.getpid()
+        _LIVE.append(self)
 
     def slot_offset(self, parity: int, local_rank: int) -> int:
         return self.flags_nbytes + (parity * self.local_size + local_rank) * self.slot_nbytes
@@ -119,3 +136,19 @@ class Arena:
             self.mem = None
             self._win.Free()
             self._win = None
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+
+def free_remaining():
+    """Free every window still allocated, in allocation order (collective,
+    blocking, as MPI_Finalize's own free of them would be; see the module
+    docstring for why not leave them to it). For the end of the process
+    only: the windows of broken contexts too, whose memory nothing may read
+    afterwards. A forked child frees nothing (the windows are its parent's)."""
+    while _LIVE:
+        arena = _LIVE.pop(0)
+        if arena._pid == os.getpid() and arena._win is not None:
+            arena.mem = None
+            arena._win.Free()
+            arena._win = None
