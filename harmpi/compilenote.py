@@ -36,6 +36,7 @@ install time; ``make setup`` runs ``python -m harmpi.precompile``.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import fcntl
 import hashlib
@@ -51,7 +52,8 @@ from typing import Callable
 from numba.core import event
 
 __all__ = ["RECORD", "LOCK", "KERNEL_MODULES", "cache_dir", "source_key", "estimate", "message",
-           "compile_once", "compile_all", "install", "drop_stale"]
+           "compile_once", "compile_all", "install", "drop_stale", "dependencies", "file_stamps",
+           "changed_files"]
 
 log = logging.getLogger("harmpi")
 
@@ -74,17 +76,94 @@ def cache_dir(func=_probe) -> Path:
     return Path(FunctionCache(func)._impl.locator.get_cache_path())
 
 
-def drop_stale(package_dir: Path = PACKAGE_DIR) -> int:
-    """Delete numba's cache files of every module of the package; returns how
-    many. numba checks only a kernel's own source file against its cache, so
-    after a change to another module (the control block's layout, an inlined
-    wait) it would load machine code built against the old one: wrong
-    offsets, old protocol. compile_once therefore drops them all whenever
-    any source changed, and everything compiles anew."""
+def file_stamps(package_dir: Path = PACKAGE_DIR) -> dict[str, list[int]]:
+    """Each source file's (mtime ns, size), by path within the package: what
+    numba's own check of a file compares."""
+    stamps = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        st = path.stat()
+        stamps[str(path.relative_to(package_dir))] = [st.st_mtime_ns, st.st_size]
+    return stamps
+
+
+def _resolve(package_dir: Path, dotted: str) -> Path | None:
+    """The source file of module ``dotted`` (package-relative, "" for the
+    package itself), or None if it is not one of the package's modules."""
+    base = package_dir.joinpath(*dotted.split(".")) if dotted else package_dir
+    candidates = [base / "__init__.py"] if not dotted else [base.with_suffix(".py"),
+                                                             base / "__init__.py"]
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def _imports(package_dir: Path, source: Path) -> set[Path]:
+    """The package's modules that ``source`` imports anywhere (functions
+    included: conservative), by source file."""
+    name = package_dir.name
+    # the subpackage ``source`` is in, which a relative import starts from
+    here = list(source.relative_to(package_dir).parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(source.read_text(), str(source))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                up = here[:len(here) - (node.level - 1)] if node.level > 1 else here
+                module = ".".join([name, *up, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            targets = [(module, a.name) for a in node.names]
+        for module, attr in targets:
+            if module != name and not module.startswith(name + "."):
+                continue
+            dotted = module[len(name) + 1:]
+            sub = _resolve(package_dir, f"{dotted}.{attr}" if dotted else attr) if attr else None
+            path = sub or _resolve(package_dir, dotted)
+            if path is not None:
+                found.add(path)
+    return found
+
+
+def dependencies(package_dir: Path = PACKAGE_DIR) -> dict[Path, set[Path]]:
+    """Each source file's transitive imports within the package, itself included."""
+    direct = {path: _imports(package_dir, path) for path in sorted(package_dir.rglob("*.py"))}
+    closure = {}
+    for path in direct:
+        seen, todo = {path}, [path]
+        while todo:
+            for dep in direct.get(todo.pop(), ()):
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        closure[path] = seen
+    return closure
+
+
+def changed_files(old: dict | None, new: dict) -> set[str] | None:
+    """Paths whose stamps differ between two :func:`file_stamps` (added and
+    removed ones too); None if there is no old record to compare with."""
+    if not old:
+        return None
+    return {path for path in old.keys() | new.keys() if old.get(path) != new.get(path)}
+
+
+def drop_stale(package_dir: Path = PACKAGE_DIR, changed: set[str] | None = None) -> int:
+    """Delete numba's cache files of every module that imports, directly or
+    not, a changed source file (``changed``: paths within the package; None:
+    every module); returns how many files. numba checks only a kernel's own
+    source file against its cache, so after a change to a module it uses
+    (the control block's layout, an inlined wait) it would load machine
+    code built against the old one: wrong offsets, old protocol. A change
+    to a module no kernel module imports (the API, the registry, the torch
+    backend) keeps every kernel."""
     from numba.core.caching import CacheImpl
 
+    closure = dependencies(package_dir) if changed is not None else {}
     dropped = 0
     for source in sorted(package_dir.rglob("*.py")):
+        if changed is not None and not any(
+                str(dep.relative_to(package_dir)) in changed for dep in closure[source]):
+            continue
         for locator_class in CacheImpl._locator_classes:
             locator = locator_class.from_function(_probe, str(source))
             if locator is None:
@@ -198,8 +277,9 @@ def compile_once(compile_all: Callable[[], None], package_dir: Path = PACKAGE_DI
         record = _read(record_path)
         if record.get("key") == key:
             return "waited" if waited else "warm"
+        stamps = file_stamps(package_dir)
         if record.get("key"):  # sources changed since the last compile here
-            drop_stale(package_dir)
+            drop_stale(package_dir, changed_files(record.get("files"), stamps))
         load1, cpus = os.getloadavg()[0], os.cpu_count() or 1
         note = _ColdCacheNote(package_dir.name, lambda: message(*estimate(record, load1, cpus)))
         wall0, cpu0 = time.monotonic(), time.process_time()
@@ -214,7 +294,7 @@ def compile_once(compile_all: Callable[[], None], package_dir: Path = PACKAGE_DI
                       "compile_wall_s": round(time.monotonic() - wall0, 2), "load1": load1,
                       "cpus": cpus, "kernels": note.compiles}
         tmp = record_path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**record, "key": key, "at": time.time()}))
+        tmp.write_text(json.dumps({**record, "key": key, "files": stamps, "at": time.time()}))
         os.replace(tmp, record_path)
     return "compiled" if note.compiles else "loaded"
 

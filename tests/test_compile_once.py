@@ -151,9 +151,10 @@ from pathlib import Path
 spec = importlib.util.spec_from_file_location("compilenote", {note!r})
 compilenote = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(compilenote)
-compilenote.compile_once(lambda: __import__("kernpkg.kernels"), Path({pkg!r}), Path({cache!r}))
+how = compilenote.compile_once(lambda: __import__("kernpkg.kernels"), Path({pkg!r}),
+                               Path({cache!r}))
 import kernpkg.kernels
-print(kernpkg.kernels.shifted(40))
+print(how, kernpkg.kernels.shifted(40))
 '''
 
 
@@ -161,11 +162,16 @@ print(kernpkg.kernels.shifted(40))
 def test_a_change_in_another_module_recompiles_the_kernels_that_use_it(tmp_path):
     """numba checks only a kernel's own file: after an edit of a module it
     depends on (the control block's layout, say) it would load the old
-    machine code. compile_once drops the package's cache on any change."""
+    machine code. compile_once drops the cache of every kernel module that
+    imports a changed module, directly or not, and keeps the others'."""
     pkg = tmp_path / "kernpkg"
-    pkg.mkdir()
+    (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    # kernels -> sub.mid -> layout, through a relative import of a parent
+    (pkg / "sub" / "mid.py").write_text("from ..layout import OFFSET  # noqa\n")
     (pkg / "layout.py").write_text("OFFSET = 1\n")
+    (pkg / "api.py").write_text("from . import kernels  # noqa\n")  # uses the kernels
     (pkg / "kernels.py").write_text(LAYOUT_KERNEL)
     cache = tmp_path / "cache"
     script = LAYOUT_RANK.format(note=str(REPO / "harmpi/compilenote.py"), pkg=str(pkg),
@@ -176,8 +182,17 @@ def test_a_change_in_another_module_recompiles_the_kernels_that_use_it(tmp_path)
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                               text=True, timeout=240)
         assert done.returncode == 0, done.stderr
-        return int(done.stdout.split()[-1])
+        how, value = done.stdout.split()[-2:]
+        return how, int(value)
 
-    assert run() == 41
+    assert run() == ("compiled", 41)
     (pkg / "layout.py").write_text("OFFSET = 2  # the layout moved\n")  # kernels.py untouched
-    assert run() == 42
+    assert run() == ("compiled", 42)
+    # through a chain of imports: kernels imports sub.mid, which imports layout
+    (pkg / "kernels.py").write_text(LAYOUT_KERNEL.replace("kernpkg.layout", "kernpkg.sub.mid"))
+    assert run() == ("compiled", 42)
+    (pkg / "layout.py").write_text("OFFSET = 3\n")
+    assert run() == ("compiled", 43)
+    # a module no kernel module imports (it imports them): every kernel stays
+    (pkg / "api.py").write_text("from . import kernels  # noqa: the API changed\n")
+    assert run() == ("loaded", 43)
