@@ -127,14 +127,18 @@ test:
 lint: setup
 	$(PY) -m ruff check .
 
-# Unit tests in two passes: the files whose whole mpirun jobs assert
-# deadlines of a few seconds, down to 1.5 s for a set-up (UNIT_SERIAL), one
-# at a time; the others two files at a time (pytest-xdist), since a third of
-# their time is spent waiting (pip, subprocesses). With three at a time on 2
-# cores, ranks of one job started up to 5 s apart and missed those
-# deadlines. The launcher, torchrun, cleanup, after-finalize, fail-fast,
-# two-host and torch-backend job files assert no deadline shorter than 30 s
-# and run in the first pass.
+# Unit tests in two passes, each two files at a time (pytest-xdist): the
+# files whose whole mpirun jobs assert deadlines of a few seconds, down to
+# 1.5 s for a set-up (UNIT_SERIAL, with the vLLM generation beside them:
+# their jobs mostly wait out sleeps and deadlines), and the others. With
+# three at a time on 2 cores, ranks of one job once started up to 5 s apart
+# and missed those deadlines; since the deadline tests bound their jobs by
+# the load (tests/test_faults.job_limit_s) and the ranks meet at a barrier
+# before their first deadline, two at a time beside the generation passed
+# at load 8-15 (24 passed in 584 s, against 493 s one at a time at ~2).
+# The launcher, torchrun, cleanup, after-finalize, fail-fast, two-host and
+# torch-backend job files assert no deadline shorter than 30 s and run in
+# the first pass.
 UNIT_SERIAL := tests/test_faults.py tests/test_teardown.py tests/test_setup_faults.py \
   tests/test_torch_ops_jobs.py
 UNIT_PYTEST = $(PY) -m pytest -q -p no:cacheprovider --color=no --durations=10
@@ -148,7 +152,7 @@ unit-parallel: setup
 	  $(addprefix --ignore=,$(UNIT_SERIAL)) tests
 
 unit-serial: setup
-	$(UNIT_PYTEST) $(UNIT_SERIAL)
+	$(UNIT_PYTEST) -n 2 --dist loadfile $(UNIT_SERIAL)
 
 # The MPI tests; one failing rank aborts the job (python -m mpi4py turns an
 # uncaught exception into MPI_Abort). One job per line of MPI_MATRIX, each
