@@ -159,10 +159,11 @@ COMMANDS: dict[str, Run | NotRun] = {
         Run((r"^#\s+harmpi\s+mpi\s+/harmpi$", r"^10240\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+$"),
             where="checkout", np=4, work_s=40),
     "mpirun -np 4 --oversubscribe python -m mpi4py -m bench.decode "
-    "--comm harmpi,torch:harmpi,gloo,mpi":
+    "--comm harmpi,torch:harmpi,gloo,mpi --tokens 32 --rounds 2":
         Run(_decode_rows("harmpi", "torch:harmpi", "gloo", "mpi"),
             where="checkout", np=4, work_s=40),
-    "mpirun -np 2 python -m mpi4py -m bench.decode --tp-api --comm torch:harmpi,gloo":
+    "mpirun -np 2 python -m mpi4py -m bench.decode --tp-api --comm torch:harmpi,gloo "
+    "--tokens 32 --rounds 2":
         Run(_decode_rows("torch:harmpi", "gloo"), where="checkout", work_s=40),
     "python -m bench.demo":
         NotRun("what make demo runs (minutes); its parts: tests/test_demo_units.py, "
