@@ -41,6 +41,9 @@ from test_faults import STARTUP_PER_RANK_S, STARTUP_S
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 SCRIPTS = Path(__file__).resolve().parent / "readme_scripts"  # files the README leaves to you
+# run_shell's limit, scaled by the load, ends a command first; the precompile of
+# :func:`scratch` (minutes on a cold cache) is inside the first test that uses it
+pytestmark = pytest.mark.timeout(3600)
 MARK = re.compile(r"<!-- readme-test: (skip: .+|file \S+|prologue) -->$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 
@@ -289,7 +292,6 @@ def test_prologue_sets_what_open_mpi_needs(scratch):
     assert env["OMPI_MCA_osc"] == "^ucx" and env["OMPI_MCA_pml"] == "ob1"
 
 
-@pytest.mark.timeout(3600)  # run_shell's limit, scaled by the load, ends a command first
 @pytest.mark.parametrize("block,command", _run_commands(),
                          ids=lambda x: f"L{x.line}" if isinstance(x, Block) else command_key(x))
 def test_command_runs_as_written(block, command, scratch):
