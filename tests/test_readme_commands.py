@@ -105,10 +105,11 @@ def command_key(command: str) -> str:
 @dataclass(frozen=True)
 class Run:
     """Run it in ``where`` ("scratch": a directory holding the README's scripts;
-    "checkout": the repository, as the benchmarks need) and expect every regex
-    of ``signs`` (multiline) in its stdout+stderr, ``count`` times each for the
-    first (once per rank). ``work_s``: its seconds of work on a quiet 2-core
-    machine, besides start-up, for the time limit."""
+    "checkout": the repository, as the benchmarks need), exit 0, and print
+    every regex of ``signs`` (multiline; stdout and stderr together): the first
+    ``count`` times (once per rank), the others once. ``np``: the ranks it
+    starts and ``work_s`` its seconds of work on a quiet 2-core machine, besides
+    start-up: its time limit (:func:`time_limit_s`)."""
     signs: tuple[str, ...]
     where: str = "scratch"
     np: int = 2
