@@ -127,18 +127,20 @@ test:
 lint: setup
 	$(PY) -m ruff check .
 
-# Unit tests in two passes, each two files at a time (pytest-xdist): the
-# files whose whole mpirun jobs assert deadlines of a few seconds, down to
-# 1.5 s for a set-up (UNIT_SERIAL, with the vLLM generation beside them:
-# their jobs mostly wait out sleeps and deadlines), and the others. With
-# three at a time on 2 cores, ranks of one job once started up to 5 s apart
-# and missed those deadlines; since the deadline tests bound their jobs by
-# the load (tests/test_faults.job_limit_s) and the ranks meet at a barrier
-# before their first deadline, two at a time beside the generation passed
-# at load 8-15 (24 passed in 584 s, against 493 s one at a time at ~2).
-# The launcher, torchrun, cleanup, after-finalize, fail-fast, two-host and
-# torch-backend job files assert no deadline shorter than 30 s and run in
-# the first pass.
+# Unit tests in two passes (pytest-xdist, whole files per worker): the
+# files whose mpirun jobs assert deadlines of a few seconds, down to 1.5 s
+# for a set-up (UNIT_SERIAL), two at a time with the vLLM generation beside
+# them (their jobs mostly wait out sleeps and deadlines); the others three
+# at a time (a third of their time waits on pip, netns hosts and whole
+# jobs' start-up). Three deadline files at a time on 2 cores once started
+# a job's ranks up to 5 s apart; since the deadline jobs bound themselves
+# by the load (tests/test_faults.job_limit_s) and meet at a barrier before
+# their first deadline, two at a time beside the generation passed at load
+# 8-15 (24 passed in 584 s, 493 s one at a time at ~2), and the other
+# files three at a time at load 12-20 (849 passed; one spin-time bound
+# there was made load-proof). The launcher, torchrun, cleanup,
+# after-finalize, fail-fast, two-host, README-command and torch-backend
+# job files assert no deadline shorter than 30 s.
 UNIT_SERIAL := tests/test_faults.py tests/test_teardown.py tests/test_setup_faults.py \
   tests/test_torch_ops_jobs.py
 UNIT_PYTEST = $(PY) -m pytest -q -p no:cacheprovider --color=no --durations=10
@@ -148,7 +150,7 @@ unit-test: setup
 	$(MAKE) --no-print-directory unit-serial || rc=1; exit $$rc
 
 unit-parallel: setup
-	$(UNIT_PYTEST) -n 2 --dist loadfile --ignore=tests/mpi --ignore=tests/test_vllm_generation.py \
+	$(UNIT_PYTEST) -n 3 --dist loadfile --ignore=tests/mpi --ignore=tests/test_vllm_generation.py \
 	  $(addprefix --ignore=,$(UNIT_SERIAL)) tests
 
 unit-serial: setup

@@ -62,7 +62,9 @@ def test_busy_processes_spin_unbound_in_one_group_and_stop():
     finally:
         load.stop()
     assert _gone(pids, 1.0)
-    assert load.cpu_s > 0.2 and load.wall_s >= 0.5  # they did spin
+    # they did spin: CPU time at all (two spinners for 0.5 s take ~1 s of it
+    # on idle cores, 0.14 s was seen at load 20 on 2 cores)
+    assert load.cpu_s > 0.01 and load.wall_s >= 0.5
     assert "# Load: 2 busy processes (unbound spin loops) ran on each host: " in load.summary()
     load.stop()  # idempotent
 
