@@ -78,6 +78,7 @@ error (``MIN_TORCH``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -104,7 +105,7 @@ from .errors import (
     HarmpiTimeoutError,
 )
 from .registry import STATE
-from .topology import arrive
+from .topology import LATE_FRACTION, arrive
 from .torch import describe as _describe
 
 __all__ = ["BACKEND", "MIN_TORCH", "ProcessGroupHarmpi", "register"]
@@ -414,6 +415,10 @@ def _unfinished(reqs):
     return [i for i, q in enumerate(reqs) if q != MPI.REQUEST_NULL and not q.Test()]
 
 
+#: requests given up on (timed out or interrupted) with what their buffers point into
+_STRANDED = []
+
+
 def _cancel(reqs):
     """Cancel what is left of a wait that timed out."""
     for req in reqs:
@@ -459,8 +464,19 @@ class _MpiWork(dist._Work):
                 self._finish(statuses)
         except HarmpiError as exc:
             self._error = exc
+            self._strand()
+            raise
+        except KeyboardInterrupt:
+            self._error = HarmpiError(f"harmpi backend: {self._what} was interrupted (Ctrl-C)")
+            self._strand()
             raise
         self._keep = None
+
+    def _strand(self):
+        """Requests given up on stay with MPI, which may still write into
+        their buffers: keep both alive for the life of the process."""
+        if not MPI.Request.Testall(self._reqs):
+            _STRANDED.append((self._reqs, self._keep, self._result))
 
     def wait(self, timeout=None):
         self._complete()
@@ -579,6 +595,16 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
                                  statuses=peer is not None)
         except MPI.Exception as exc:
             err = self._mpi_error(exc, what, peer)
+        except KeyboardInterrupt:
+            # a message is cancelled; a collective cannot be: its request
+            # stays with MPI and may still complete with the peers' data,
+            # so the group's next collective would meet this one's leftovers
+            # (a broadcast once returned the dropped call's value): unusable
+            if peer is not None:
+                _cancel(reqs)
+            else:
+                self._broken = f"{what} was interrupted (Ctrl-C) on this rank"
+            raise
         if peer is None:
             self._broken = str(err)
         raise err
@@ -617,6 +643,19 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
             "(HARMPI_TIMEOUT_S sets the deadline)",
             culprit=self._world_rank(late[0]) if late else -1)
 
+    @contextlib.contextmanager
+    def _interruptible(self, what, reqs, *buffers):
+        """Ctrl-C inside a wait of this group's own exchanges (the headers,
+        monitored_barrier) leaves the group unusable: the requests stay with
+        MPI (kept alive with their buffers) and would meet the next call's."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            self._broken = f"{what} was interrupted (Ctrl-C) on this rank"
+            if not MPI.Request.Testall(reqs):
+                _STRANDED.append((reqs, buffers))
+            raise
+
     def _who(self):
         return f"rank {self._world_rank(self.rank())} (group rank {self.rank()} of {self.size()})"
 
@@ -650,7 +689,8 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
                                     [peers[i] for i in left if i < len(peers)])
 
             try:
-                wait_requests(reqs, self._timeout_s, late, statuses=False)
+                with self._interruptible(what, reqs, seen, mine):
+                    wait_requests(reqs, self._timeout_s, late, statuses=False)
             except MPI.Exception as exc:
                 err = self._mpi_error(exc, what, None)
                 self._broken = str(err)
@@ -1228,7 +1268,8 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
                     f"within {ms} ms). Please check rank 0 logs for faulty rank.",
                     culprit=self._world_rank(0))
 
-            wait_requests(reqs, timeout_s, unreleased)
+            with self._interruptible("monitored_barrier", reqs, token):
+                wait_requests(reqs, timeout_s, unreleased)
             return _DoneWork()
         inbox = np.empty((max(n - 1, 1), 1), np.int64)
         reqs = [self._mpi.Irecv(inbox[r - 1], source=r, tag=_MONITOR_TAG) for r in range(1, n)]
@@ -1255,10 +1296,12 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
                 f"rank{'s' if len(named) > 1 else ''} {world})",
                 culprit=self._world_rank(late[0]))
 
-        wait_requests(reqs, timeout_s, missing)
+        with self._interruptible("monitored_barrier", reqs, inbox):
+            wait_requests(reqs, timeout_s, missing)
         sends = [self._mpi.Isend(token, dest=r, tag=_MONITOR_TAG) for r in range(1, n)]
-        wait_requests(sends, timeout_s, lambda pending: self._timed_out(
-            pending, "monitored_barrier (releasing the ranks)", None))
+        with self._interruptible("monitored_barrier", sends, token):
+            wait_requests(sends, timeout_s, lambda pending: self._timed_out(
+                pending, "monitored_barrier (releasing the ranks)", None))
         return _DoneWork()
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -1418,10 +1461,17 @@ def _create(backend_opts, pg_options=None):
 
 
 def _members_arrive(store, rank, ranks, timeout_s):
-    """Every member of a new group has come to its creation, or HarmpiTimeoutError
-    naming the world ranks that did not within ``timeout_s``. (The store is
-    the group's own: torch prefixes it with the group's unique name.)"""
-    store.set(f"harmpi/arrived/{rank}", "1")
+    """Every member of a new group has come to its creation in time, or
+    HarmpiTimeoutError on every member (the store is the group's own: torch
+    prefixes it with the group's unique name). Each member posts its arrival
+    time (CLOCK_REALTIME) and counts itself in. A member that does not see
+    all of them within ``timeout_s`` of its own arrival names the missing
+    ones and raises. Once all have come, each member decides from the posted
+    times alone, so all decide alike: a member that came more than
+    LATE_FRACTION x ``timeout_s`` after the first fails everywhere, since the
+    first may have given up by then (a late member used to go on into the
+    blocking MPI_Comm_create_group alone and wait there forever)."""
+    store.set(f"harmpi/arrived/{rank}", repr(time.time()))
     count = store.add("harmpi/arrived", 1)
     deadline = time.monotonic() + timeout_s
     pause = 1e-4
@@ -1437,6 +1487,16 @@ def _members_arrive(store, rank, ranks, timeout_s):
         time.sleep(pause)
         pause = min(2 * pause, 0.01)
         count = store.add("harmpi/arrived", 0)
+    stamps = [float(store.get(f"harmpi/arrived/{r}")) for r in range(len(ranks))]
+    first = min(stamps)
+    late = [(w, t - first) for w, t in zip(ranks, stamps) if t - first > LATE_FRACTION * timeout_s]
+    if late:
+        raise HarmpiTimeoutError(
+            f"rank {_WORLD.Get_rank()}: harmpi backend: creating a process group of world ranks "
+            f"{ranks}: " + ", ".join(f"world rank {w} came {d:.1f} s" for w, d in late)
+            + f" after the first, past {LATE_FRACTION:g} x the {timeout_s:g} s deadline: the "
+            "others may have given up (HARMPI_TIMEOUT_S or timeout= sets the deadline)",
+            culprit=late[0][0])
 
 
 # -- rendezvous over MPI ------------------------------------------------------------------------

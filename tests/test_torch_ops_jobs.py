@@ -141,3 +141,88 @@ def test_destroyed_groups_keep_fds_mappings_and_shm_flat(tmp_path, layout):
     proc = _run(tmp_path, body, work_s=60, np=2, extra_env=extra)
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
     assert proc.stdout.count("flat") == 2, proc.stdout
+
+
+INTERRUPTED = """
+    import datetime, os, signal, threading, time, torch, torch.distributed as dist, harmpi
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Barrier()
+    dist.init_process_group("harmpi")
+    r = dist.get_rank()
+    g = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=4))
+    x = torch.zeros(4)
+    dist.broadcast(x, src=1, group=g)
+    MPI.COMM_WORLD.Barrier()
+    if r == 0:   # interrupted while it waits for the root, which comes 3 s late
+        threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            dist.broadcast(torch.zeros(4), src=1, group=g)
+            print("rank 0 first: returned", flush=True)
+        except KeyboardInterrupt:
+            print("rank 0 first: KeyboardInterrupt", flush=True)
+        time.sleep(4)    # the root's first broadcast has come and gone by now
+    else:
+        time.sleep(3)
+        dist.broadcast(torch.full((4,), 7.0), src=1, group=g)
+    y = torch.zeros(4) if r == 0 else torch.full((4,), 8.0)
+    t0 = time.monotonic()
+    try:
+        dist.broadcast(y, src=1, group=g)
+        print(f"rank {r} next: returned {y.tolist()}", flush=True)
+    except harmpi.HarmpiError as exc:
+        print(f"rank {r} next: raised after {time.monotonic() - t0:.1f} s "
+              f"{type(exc).__name__}: {exc}", flush=True)
+    MPI.COMM_WORLD.Barrier()
+"""
+
+
+def test_an_interrupted_collective_leaves_its_group_unusable(tmp_path):
+    """Issue 21 #5 on the backend's MPI ops: rank 0 is interrupted (SIGINT)
+    inside a broadcast whose root comes late. Its group must not be used
+    again: the dropped broadcast's request stays with MPI, and rank 0's next
+    broadcast returned the dropped call's value (7.0 for 8.0). Now rank 0's
+    next call raises at once ("unusable"), and the root's next call raises
+    at its deadline (4 s); no rank returns data."""
+    proc = _run(tmp_path, INTERRUPTED, work_s=15)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "rank 0 first: KeyboardInterrupt" in out, out
+    assert "returned [" not in out, out
+    assert re.search(r"rank 0 next: raised after 0\.\d s HarmpiError: .*unusable.*interrupted",
+                     out), out
+    assert re.search(r"rank 1 next: raised after \d+\.\d s HarmpiTimeoutError", out), out
+
+
+LATE_GROUP = """
+    import datetime, os, sys, time, torch, torch.distributed as dist, harmpi
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Barrier()
+    dist.init_process_group("harmpi")
+    r, n = dist.get_rank(), dist.get_world_size()
+    MPI.COMM_WORLD.Barrier()
+    if r == n - 1:   # comes to new_group after the others' 2 s deadline
+        gave_up = [os.path.join(sys.argv[1], f"gave-up-{{q}}") for q in range(n - 1)]
+        while not all(map(os.path.exists, gave_up)):
+            time.sleep(0.05)
+    t0 = time.monotonic()
+    try:
+        dist.new_group(list(range(n)), timeout=datetime.timedelta(seconds=2))
+        print(f"rank {{r}} new_group: returned", flush=True)
+    except harmpi.HarmpiTimeoutError as exc:
+        print(f"rank {{r}} new_group: raised after {{time.monotonic() - t0:.1f}} s: {{exc}}",
+              flush=True)
+    open(os.path.join(sys.argv[1], f"gave-up-{{r}}"), "w").close()
+"""
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_rank_late_to_new_group_fails_instead_of_blocking(tmp_path, np_):
+    """Issue 21 #7 on the backend: the last rank comes to dist.new_group
+    after the others gave up at their deadline. It used to go on into the
+    blocking MPI_Comm_create_group alone and wait there forever; now it sees
+    from the posted arrival times that it came too late and raises too."""
+    proc = _run(tmp_path, LATE_GROUP.format(), work_s=10, np=np_)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(np_):
+        assert f"rank {r} new_group: raised" in proc.stdout, proc.stdout
+    assert "came" in proc.stdout and "after the first" in proc.stdout, proc.stdout
