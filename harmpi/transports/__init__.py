@@ -19,7 +19,7 @@ import logging
 from mpi4py import MPI
 
 from ..errors import HarmpiTransportError
-from ..topology import arrive
+from ..topology import arrive, vote
 from .base import MAX_TAG, POISON_TAG, Pending, Transport
 from .mpi import MpiTransport
 from .tcp import TcpTransport
@@ -124,12 +124,17 @@ def select(requested: str, comm, spin_count: int, timeout_s: float = 30.0, confi
     transport, failure = None, None
     try:
         transport = TcpTransport(comm, spin_count, timeout_s)
-    except HarmpiTransportError as exc:
+    except (HarmpiTransportError, OSError) as exc:
         failure = exc
-    # every rank must pick the same transport
-    if comm.allreduce(0 if transport is None else 1, op=MPI.MIN) == 0:
+    # every rank must pick the same transport: a polled vote (a rank that
+    # does not come is a timeout on every rank, not a hang)
+    ok, vote_why = vote(comm, timeout_s, "choosing the cross-node transport",
+                        transport is not None)
+    if not ok:
         if transport is not None:
             transport.close()
+        if "did not arrive" in vote_why:
+            raise HarmpiTransportError(vote_why)
         return MpiTransport(comm, spin_count), (
             f"auto: {why}; tcp set-up failed ({failure or 'on another rank'}); using mpi")
     return transport, (f"auto: {why}; using the tcp transport (HARMPI_TRANSPORT=mpi selects "

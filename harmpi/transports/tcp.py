@@ -132,6 +132,7 @@ class TcpTransport(Transport):
 
     def _connect_all(self, timeout_s):
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        failed = None
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind(("0.0.0.0", 0))
@@ -159,37 +160,50 @@ class TcpTransport(Transport):
                 raise HarmpiTransportError(
                     f"tcp transport: rank {self._world[self.rank]} could not connect: "
                     f"{'; '.join(failures) or 'another rank failed to connect'}")
-            for _ in range(self.size - 1 - self.rank):
-                listener.settimeout(max(0.01, deadline - time.monotonic()))
-                try:
-                    sock, _addr = listener.accept()
-                except socket.timeout:
-                    raise HarmpiTransportError(
-                        f"tcp transport: rank {self._world[self.rank]} waited "
-                        f"{timeout_s:g} s for connections from higher ranks") from None
-                sock.settimeout(max(0.01, deadline - time.monotonic()))
-                try:
-                    magic, peer = _HELLO.unpack(self._recv_exact(sock, _HELLO.size))
-                except (OSError, HarmpiTransportError) as exc:  # silent, short or reset
-                    sock.close()
-                    raise HarmpiTransportError(
-                        f"tcp transport: rank {self._world[self.rank]}: no hello from a "
-                        f"connection on the listening port ({exc})") from None
-                if magic != _MAGIC or not self.rank < peer < self.size or self.socks[peer]:
-                    sock.close()
-                    raise HarmpiTransportError("tcp transport: unexpected connection on the "
-                                               "listening port")
-                self._adopt(peer, sock)
+            try:
+                self._accept_all(listener, deadline, timeout_s)
+            except (OSError, HarmpiTransportError) as exc:
+                # kept until this rank has posted the barrier below like its
+                # peers: a rank that left before it would meet their barrier
+                # with its next collective on this communicator
+                failed = exc if isinstance(exc, HarmpiTransportError) else HarmpiTransportError(
+                    f"tcp transport: rank {self._world[self.rank]}: accepting a connection "
+                    f"failed ({exc})")
         finally:
             listener.close()
         # nobody sends data before everybody has its sockets; polled, so a
-        # rank whose accept failed above (it raised) costs the others their
-        # deadline, not a hang
+        # rank that does not come costs the others their deadline, not a hang
         req = self.comm.Ibarrier()
         try:
             wait_polled(self.comm, req, timeout_s, "tcp transport set-up (connections made)", ())
         except HarmpiTimeoutError as exc:
             raise HarmpiTransportError(str(exc)) from None
+        if failed is not None:
+            raise failed
+
+    def _accept_all(self, listener, deadline, timeout_s):
+        """The connections of every higher rank, each with its hello."""
+        for _ in range(self.size - 1 - self.rank):
+            listener.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                sock, _addr = listener.accept()
+            except socket.timeout:
+                raise HarmpiTransportError(
+                    f"tcp transport: rank {self._world[self.rank]} waited "
+                    f"{timeout_s:g} s for connections from higher ranks") from None
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                magic, peer = _HELLO.unpack(self._recv_exact(sock, _HELLO.size))
+            except (OSError, HarmpiTransportError) as exc:  # silent, short or reset
+                sock.close()
+                raise HarmpiTransportError(
+                    f"tcp transport: rank {self._world[self.rank]}: no hello from a "
+                    f"connection on the listening port ({exc})") from None
+            if magic != _MAGIC or not self.rank < peer < self.size or self.socks[peer]:
+                sock.close()
+                raise HarmpiTransportError("tcp transport: unexpected connection on the "
+                                           "listening port")
+            self._adopt(peer, sock)
 
     def _connect(self, candidates, port, deadline, failures, peer):
         errors = []
