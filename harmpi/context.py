@@ -411,7 +411,13 @@ class Context:
 
     def world_transport(self):
         if self._world_transport is None:
-            self._world_transport, _ = self._open_transport(self.setup_comm)
+            # a set-up inside a call (the flat ring's): its blocking calls
+            # too hold Ctrl-C until every rank is through them, as the
+            # context's own set-up does; the interrupt comes right after
+            held = HeldSigint(self.sigfd)
+            with held:
+                self._world_transport, _ = self._open_transport(self.setup_comm)
+            held.deliver()
         return self._world_transport
 
     def _open_transport(self, comm):
