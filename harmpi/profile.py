@@ -54,6 +54,7 @@ from mpi4py import MPI
 
 from . import dtypes, kind, profrec
 from ._callable import make_module_callable
+from .topology import arrive
 
 log = logging.getLogger("harmpi")
 
@@ -120,7 +121,7 @@ class Profile:
         self.records_cap = ctx.config.profile_records if records is None else int(records)
         self.trace_path = trace
         self.state = profrec.new_state(topo.size, self.records_cap)
-        self.offsets = clock_offsets(ctx.comm)
+        self.offsets = clock_offsets(self._meet("starting a profile (clock offsets)"))
         self._prev = 0
         self.active = False
         c = ctx.ctl[0]
@@ -197,6 +198,17 @@ class Profile:
 
     # -- collective views -------------------------------------------------------
 
+    def _meet(self, what):
+        """The communicator a profile's own exchanges run on (the context's
+        private duplicate: never the user's, where they could meet the
+        user's collectives), once every rank has come to ``what`` (a polled
+        meeting under the context's deadline; the blocking exchanges that
+        follow then complete: a rank that never comes is a timeout on every
+        rank that did, not a hang)."""
+        comm = self.ctx.setup_comm or self.ctx.comm
+        arrive(comm, self.ctx.config.timeout_s, what)
+        return comm
+
     def stats(self):
         """Figures of every rank (collective over the context's communicator;
         every rank gets the same dict). ``calls``: collectives recorded (as
@@ -208,7 +220,7 @@ class Profile:
         ranks' records (``last_arrival_in_band`` / ``_from_records`` /
         ``_unattributed`` count the calls of each kind); ``wait_s`` /
         ``own_s``: summed over ranks."""
-        every = self.ctx.comm.allgather((self.local(), self._arrivals()))
+        every = self._meet("profile stats").allgather((self.local(), self._arrivals()))
         return _merge([p for p, _ in every], self.ctx, self.offsets, [a for _, a in every])
 
     def _arrivals(self):
@@ -226,7 +238,7 @@ class Profile:
     def write_trace(self, path):
         """Chrome trace / Perfetto JSON of every rank's ring, merged by rank 0
         (collective; one track per rank). Returns the path on rank 0."""
-        comm = self.ctx.comm
+        comm = self._meet("writing the profile's trace")
         mine = (self.ctx.topo.rank, self.ctx.topo.node_index, self.records(),
                 int(self.state[profrec.H_WRITTEN]))
         every = comm.gather(mine, root=0)

@@ -197,3 +197,22 @@ def test_clock_offsets_across_hosts_within_their_bound(world, monkeypatch):
         # realtime is one clock here: the estimate of its offset is ~0
         assert abs(rt_off) <= bound + 1000, (r, rt_off, bound)
         assert offsets[r] == offsets[2 * h], "a host's ranks share its estimate"
+
+
+def test_a_rank_that_never_starts_the_profile_is_a_timeout_not_a_hang():
+    """harmpi.profile's own exchanges (the clock offsets, stats, the trace)
+    start with a polled meeting under the deadline: the ranks that came
+    raise HarmpiTimeoutError instead of waiting in a blocking allgather for
+    a rank that never does (issue 21's review). On a private communicator,
+    given up afterwards (its stranded request stays with it)."""
+    comm = MPI.COMM_WORLD
+    if comm.size < 2:
+        pytest.skip("needs a peer that stays away")
+    c = comm.Dup()
+    harmpi.init(c, config=harmpi.Config(timeout_s=1.0))
+    if comm.rank != comm.size - 1:
+        t0 = time.monotonic()
+        with pytest.raises(harmpi.HarmpiTimeoutError, match="starting a profile"):
+            harmpi.profile(c)
+        assert time.monotonic() - t0 < 30
+    comm.Barrier()
