@@ -3,6 +3,7 @@
     import harmpi
     harmpi.allreduce(t)          # in place, every rank of MPI.COMM_WORLD
     g = harmpi.allgather(shard)  # concatenation along dim 0 (dim= for others)
+    y, got = harmpi.alltoall(rows, send_counts)  # rows to each rank, theirs back
     logits = harmpi.gather_logits(vocab_shard)  # uneven vocabulary shards, last dim
 
 Shared memory (an MPI shared window) inside each node, one cross-node
@@ -41,7 +42,7 @@ from . import compilenote as _compilenote  # noqa: E402
 
 _compilenote.install()
 
-from . import allgather, allreduce, profile  # noqa: E402  (callable modules, see allreduce.py)
+from . import allgather, allreduce, alltoall, profile  # noqa: E402  (callable modules, see allreduce.py)
 from . import failfast as _failfast  # noqa: E402
 from .api import barrier, finalize, gather_logits, info, init  # noqa: E402
 from .config import ALGORITHMS, Config  # noqa: E402
@@ -70,6 +71,6 @@ _register_torch_backend()
 if _LAUNCHED:  # an uncaught exception on one rank ends the job (harmpi.failfast)
     _failfast.install()
 
-__all__ = ["allreduce", "allgather", "gather_logits", "barrier", "init", "finalize", "info",
-           "profile", "ALGORITHMS", "Config", "HarmpiError", "HarmpiArgumentError",
+__all__ = ["allreduce", "allgather", "alltoall", "gather_logits", "barrier", "init", "finalize",
+           "info", "profile", "ALGORITHMS", "Config", "HarmpiError", "HarmpiArgumentError",
            "HarmpiMismatchError", "HarmpiTimeoutError", "HarmpiTransportError", "__version__"]

@@ -19,12 +19,15 @@ import numpy as np
 from mpi4py import MPI
 
 from . import dtypes, kind
+from .algorithms import alltoall as _a2a
+from .algorithms.base import Call
 from .config import Config
 from .context import AUTO_CODE
 from .errors import HarmpiArgumentError, HarmpiError
 from .registry import STATE
 
-__all__ = ["init", "finalize", "allreduce", "allgather", "barrier", "info", "gather_logits"]
+__all__ = ["init", "finalize", "allreduce", "allgather", "alltoall", "barrier", "info",
+           "gather_logits"]
 
 log = logging.getLogger("harmpi")
 
@@ -271,6 +274,198 @@ def allgather(x, dim=0, comm=None, dtype=None, out=None):
         ctx.interrupted()
         raise
     return out
+
+
+def alltoall(x, send_counts=None, comm=None, out=None, recv_counts=None, dtype=None):
+    """Send rows of ``x`` to every rank of ``comm`` and receive theirs.
+
+    Before: rank r holds x_r; its rows (dim 0), in order, are cut into
+            segments, segment j (``send_counts[j]`` rows) for rank j.
+    After:  rank j holds the segments every rank cut for it, concatenated in
+            rank order (rank 0's first), shape (received rows, *x.shape[1:]).
+
+    ``send_counts`` None: an even split (x.shape[0] a multiple of the number
+    of ranks); the result has x's shape and is returned alone. Otherwise a
+    sequence of one count per rank (ints >= 0, summing to x.shape[0]; a
+    list, numpy array or tensor) and ``(out, recv_counts)`` is returned,
+    ``recv_counts`` the list of rows received from each rank: the counts
+    travel with the data, so a MoE step that routes tokens anew needs no
+    count exchange of its own. ``recv_counts``: the counts this rank expects
+    (as torch's ``output_split_sizes``); a rank that sends another number of
+    rows fails the call with HarmpiMismatchError on every rank of the nodes
+    involved, before any output is written. ``out``: where to put the
+    result: same kind and dtype as ``x``, contiguous, writable, not
+    overlapping ``x``, exactly the received element count.
+    ``x`` is only read; every x.shape[1:] and dtype must agree across ranks
+    (else HarmpiMismatchError on every rank). Same dtypes as :func:`allreduce`
+    (raw bytes are moved: nothing is rounded).
+
+    Cost (harmpi.algorithms.alltoall): one node, one flag round per slot's
+    worth of the longest segment, one compiled call (two when the output's
+    size must be learned first); several nodes, one message per other node
+    on each rank's rail plus two flag rounds.
+    """
+    addr, n, fmt, is_torch = _describe(x, dtype, False)
+    rows, row_n, row_nb, code = _a2a_kind(x.shape, fmt)
+    ctx = _context(comm)
+    P = ctx.topo.size
+    plan = ctx.alltoall_plan
+    if send_counts is None and out is None and recv_counts is None and ctx.alltoall is None:
+        # an even split on one node (the decode-step case): the output is
+        # x's shape, one compiled call
+        if rows % P:
+            _fill_plan(plan, P, rows, None, recv_counts)  # raises the argument error
+        plan[5 * P + 2] = rows // P
+        result = _STATE.torch.empty_like(x) if is_torch else np.empty_like(x)
+        try:
+            rc = _a2a.ALLTOALL_STEP(ctx.ctl, addr, result.data_ptr() if is_torch
+                                    else result.ctypes.data, row_nb, plan, code)
+            if rc or plan[5 * P + 1] >= 0:
+                _a2a_status(ctx, rc, plan, P, addr, row_n, fmt, code)
+        except KeyboardInterrupt:
+            ctx.interrupted()
+            raise
+        return result
+    expect_total = _fill_plan(plan, P, rows, send_counts, recv_counts)
+
+    def make_out(total_rows):
+        return _rows_out(x, out, total_rows, row_n, fmt, is_torch, dtype, addr, n)
+
+    result = _alltoall_run(ctx, plan, P, addr, row_n, row_nb, fmt, code, expect_total, make_out)
+    if send_counts is None:
+        return result
+    return result, plan[2 * P:3 * P].tolist()
+
+
+def _alltoall_run(ctx, plan, P, addr, row_n, row_nb, fmt, code, expect_total, make_out):
+    """The all-to-all's entry, by topology and by what the output's size needs."""
+    try:
+        if ctx.alltoall is not None:  # several nodes: the Python algorithm
+            got = []
+            rc = ctx.run_python(lambda call: got.append(ctx.alltoall.run(call, row_nb, plan,
+                                                                         make_out)),
+                                Call(addr, row_n, fmt, code, "alltoall"))
+            if rc:
+                ctx.raise_status(rc, addr, row_n, fmt, code, "alltoall")
+            result = got[0]
+        elif expect_total is not None:  # the output's size is known: one call
+            result, out_addr = make_out(expect_total)
+            rc = _a2a.ALLTOALL_STEP(ctx.ctl, addr, out_addr, row_nb, plan, code)
+            _a2a_status(ctx, rc, plan, P, addr, row_n, fmt, code)
+        else:
+            result = _start_finish(ctx, plan, P, addr, row_nb, row_n, fmt, code, make_out)
+    except KeyboardInterrupt:
+        ctx.interrupted()
+        raise
+    return result
+
+
+_A2A_KINDS = {}
+
+
+def _a2a_kind(shape, fmt):
+    """(rows, elements per row, bytes per row, kind word) of an all-to-all
+    of ``shape`` in format ``fmt`` (cached: a decode loop repeats its shapes)."""
+    key = (shape, fmt)
+    got = _A2A_KINDS.get(key)
+    if got is None:
+        if not shape:
+            raise HarmpiArgumentError("alltoall needs rows: x has no dimensions "
+                                      "(pass x.reshape(1))")
+        row_n = 1
+        for d in shape[1:]:
+            row_n *= d
+        code = kind.encode(fmt=fmt, coll=kind.COLL_ALLTOALL,
+                           digest=kind.shape_digest(tuple(shape[1:])))
+        if len(_A2A_KINDS) > 1024:
+            _A2A_KINDS.clear()
+        got = _A2A_KINDS[key] = (shape[0], row_n, row_n * dtypes.FORMATS[fmt].itemsize, code)
+    return got
+
+
+def _fill_plan(plan, P, rows, send_counts, recv_counts):
+    """Checked counts into the plan; returns the rows this rank will receive
+    if it is known before the exchange (else None)."""
+    if send_counts is None:
+        if rows % P:
+            raise HarmpiArgumentError(
+                f"alltoall without send_counts splits x evenly: x.shape[0]={rows} is not a "
+                f"multiple of the {P} ranks (pass send_counts)")
+        if recv_counts is not None:
+            raise HarmpiArgumentError("recv_counts is only for calls with send_counts")
+        plan[5 * P + 2] = rows // P
+        return rows
+    plan[5 * P + 2] = -1
+    plan[:P] = _counts(send_counts, P, "send_counts")
+    total = int(plan[:P].sum())
+    if total != rows:
+        raise HarmpiArgumentError(f"send_counts sum to {total} rows, x has {rows}")
+    if recv_counts is None:
+        plan[P:2 * P] = -1
+        return None
+    plan[P:2 * P] = _counts(recv_counts, P, "recv_counts")
+    return int(plan[P:2 * P].sum())
+
+
+def _counts(counts, P, name):
+    try:
+        values = np.asarray(counts.tolist() if hasattr(counts, "tolist") else counts)
+    except (TypeError, ValueError):
+        values = None
+    if values is None or values.ndim != 1 or values.dtype.kind not in "iu" or len(values) != P:
+        raise HarmpiArgumentError(f"{name} must be {P} integers (one per rank), got {counts!r}")
+    if (values < 0).any():
+        raise HarmpiArgumentError(f"{name} must be >= 0, got {values.tolist()}")
+    return values
+
+
+def _rows_out(x, out, total_rows, row_n, fmt, is_torch, dtype, x_addr, x_n):
+    """(out, its address) for ``total_rows`` rows of x's row shape."""
+    if out is None:
+        if is_torch:
+            out = _STATE.torch.empty_rows(x, total_rows)
+        else:
+            out = np.empty((total_rows,) + x.shape[1:], dtype=x.dtype)
+    out_addr, out_n, out_fmt, out_torch = _describe(out, dtype, True)
+    want = total_rows * row_n
+    if out_torch != is_torch or out_fmt != fmt or out_n != want:
+        raise HarmpiArgumentError(
+            f"out must be a {'tensor' if is_torch else 'numpy array'} of x's dtype with {want} "
+            f"elements ({total_rows} rows received); got {type(out).__name__} of {out_n} "
+            "elements" + ("" if out_fmt == fmt else " and another dtype"))
+    isz = dtypes.FORMATS[fmt].itemsize
+    if want and x_n and out_addr < x_addr + x_n * isz and x_addr < out_addr + want * isz:
+        raise HarmpiArgumentError("out overlaps x; alltoall needs a separate output")
+    return out, out_addr
+
+
+def _start_finish(ctx, plan, P, addr, row_nb, row_n, fmt, code, make_out):
+    """One node, the output sized from the exchanged counts: start, make
+    out, finish (which takes part without copying if making out failed)."""
+    rc = _a2a.ALLTOALL_START(ctx.ctl, addr, row_nb, plan, code)
+    if rc:
+        ctx.raise_status(rc, addr, row_n, fmt, code, "alltoall")
+    result, out_addr = None, 0
+    try:
+        if plan[5 * P + 1] < 0:
+            result, out_addr = make_out(int(plan[2 * P:3 * P].sum()))
+    except BaseException:
+        # the peers are inside the steps that remain: take part, then raise
+        rc = _a2a.ALLTOALL_FINISH(ctx.ctl, addr, 0, row_nb, plan, code)
+        if rc:
+            ctx.raise_status(rc, addr, row_n, fmt, code, "alltoall")
+        raise
+    rc = _a2a.ALLTOALL_FINISH(ctx.ctl, addr, out_addr, row_nb, plan, code)
+    _a2a_status(ctx, rc, plan, P, addr, row_n, fmt, code)
+    return result
+
+
+def _a2a_status(ctx, rc, plan, P, addr, row_n, fmt, code):
+    if rc:
+        ctx.raise_status(rc, addr, row_n, fmt, code, "alltoall")
+    bad = _a2a.pair_mismatch(plan, P)
+    if bad is not None:
+        raise _a2a.pair_error(ctx.topo.rank, "alltoall", *bad)
 
 
 def barrier(comm=None):

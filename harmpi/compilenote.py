@@ -374,6 +374,7 @@ def compile_all() -> None:
     importlib.import_module("harmpi.reduce").warm_up()
     _rail_socket_steps()
     _rail_arithmetic()
+    importlib.import_module("harmpi.algorithms.alltoall").warm_up()
 
 
 #: what install() found at ``import harmpi`` (compile_once's answer)

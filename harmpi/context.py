@@ -36,6 +36,7 @@ from mpi4py import MPI
 
 from . import control, copytune, dtypes, kind, node, owner, sync, transports
 from .algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
+from .algorithms.alltoall import HierAlltoall, MpiAlltoall, new_plan
 from .algorithms.base import Call
 from .algorithms.har_latency import HAR2_FINISH, HAR2_START, HAR2_STEP
 from .config import Config
@@ -282,6 +283,10 @@ class Context:
         self._har2 = None
         self.entry, self.entry_cfunc = self._default_entry()
         self.gather = self._gather_entry()
+        #: all-to-all: None on one node (the compiled steps of
+        #: harmpi.algorithms.alltoall), else the algorithm object; its plan
+        self.alltoall = self._alltoall_entry()
+        self.alltoall_plan = new_plan(self.topo.size)
         #: the profile HARMPI_PROFILE / HARMPI_TRACE started (harmpi.profile)
         self.profile = None
         if self.config.profile or self.config.trace:
@@ -337,6 +342,11 @@ class Context:
             self._gather_table = HierAllgather(self).table  # kept alive: ctl holds its address
             return node.GATHER_STEP
         return HierAllgather(self)
+
+    def _alltoall_entry(self):
+        if self.topo.node_count == 1:
+            return None
+        return HierAlltoall(self) if self.topo.uniform else MpiAlltoall(self)
 
     def run_python(self, fn, *args):
         """Run a Python algorithm as an entry: refused like a compiled entry
@@ -600,14 +610,15 @@ class Context:
         if len(runs) == 1:
             return True
         # On one node, the compiled steps (an auto, shm or shm_rsag
-        # all-reduce, an allgather) all leave at the first flag round of a
+        # all-reduce, an allgather, an all-to-all) all leave at the first flag round of a
         # disagreement: a mix of them still stops every rank in that round.
         return self.topo.node_count == 1 and runs <= self._first_round_exits
 
     @property
     def _first_round_exits(self):
         ids = [ALGORITHM_IDS[n] for n in ("auto", "shm", "shm_rsag")]
-        return {(kind.COLL_ALLREDUCE, i) for i in ids} | {(kind.COLL_ALLGATHER, 0)}
+        return ({(kind.COLL_ALLREDUCE, i) for i in ids}
+                | {(kind.COLL_ALLGATHER, 0), (kind.COLL_ALLTOALL, 0)})
 
     def raise_status(self, rc, x_addr, n, fmt, code, op):
         """fail() for a status returned by an entry (the API's one error path)."""

@@ -11,9 +11,11 @@ field      shift  width  holds
 =========  =====  =====  ============================================
 fmt        0      4      storage format id (harmpi.dtypes)
 op         4      4      reduction op (OP_SUM; 0 for allgather)
-coll       8      4      collective (COLL_ALLREDUCE, COLL_ALLGATHER)
+coll       8      4      collective (COLL_ALLREDUCE, COLL_ALLGATHER,
+                         COLL_ALLTOALL)
 algo       12     4      forced algorithm id (0: auto)
-digest     16     24     allgather: crc of the shape
+digest     16     24     allgather: crc of the shape; alltoall: of
+                         the row shape (x.shape[1:])
 ring       40     23     single node: slot position of the step, in
                          64-byte lines (see node._ring_pos)
 =========  =====  =====  ============================================
@@ -28,7 +30,8 @@ import zlib
 
 import numba
 
-__all__ = ["FIELDS", "POISON", "OP_SUM", "COLL_ALLREDUCE", "COLL_ALLGATHER", "encode", "decode",
+__all__ = ["FIELDS", "POISON", "OP_SUM", "COLL_ALLREDUCE", "COLL_ALLGATHER", "COLL_ALLTOALL",
+           "encode", "decode",
            "with_ring", "without_ring", "allgather_code", "ring_lines_max", "shape_digest",
            "rail_tag", "MAX_TAG", "ABANDON_TAG",
            "POISON_TAG"]
@@ -47,7 +50,7 @@ _WIDTH = {name: width for name, _, width in FIELDS}
 
 POISON = -1
 OP_SUM = 1
-COLL_ALLREDUCE, COLL_ALLGATHER = 1, 2
+COLL_ALLREDUCE, COLL_ALLGATHER, COLL_ALLTOALL = 1, 2, 3
 
 RING_SHIFT = _SHIFT["ring"]
 _RING_MASK = ((1 << _WIDTH["ring"]) - 1) << RING_SHIFT

@@ -13,7 +13,8 @@ import torch
 from . import dtypes
 from .errors import HarmpiArgumentError
 
-__all__ = ["FORMAT_IDS", "Tensor", "describe", "empty_like_gathered"]
+__all__ = ["FORMAT_IDS", "Tensor", "describe", "empty_like_gathered", "empty_rows",
+           "empty_like"]
 
 Tensor = torch.Tensor
 
@@ -42,6 +43,15 @@ def describe(t, writable=True):
             "tensor requires grad; an in-place collective would bypass autograd. Call it under "
             "torch.no_grad() or pass t.detach()")
     return t.data_ptr(), t.numel(), fmt
+
+
+#: an uninitialised tensor like a contiguous one (contiguous too)
+empty_like = torch.empty_like
+
+
+def empty_rows(t, rows):
+    """Uninitialised tensor of t's dtype and row shape (t.shape[1:]) with ``rows`` rows."""
+    return torch.empty((rows,) + tuple(t.shape[1:]), dtype=t.dtype)
 
 
 def empty_like_gathered(t, nranks):

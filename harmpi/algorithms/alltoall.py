@@ -1,0 +1,565 @@
+"""All-to-all through the node's slots, one rail exchange per remote node.
+
+Rank r holds x_r, rows along the first dimension; ``send[r][j]`` of its
+rows (in order) go to rank j. Afterwards rank j holds the rows every rank
+sent it, rank 0's first. The counts may change on every call (a MoE decode
+step routes each token anew): they travel with the data, in the same round.
+
+Slot layout (every rank, both parities): a header of 2P words at byte 0
+(P = ranks of the communicator): ``send[0..P)`` rows to each rank,
+``expect[0..P)`` rows this rank expects from each rank (-1: any); then P
+blocks of C bytes, block j carrying the next C bytes of the rows for rank j
+(C = (slot - header) / P, a multiple of 64).
+
+One node (compiled, one call; a second when the caller must first see the
+receive counts to size its output):
+  1. step 0: write header and the first C bytes of every segment for
+     another rank into my slot; post (row bytes, kind) and publish; wait
+     for the node; compare every rank's (row bytes, kind);
+  2. read every header: my receive counts; every (sender, receiver) pair
+     against the receiver's expectation (every rank checks every pair, so
+     a disagreement is seen alike everywhere and every rank raises);
+     K = steps needed for the longest segment, the same everywhere;
+  3. copy my segment of each peer's block straight into my output (my own
+     rows from x);
+  4. steps 1..K-1: the next C bytes of every segment, the same flag round.
+Invariants: pure copies, so nothing is rounded; a slot is rewritten two
+steps later, after its readers passed the next step's wait (harmpi.node).
+Cost: one flag round per C bytes of the longest segment; every byte is
+copied twice (into my slot, out of the sender's slot), my own rows once.
+
+Several nodes (G nodes of L ranks; Python around compiled copies): rank
+(g, l)'s rail peers are ranks (g', l). Per step:
+  1. as above: header and blocks into my slot, one flag round;
+  2. for each other node g', pack one message for (g', l): a header
+     (does node g have more steps, and the rows each local rank sends
+     (g', l); my expectations from each rank of g'), then the chunk of
+     every local rank's block for (g', l), read from their slots;
+  3. one rail exchange with every other node at once (all in flight);
+     the message from g' carries exactly the rows node g' sends me;
+  4. a status round on the node (a rail that failed or saw a peer that
+     disagrees makes every rank of the node fail);
+  5. copy out: local senders from their slots, remote senders from the
+     messages, my own rows from x.
+  Node g's "more" flag reaches every rank of every node, so all ranks run
+  the same number of steps. Both ends of a rail check the counts that
+  cross it against the receiver's expectation.
+Cost per step: two flag rounds and one message to each other node per
+rank (G - 1 per rank, all rails in parallel): rows cross the network once.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+
+from .. import node
+from ..control import ARRAY as _ctl
+from ..control import MISMATCH, OK, POISONED, _voidptr
+from ..errors import HarmpiMismatchError
+from ..kind import POISON_TAG, rail_tag
+
+__all__ = ["PLAN_FIELDS", "plan_words", "geometry", "ALLTOALL_STEP", "ALLTOALL_START", "warm_up",
+           "ALLTOALL_FINISH", "HierAlltoall", "new_plan", "pair_mismatch"]
+
+_i64 = types.int64
+#: witness of the flag rounds (harmpi.node compiles them per storage type; with
+#: no data copied by the round itself, any of its types will do)
+_W = np.empty(0, np.uint16)
+_memcpy = node._memcpy
+_slot_addr = node._slot_addr
+_parity = node._parity
+_publish_copy = node._publish_copy
+
+#: the per-call plan, an int64 array of plan_words(P): (field, words) in order.
+#: The caller fills send/expect (or asks for an even split); the step fills
+#: the rest. Reused by every call of a context (one call at a time).
+PLAN_FIELDS = (("send", "P"), ("expect", "P"), ("recv", "P"), ("send_off", "P"),
+               ("recv_off", "P"), ("steps", 1), ("bad_pair", 1), ("even_rows", 1))
+
+
+def plan_words(P):
+    return 5 * P + 3
+
+
+def new_plan(P):
+    return np.zeros(plan_words(P), np.int64)
+
+
+@numba.njit(cache=True, nogil=True)
+def geometry(slot_nbytes, P):
+    """(header bytes, block bytes) of a slot shared by P destinations."""
+    head = (16 * P + 63) // 64 * 64
+    block = (slot_nbytes - head) // P // 64 * 64
+    return head, block
+
+
+def pair_mismatch(plan, P, sender_counts=None):
+    """(sender, receiver) of the first pair whose count differs from the
+    receiver's expectation, from the plan's bad_pair word, or None."""
+    bad = int(plan[5 * P + 1])
+    return None if bad < 0 else divmod(bad, P)
+
+
+@numba.njit(cache=True, nogil=True)
+def _prefix(counts, out, P):
+    total = 0
+    for j in range(P):
+        out[j] = total
+        total += counts[j]
+    return total
+
+
+@numba.njit(cache=True, nogil=True)
+def _fill(c, x_addr, row_nb, plan, P, me, k, head, block, with_header):
+    """My slot of the next step: (step 0: the header, then) chunk k of every
+    segment bound for another rank."""
+    base = _slot_addr(c, c.steps & 1, c.local_rank)
+    send = plan[0:P]
+    if with_header:
+        hdr = numba.carray(_voidptr(base), (2 * P,), np.int64)
+        for j in range(2 * P):
+            hdr[j] = plan[j]
+    off = plan[3 * P:4 * P]
+    lo = k * block
+    for j in range(P):
+        seg = send[j] * row_nb
+        if j != me and lo < seg:
+            _publish_copy(c, base + head + j * block, x_addr + off[j] * row_nb + lo,
+                          min(block, seg - lo))
+
+
+@numba.njit(cache=True, nogil=True)
+def _read_headers(c, plan, P, me, row_nb, block):
+    """After step 0's flag round (one node, P = L): receive counts and
+    offsets, the pair check, and the number of steps."""
+    parity = _parity(c)
+    recv = plan[2 * P:3 * P]
+    longest = 0
+    bad = -1
+    for i in range(P):
+        hdr = numba.carray(_voidptr(_slot_addr(c, parity, i)), (2 * P,), np.int64)
+        recv[i] = hdr[me]
+        for j in range(P):
+            if j != i and hdr[j] > longest:
+                longest = hdr[j]
+            if bad < 0:
+                want = numba.carray(_voidptr(_slot_addr(c, parity, j)), (2 * P,), np.int64)[P + i]
+                if want >= 0 and want != hdr[j]:
+                    bad = i * P + j
+    _prefix(recv, plan[4 * P:5 * P], P)
+    steps = 1
+    if block > 0 and longest * row_nb > block:
+        steps = (longest * row_nb + block - 1) // block
+    plan[5 * P] = steps
+    plan[5 * P + 1] = bad
+
+
+@numba.njit(cache=True, nogil=True)
+def _copy_out(c, out_addr, row_nb, plan, P, me, k, head, block):
+    """Chunk k of every peer's segment for me, from its slot into out."""
+    parity = _parity(c)
+    recv = plan[2 * P:3 * P]
+    roff = plan[4 * P:5 * P]
+    lo = k * block
+    for i in range(P):
+        seg = recv[i] * row_nb
+        if i != me and lo < seg:
+            _memcpy(out_addr + roff[i] * row_nb + lo,
+                    _slot_addr(c, parity, i) + head + me * block, min(block, seg - lo))
+
+
+@numba.njit(cache=True, nogil=True)
+def _own_rows(x_addr, out_addr, row_nb, plan, P, me):
+    n = plan[me] * row_nb
+    if n > 0:
+        _memcpy(out_addr + plan[4 * P + me] * row_nb, x_addr + plan[3 * P + me] * row_nb, n)
+
+
+@numba.njit(cache=True, nogil=True)
+def _even(plan, P):
+    """send = expect = even_rows for every rank (send_counts=None)."""
+    rows = plan[5 * P + 2]
+    for j in range(P):
+        plan[j] = rows
+        plan[P + j] = rows
+
+
+_START_SIG = _i64(_ctl, types.intp, _i64, types.int64[::1], _i64)
+_FINISH_SIG = _i64(_ctl, types.intp, types.intp, _i64, types.int64[::1], _i64)
+
+
+@numba.njit(_START_SIG, cache=True, nogil=True)
+def alltoall_start(ctl, x_addr, row_nb, plan, code):
+    """One node: enter, step 0's flag round, the headers read (plan: recv,
+    recv_off, steps, bad_pair). On OK the context stays entered until
+    alltoall_finish; on failure it is left."""
+    rc = node.enter(ctl)
+    if rc != OK:
+        return rc
+    c = ctl[0]
+    P, me = c.local_size, c.local_rank
+    if plan[5 * P + 2] >= 0:
+        _even(plan, P)
+    total = _prefix(plan[0:P], plan[3 * P:4 * P], P)
+    if c.profile != 0:
+        node.begin(ctl, total * row_nb, code)
+    head, block = geometry(c.slot_nbytes, P)
+    _fill(c, x_addr, row_nb, plan, P, me, 0, head, block, True)
+    rc = node._stage_at(ctl, 0, 0, 0, 0, row_nb, code, _W, 0)
+    if rc != OK:
+        node.leave(ctl)
+        return rc
+    _read_headers(c, plan, P, me, row_nb, block)
+    return OK
+
+
+@numba.njit(_FINISH_SIG, cache=True, nogil=True)
+def alltoall_finish(ctl, x_addr, out_addr, row_nb, plan, code):
+    """One node: the copies of step 0 and steps 1..K-1 (out_addr 0: take
+    part without copying out, after a local error); leaves the context.
+    A pair mismatch (seen by every rank) skips the rest everywhere."""
+    c = ctl[0]
+    P, me = c.local_size, c.local_rank
+    rc = OK
+    if plan[5 * P + 1] < 0:
+        head, block = geometry(c.slot_nbytes, P)
+        if out_addr != 0:
+            _own_rows(x_addr, out_addr, row_nb, plan, P, me)
+        for k in range(plan[5 * P]):
+            if k > 0:
+                _fill(c, x_addr, row_nb, plan, P, me, k, head, block, False)
+                rc = node._stage_at(ctl, 0, 0, 0, 0, row_nb, code, _W, 0)
+                if rc != OK:
+                    break
+            if out_addr != 0:
+                _copy_out(c, out_addr, row_nb, plan, P, me, k, head, block)
+    node.leave(ctl)
+    return rc
+
+
+@numba.njit(_FINISH_SIG, cache=True, nogil=True)
+def alltoall_step(ctl, x_addr, out_addr, row_nb, plan, code):
+    """One node, the output already sized (an even split, or receive counts
+    the caller knows): start and finish in one call."""
+    rc = alltoall_start(ctl, x_addr, row_nb, plan, code)
+    if rc != OK:
+        return rc
+    return alltoall_finish(ctl, x_addr, out_addr, row_nb, plan, code)
+
+
+ALLTOALL_START = node.entry_point(alltoall_start, _START_SIG)
+ALLTOALL_FINISH = node.entry_point(alltoall_finish, _FINISH_SIG)
+ALLTOALL_STEP = node.entry_point(alltoall_step, _FINISH_SIG)
+
+
+# -- several nodes -----------------------------------------------------------
+
+#: the status a rank posts in the node's status round after the rail exchange
+RAIL_TAG_BAD, RAIL_COUNTS_BAD = 1, 2
+
+
+@numba.njit(cache=True, nogil=True)
+def _pack(c, msg_addr, g2, L, lr, ranks, row_nb, k, head, block, counts, mine_expect, more):
+    """The message for rank (g2, lr): [more, rows each local rank sends it,
+    my expectations from each rank of g2] then, for each local rank i, chunk
+    k of its block for (g2, lr), read from its slot. Returns its bytes.
+    ``counts``: int64[L, P] every local header's send row; ``ranks``:
+    int64[G, L] communicator rank of (node, local rank)."""
+    dest = ranks[g2, lr]
+    words = numba.carray(_voidptr(msg_addr), (2 * L + 1,), np.int64)
+    words[0] = more
+    for i in range(L):
+        words[1 + i] = counts[i, dest]
+        words[1 + L + i] = mine_expect[ranks[g2, i]]
+    pos = (8 * (2 * L + 1) + 63) // 64 * 64
+    parity = _parity(c)
+    lo = k * block
+    for i in range(L):
+        seg = counts[i, dest] * row_nb
+        if lo < seg:
+            n = min(block, seg - lo)
+            _memcpy(msg_addr + pos, _slot_addr(c, parity, i) + head + dest * block, n)
+            pos += n
+    return pos
+
+
+@numba.njit(cache=True, nogil=True)
+def _unpack(msg_addr, out_addr, L, g2, ranks, row_nb, k, block, recv, roff):
+    """Copy chunk k of every segment in the message from node g2 into out."""
+    pos = (8 * (2 * L + 1) + 63) // 64 * 64
+    lo = k * block
+    for i in range(L):
+        src = ranks[g2, i]
+        seg = recv[src] * row_nb
+        if lo < seg:
+            n = min(block, seg - lo)
+            _memcpy(out_addr + roff[src] * row_nb + lo, msg_addr + pos, n)
+            pos += n
+    return pos
+
+
+@numba.njit(cache=True, nogil=True)
+def _local_out(c, out_addr, L, g, ranks, me, row_nb, k, head, block, recv, roff):
+    parity = _parity(c)
+    lo = k * block
+    for i in range(L):
+        src = ranks[g, i]
+        seg = recv[src] * row_nb
+        if src != me and lo < seg:
+            _memcpy(out_addr + roff[src] * row_nb + lo,
+                    _slot_addr(c, parity, i) + head + me * block, min(block, seg - lo))
+
+
+class HierAlltoall:
+    """The several-node all-to-all (module docstring), as a context's entry.
+    Every node holds L ranks (the context offers MPI_Alltoallv otherwise);
+    they may be numbered in any order (``ranks``)."""
+
+    name = "hier_alltoall"
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        topo = ctx.topo
+        self.G, self.g, self.L, self.l = (topo.node_count, topo.node_index, topo.local_size,
+                                          topo.local_rank)
+        self.P = self.G * self.L
+        self.ranks = np.array(topo.node_ranks, np.int64)  # [g, l] -> rank
+        self.me = topo.rank
+        self.transport = ctx.rail_transport()
+        self.head, self.block = geometry(ctx.config.slot_nbytes, self.P)
+        self.msg_head = (8 * (2 * self.L + 1) + 63) // 64 * 64
+        cap = self.msg_head + self.L * self.block
+        self.peers = [p for p in range(self.G) if p != self.g]
+        self.send_bufs = {p: np.empty(cap, np.uint8) for p in self.peers}
+        self.recv_bufs = {p: np.empty(cap, np.uint8) for p in self.peers}
+        self.recv = np.zeros(self.P, np.int64)
+        self.roff = np.zeros(self.P, np.int64)
+
+    def _headers(self):
+        """int64[L, 2P]: every local rank's header of step 0 (current parity)."""
+        ctx, P = self.ctx, self.P
+        rows = []
+        for i in range(self.L):
+            addr = node.slot_addr(ctx.ctl, i)
+            rows.append(np.frombuffer(ctx.view(addr, 16 * P), np.int64))
+        return np.stack(rows)
+
+    def run(self, call, row_nb, plan, make_out):
+        """The whole collective (``call``: x and the kind word); ``make_out(
+        total_rows)`` -> (out, address) once the receive counts are known.
+        Returns out."""
+        ctx, ctl, P, L, g, me = self.ctx, self.ctx.ctl, self.P, self.L, self.g, self.me
+        x_addr, code = call.addr, call.code
+        if plan[5 * P + 2] >= 0:
+            plan[:P] = plan[P:2 * P] = plan[5 * P + 2]
+        plan[3 * P:4 * P] = np.concatenate(([0], np.cumsum(plan[:P])[:-1]))
+        tag = rail_tag(row_nb, code)
+        out = out_addr = failed = None
+        k = 0
+        while True:
+            _fill(ctl[0], x_addr, row_nb, plan, P, me, k, self.head, self.block, k == 0)
+            rc = node.stage_meta(ctl, 0, row_nb, code, _W)
+            if rc not in (OK, MISMATCH):
+                ctx.fail(rc, call)  # a timeout or a peer that gave up: no going on
+            local = ctx.error_state() if rc else None
+            if k == 0 and local is None:
+                hdr = self._headers()
+                counts = np.ascontiguousarray(hdr[:, :P])
+                blocked = counts.copy()
+                for i in range(L):
+                    blocked[i, self.ranks[g, i]] = 0  # own rows never pass through a slot
+                longest = int(blocked.max()) * row_nb
+            more = int(local is None and longest > (k + 1) * self.block)
+            status, anyone_more = self._exchange(call, k, row_nb, tag, plan, counts if
+                                                 local is None else None, more)
+            # every rank of the node fails alike: a disagreement here, or on a rail
+            rc = node.publish_wait_status(ctl, status)
+            ctx.settle_status(rc if rc != POISONED else OK, call, local)
+            if rc == POISONED:
+                raise self._rail_mismatch(call, int(ctl[0]["err_a"]), int(ctl[0]["err_peer"]))
+            if k == 0:
+                self.recv[self.ranks[g]] = counts[:, me]
+                bad = self._local_pair(counts, hdr)
+                if bad is not None:
+                    # the node's ranks all see it, the other nodes do not:
+                    # run every step (without copying out), then raise
+                    failed = pair_error(ctx.topo.rank, call.op, *bad)
+                else:
+                    self.roff[:] = np.concatenate(([0], np.cumsum(self.recv)[:-1]))
+                    out, out_addr = make_out(int(self.recv.sum()))
+                    plan[2 * P:3 * P] = self.recv
+                    plan[4 * P:5 * P] = self.roff
+                    _own_rows(x_addr, out_addr, row_nb, plan, P, me)
+            if failed is None:
+                _local_out(ctl[0], out_addr, L, g, self.ranks, me, row_nb, k, self.head,
+                           self.block, self.recv, self.roff)
+                for p in self.peers:
+                    _unpack(self.recv_bufs[p].ctypes.data, out_addr, L, p, self.ranks, row_nb, k,
+                            self.block, self.recv, self.roff)
+            k += 1
+            if not anyone_more:
+                if failed is not None:
+                    raise failed
+                return out
+
+    def _exchange(self, call, k, row_nb, tag, plan, counts, more):
+        """Step k's rail exchange with every other node: (status to post,
+        whether any node has more steps). ``counts`` None: this node
+        disagreed in its flag round; the peers get the poison tag, so that
+        they fail too, and their messages are still received (the rails
+        stay clean for the next call)."""
+        ctx, P, L = self.ctx, self.P, self.L
+        ctx.guard(call)
+        sends, recvs = [], []
+        for p in self.peers:
+            if counts is None:
+                sends.append((p, np.empty(0, np.uint8), POISON_TAG))
+            else:
+                nb = _pack(ctx.ctl[0], self.send_bufs[p].ctypes.data, p, L, self.l, self.ranks,
+                           row_nb, k, self.head, self.block, counts, plan[P:2 * P], more)
+                sends.append((p, self.send_bufs[p][:nb], tag))
+            recvs.append((p, self.recv_bufs[p]))
+        got = self.transport.complete(self.transport.post(sends, recvs), ctx.config.timeout_s,
+                                      call)
+        status, anyone_more = 0, more
+        for p, (nb, t) in zip(self.peers, got):
+            words = np.frombuffer(self.recv_bufs[p][:self.msg_head], np.int64)
+            if t != tag or nb < self.msg_head:
+                status = RAIL_TAG_BAD
+                continue
+            anyone_more |= int(words[0])
+            if k == 0 and counts is not None:
+                theirs_ranks = self.ranks[p]
+                self.recv[theirs_ranks] = words[1:1 + L]
+                expect = plan[P + theirs_ranks]
+                theirs = words[1 + L:1 + 2 * L]  # what (p, l) expects from my node
+                mine = counts[:, theirs_ranks[self.l]]
+                if (np.any((expect >= 0) & (expect != words[1:1 + L]))
+                        or np.any((theirs >= 0) & (theirs != mine))):
+                    status = status or RAIL_COUNTS_BAD
+        return status, anyone_more
+
+    def _local_pair(self, counts, hdr):
+        """A (sender, receiver) pair of this node whose count differs from the
+        receiver's expectation (every rank of the node sees the same)."""
+        P, mine = self.P, self.ranks[self.g]
+        for i, ri in enumerate(mine):
+            for j, rj in enumerate(mine):
+                want = hdr[j, P + ri]
+                if want >= 0 and want != counts[i, rj]:
+                    return int(ri), int(rj)
+        return None
+
+    def _rail_mismatch(self, call, status, peer):
+        topo = self.ctx.topo
+        if status == RAIL_COUNTS_BAD:
+            why = ("the rows a rank of another node sends differ from what its receiver "
+                   "expects (recv_counts / output split sizes)")
+        else:
+            why = "a rank of another node passed rows of another size or dtype"
+        return HarmpiMismatchError(
+            f"rank {topo.rank} (node {topo.node_index}, local rank {topo.local_rank}): "
+            f"{call.op}: ranks disagree: {why} (seen by local rank {peer}). No rank's output "
+            "is complete; every rank must pass the same row shape and dtype, and counts that "
+            "match what their receivers expect.")
+
+
+def pair_error(rank, what, sender, receiver):
+    return HarmpiMismatchError(
+        f"rank {rank}: {what}: ranks disagree: rank {sender} sends rank {receiver} a number of "
+        f"rows other than rank {receiver} expects (its recv_counts / output split sizes). "
+        "No rank's output is written.")
+
+
+class MpiAlltoall:
+    """Nodes of different sizes (rails do not span every node): a polled
+    MPI_Ialltoallv on harmpi's duplicate of the communicator, after a polled
+    exchange of (row bytes, kind) and arrival times and one of the counts
+    (every rank checks every pair, as on one node). The data moves through
+    private buffers: a request given up on may still complete later, and
+    must not touch the caller's memory then."""
+
+    name = "mpi_alltoallv"
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        ctx.log_once(f"alltoall: nodes hold {list(ctx.topo.node_sizes)} ranks (uneven), so "
+                     "rails do not span every node; using MPI_Ialltoallv on the communicator")
+
+    def run(self, call, row_nb, plan, make_out):
+        from mpi4py import MPI  # noqa: PLC0415
+
+        from ..topology import check_arrivals, gather_records, wait_polled  # noqa: PLC0415
+        from .base import mismatch_error  # noqa: PLC0415
+
+        ctx = self.ctx
+        comm, timeout_s, P = ctx.setup_comm, ctx.config.timeout_s, ctx.topo.size
+        me, x_addr, code, what = ctx.topo.rank, call.addr, call.code, call.op
+        if plan[5 * P + 2] >= 0:
+            plan[:P] = plan[P:2 * P] = plan[5 * P + 2]
+        label = f"{what} (MPI_Alltoallv for uneven nodes)"
+        stamps, kinds = gather_records(comm, timeout_s, label, (("call", f"{row_nb} {code}"),))
+        check_arrivals(comm, stamps, timeout_s, label)
+        if any(k != kinds[0] for k in kinds):
+            shown = [tuple(int(v) for v in k.split("=", 1)[1].split()) for k in kinds]
+            raise mismatch_error(me, what, f"(row bytes, kind) by rank: {shown}")
+        pairs = np.ascontiguousarray(np.stack([plan[:P], plan[P:2 * P]], axis=1))  # [dest, 2]
+        got = np.empty_like(pairs)  # [src, 2]: (rows src sends me, rows src expects from me)
+        req = comm.Ialltoall([pairs, MPI.INT64_T], [got, MPI.INT64_T])
+        wait_polled(comm, req, timeout_s, label, (pairs, got))
+        recv = got[:, 0].copy()
+        # a pair is checked at both ends: my sends against the receivers' wishes,
+        # what I receive against mine, then every rank learns of any bad pair
+        bad_send = [j for j in range(P) if got[j, 1] >= 0 and got[j, 1] != plan[j]]
+        bad_recv = [i for i in range(P) if plan[P + i] >= 0 and plan[P + i] != recv[i]]
+        mine_bad = np.array([bad_send[0] if bad_send else -1,
+                             bad_recv[0] if bad_recv else -1], np.int64)
+        every = np.empty((P, 2), np.int64)
+        req = comm.Iallgather([mine_bad, MPI.INT64_T], [every, MPI.INT64_T])
+        wait_polled(comm, req, timeout_s, label, (mine_bad, every))
+        for r in range(P):
+            if every[r, 0] >= 0:
+                raise pair_error(me, what, r, int(every[r, 0]))
+            if every[r, 1] >= 0:
+                raise pair_error(me, what, int(every[r, 1]), r)
+        send_rows = plan[:P]
+        send = np.frombuffer(self.ctx.view(x_addr, int(send_rows.sum()) * row_nb),
+                             np.uint8).copy()
+        rbuf = np.empty(int(recv.sum()) * row_nb, np.uint8)
+        sdispl = np.concatenate(([0], np.cumsum(send_rows)[:-1])) * row_nb
+        rdispl = np.concatenate(([0], np.cumsum(recv)[:-1])) * row_nb
+        req = comm.Ialltoallv([send, (send_rows * row_nb, sdispl), MPI.BYTE],
+                              [rbuf, (recv * row_nb, rdispl), MPI.BYTE])
+        wait_polled(comm, req, timeout_s, label, (send, rbuf))
+        plan[2 * P:3 * P] = recv
+        out, out_addr = make_out(int(recv.sum()))
+        node.copy_bytes(out_addr, rbuf.ctypes.data, rbuf.nbytes)
+        return out
+
+
+def warm_up():
+    """Compile the kernels HierAlltoall calls from Python (typed at their
+    first call) with the types it passes, on scratch memory: harmpi's
+    precompile runs this, so a job's first multi-node all-to-all does not."""
+    from .. import control  # noqa: PLC0415
+
+    P, L, slot = 2, 1, 4096
+    scratch = np.zeros(2 * slot, np.uint8)
+    ctl = control.new()
+    c = ctl[0]
+    c["slots"], c["slot_nbytes"], c["local_size"], c["steps"] = scratch.ctypes.data, slot, L, 1
+    plan = new_plan(P)
+    plan[:P] = 1
+    head, block = geometry(slot, P)
+    x, out = np.zeros(64, np.uint8), np.zeros(64, np.uint8)
+    _fill(ctl[0], x.ctypes.data, 8, plan, P, 0, 0, head, block, True)
+    ranks = np.arange(P, dtype=np.int64).reshape(P, L)
+    counts = np.ones((L, P), np.int64)
+    msg = np.zeros(slot, np.uint8)
+    _pack(ctl[0], msg.ctypes.data, 1, L, 0, ranks, 8, 0, head, block, counts, plan[P:2 * P], 0)
+    recv, roff = np.zeros(P, np.int64), np.zeros(P, np.int64)
+    _unpack(msg.ctypes.data, out.ctypes.data, L, 1, ranks, 8, 0, block, recv, roff)
+    _local_out(ctl[0], out.ctypes.data, L, 0, ranks, 0, 8, 0, head, block, recv, roff)
+    _own_rows(x.ctypes.data, out.ctypes.data, 8, plan, P, 0)
