@@ -1149,6 +1149,15 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         src = input.contiguous()
         dst = output if output.is_contiguous() else output.contiguous()
         finish = _copy_back(dst, output)
+        if input.dtype in _FLOATS:
+            # harmpi's own all-to-all: rows through the node's slots, every
+            # pair's count checked against its receiver's split size
+            rows = list(input_split_sizes) or [input.size(0) // n] * n
+            want = list(output_split_sizes) or [output.size(0) // n] * n
+            api.alltoall(src, rows, comm=self._harmpi_comm, out=dst, recv_counts=want)
+            if finish is not None:
+                finish(None)
+            return _DoneWork([output])
         if not input_split_sizes and not output_split_sizes:
             # even splits: one header agreement covers every pair
             nbytes = input.numel() * input.element_size()

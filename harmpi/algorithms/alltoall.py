@@ -455,8 +455,8 @@ class HierAlltoall:
     def _rail_mismatch(self, call, status, peer):
         topo = self.ctx.topo
         if status == RAIL_COUNTS_BAD:
-            why = ("the rows a rank of another node sends differ from what its receiver "
-                   "expects (recv_counts / output split sizes)")
+            why = ("split sizes disagree: the rows a rank of another node sends differ from "
+                   "what its receiver expects (recv_counts / output split sizes)")
         else:
             why = "a rank of another node passed rows of another size or dtype"
         return HarmpiMismatchError(
@@ -468,9 +468,9 @@ class HierAlltoall:
 
 def pair_error(rank, what, sender, receiver):
     return HarmpiMismatchError(
-        f"rank {rank}: {what}: ranks disagree: rank {sender} sends rank {receiver} a number of "
-        f"rows other than rank {receiver} expects (its recv_counts / output split sizes). "
-        "No rank's output is written.")
+        f"rank {rank}: {what}: split sizes disagree: rank {sender} sends rank {receiver} a "
+        f"number of rows other than rank {receiver} expects (its recv_counts / output split "
+        "sizes; ranks of the communicator). No rank's output is written.")
 
 
 class MpiAlltoall:
