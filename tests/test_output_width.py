@@ -171,7 +171,7 @@ def test_osu_alltoall_through_the_launcher_is_tagged_fits_and_has_no_nul():
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert lines and all(line.startswith("[1,0]<stdout>: ") for line in lines), proc.stdout
     content = [line.split(": ", 1)[1] for line in lines]
-    assert any(line.startswith("# all_to_all_single vs MPI_Alltoall") for line in content)
+    assert any(line.startswith("# all-to-all latency: 2 ranks") for line in content)
     assert _widest(content) <= WIDTH, content
 
 
