@@ -1,0 +1,1036 @@
+"""MoE decode benchmark: expert parallelism against tensor parallelism on CPUs.
+
+    mpirun -np 2 python -m mpi4py -m bench.moe_decode
+    HARMPI_RANKS_PER_NODE=1 mpirun -np 2 -x HARMPI_RANKS_PER_NODE \\
+        python -m mpi4py -m bench.moe_decode
+    mpirun -np 2 python -m mpi4py -m bench.moe_decode --comm ep:harmpi,tp:harmpi --experts 16
+
+The model is a Qwen3-MoE-shaped decoder at small scale with random bf16
+weights: per layer RMSNorm, rotary attention with grouped KV heads and
+per-head q/k RMSNorm (no biases) and a KV cache, then a mixture-of-experts
+block: a router (hidden -> E logits, softmax, top-k, the k weights
+renormalised to sum 1) and E SwiGLU experts (gate/up/down); a token's
+output is the weighted sum of its k experts' outputs. No shared expert.
+Weights are generated per unit from a seed that names it (one attention
+head, 64 rows/columns of one expert's FFN, 256 vocabulary rows), so each
+rank generates only what it holds, the model does not depend on the number
+of ranks, and every backend routes the same tokens to the same experts.
+
+The same model runs in two parallel layouts (``--comm``):
+
+* ``ep:<comm>``, expert parallelism with data-parallel attention (the usual
+  EP decode design): rank r owns experts r*E/n .. (r+1)*E/n - 1 whole, and
+  batch/n of the sequences, for which it runs attention with all heads (the
+  attention weights and the LM head are replicated) and keeps the KV cache.
+  Per MoE block the rank routes its tokens, sends each (token, expert) pair's
+  hidden state to the expert's owner (all-to-all #1, uneven: the counts
+  change every step; the expert id rides in an extra column of the row),
+  runs its experts on what arrived, sends the outputs back (all-to-all #2,
+  the counts known from #1) and takes the weighted sum.  The greedy token of
+  each sequence comes from its own rank's full LM head: no collective.
+  Comms: ``harmpi`` (``harmpi.alltoall``: the counts travel with the rows),
+  ``mpi`` (``MPI_Alltoall`` of the counts, then ``MPI_Alltoallv``, as an
+  mpi4py user writes it), ``gloo`` and ``torch:harmpi``
+  (``dist.all_to_all_single`` of the counts, then of the rows with split
+  sizes, on a process group of that backend).
+* ``tp:<comm>``, tensor parallelism: every rank holds heads/n attention
+  heads and a 1/n slice of every expert's FFN (gate/up column-parallel, down
+  row-parallel) and runs the whole batch; the router is replicated.  One
+  all-reduce ends each attention block and one each MoE block (bf16,
+  batch x hidden); the LM head is vocab-parallel, its logits gathered (one
+  allgather per step).  Comms: any of ``bench.decode``'s (harmpi, mpi, gloo,
+  torch:harmpi).
+
+Reported per comm: tok/s (batch / median step), the median step, the mean
+step split into compute + collectives (time inside the collectives,
+waiting for peers included) and the collectives' share.  Every EP comm
+must generate the same tokens bitwise (the all-to-alls move bytes, and the
+arithmetic is the same): exit 1 otherwise, or if a TP comm's ranks
+disagree.  EP and TP round differently (TP adds bf16 partial sums of each
+expert's FFN slices and of the attention heads in its all-reduces, EP adds
+nothing across ranks), so EP-vs-TP agreement is reported, not required:
+the first position where the tokens part, and how close the reference's
+top two logits were there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from typing import NamedTuple, Sequence
+
+import click
+import numpy as np
+
+from bench import harness
+from bench.decode import (
+    _randn,
+    _set_threads,
+    first_divergence,
+    logits_gap_ulps,
+    round_steps,
+    top2_margin_ulps,
+    unit_seed,
+)
+from bench.harness import DTYPES
+from bench.impls import close_impls, harmpi_info_of, make_impls, parse_impls
+from bench.load import host_load
+
+__all__ = [
+    "MoEConfig",
+    "MoEDecoder",
+    "Shard",
+    "ep_shard",
+    "tp_shard",
+    "route",
+    "dispatch_plan",
+    "combine_pairs",
+    "expert_weights",
+    "run_experts",
+    "decode_round",
+    "row_margins_ulps",
+    "summarize",
+    "parse_comms",
+    "format_table",
+    "EP_COMMS",
+    "TP_COMMS",
+    "main",
+]
+
+FFN_UNIT = 64  # rows (gate/up) / columns (down) of one expert generated per seed
+VOCAB_UNIT = 256  # LM-head rows generated per seed
+#: the EP comms (all-to-all) and the TP comms (bench.impls adapters: all-reduce, allgather)
+EP_COMMS = ("harmpi", "mpi", "gloo", "torch:harmpi")
+TP_COMMS = ("harmpi", "mpi", "gloo", "torch:harmpi")
+DEFAULT_COMMS = "ep:harmpi,ep:mpi,ep:gloo,ep:torch:harmpi,tp:harmpi"
+EXTRA_COLUMNS = 2  # a dispatched row: hidden, the global expert id, padding to 4 bytes
+
+
+# --------------------------------------------------------------------------
+# Configuration and sharding (pure)
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Qwen3-MoE-style decoder dimensions (small by default)."""
+
+    hidden: int = 1024
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 2
+    experts: int = 8
+    topk: int = 2
+    expert_ffn: int = 512
+    vocab: int = 8192
+    rope_theta: float = 1_000_000.0
+    rms_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def check(self, n_ranks: int, batch: int) -> None:
+        """Raise ValueError unless both layouts fit ``n_ranks`` ranks and ``batch``."""
+        problems = self._attention_problems(n_ranks) + self._moe_problems(n_ranks)
+        if self.vocab % (VOCAB_UNIT * n_ranks):
+            problems.append(f"vocab {self.vocab} is not a multiple of {VOCAB_UNIT} x "
+                            f"{n_ranks} ranks")
+        if batch % n_ranks:
+            problems.append(f"batch {batch} is not a multiple of the {n_ranks} ranks "
+                            "(EP: each rank owns batch / ranks sequences)")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def _attention_problems(self, n_ranks: int) -> list[str]:
+        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
+            return [f"hidden {self.hidden} must be heads {self.heads} x an even head_dim "
+                    "(rotary)"]
+        if self.heads % self.kv_heads:
+            return [f"heads {self.heads} is not a multiple of kv-heads {self.kv_heads}"]
+        if self.heads % n_ranks:
+            return [f"heads {self.heads} is not a multiple of the {n_ranks} ranks"]
+        local, group = self.heads // n_ranks, self.heads // self.kv_heads
+        if local % group and group % local:
+            return [f"each rank's {local} q heads must cover whole KV groups of {group} "
+                    "(or lie inside one)"]
+        return []
+
+    def _moe_problems(self, n_ranks: int) -> list[str]:
+        problems = []
+        if self.experts % n_ranks:
+            problems.append(f"experts {self.experts} is not a multiple of the {n_ranks} ranks")
+        if not 1 <= self.topk <= self.experts:
+            problems.append(f"topk {self.topk} must be 1..experts {self.experts}")
+        if self.expert_ffn % (FFN_UNIT * n_ranks):
+            problems.append(f"expert-ffn {self.expert_ffn} is not a multiple of {FFN_UNIT} x "
+                            f"{n_ranks} ranks")
+        return problems
+
+    def params(self) -> int:
+        """Parameters of the whole model."""
+        hd, h = self.head_dim, self.hidden
+        attn = h * self.heads * hd * 2 + h * self.kv_heads * hd * 2 + 2 * hd + 2 * h
+        moe = self.experts * h + self.experts * 3 * h * self.expert_ffn
+        return self.vocab * h * 2 + self.layers * (attn + moe) + h
+
+    def active_params(self) -> int:
+        """Parameters one token uses (its top-k experts, not all E)."""
+        idle = (self.experts - self.topk) * 3 * self.hidden * self.expert_ffn
+        return self.params() - self.vocab * self.hidden - self.layers * idle
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """What one rank holds and runs: heads, experts and their FFN units, vocabulary
+    rows, and which of the batch's sequences."""
+
+    mode: str  # "ep" or "tp"
+    n_ranks: int
+    rank: int
+    q_heads: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    experts: tuple[int, ...]
+    ffn_units: tuple[int, ...]
+    vocab_units: tuple[int, ...]
+    sequences: tuple[int, ...]
+
+
+def _block(count: int, n_ranks: int, rank: int) -> tuple[int, ...]:
+    per = count // n_ranks
+    return tuple(range(rank * per, (rank + 1) * per))
+
+
+def ep_shard(cfg: MoEConfig, n_ranks: int, rank: int, batch: int) -> Shard:
+    """Expert parallelism: block ``rank`` of the experts (whole), every head and
+    vocabulary row, block ``rank`` of the sequences."""
+    cfg.check(n_ranks, batch)
+    return Shard("ep", n_ranks, rank, tuple(range(cfg.heads)), tuple(range(cfg.kv_heads)),
+                 _block(cfg.experts, n_ranks, rank),
+                 tuple(range(cfg.expert_ffn // FFN_UNIT)),
+                 tuple(range(cfg.vocab // VOCAB_UNIT)), _block(batch, n_ranks, rank))
+
+
+def tp_shard(cfg: MoEConfig, n_ranks: int, rank: int, batch: int) -> Shard:
+    """Tensor parallelism: block ``rank`` of the heads (and the KV heads they read),
+    of every expert's FFN units and of the vocabulary; every sequence."""
+    cfg.check(n_ranks, batch)
+    q_heads = _block(cfg.heads, n_ranks, rank)
+    group = cfg.heads // cfg.kv_heads
+    return Shard("tp", n_ranks, rank, q_heads, tuple(sorted({h // group for h in q_heads})),
+                 tuple(range(cfg.experts)),
+                 _block(cfg.expert_ffn // FFN_UNIT, n_ranks, rank),
+                 _block(cfg.vocab // VOCAB_UNIT, n_ranks, rank), tuple(range(batch)))
+
+
+# --------------------------------------------------------------------------
+# Routing (pure torch)
+# --------------------------------------------------------------------------
+
+
+def route(logits, topk: int):
+    """Router logits [T, E] -> (weights [T, k] float32 summing to 1 per token,
+    experts [T, k] int64): softmax in float32, the top k, renormalised."""
+    import torch
+
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, topk, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+def dispatch_plan(experts, n_ranks: int, experts_per_rank: int):
+    """Where the (token, slot) pairs of ``experts`` [T, k] go.
+
+    Returns (order, send_counts): ``order`` [T * k] int64 lists the pairs
+    (flat index token * k + slot) grouped by owner rank, in pair order within
+    a rank (a stable sort); ``send_counts[r]`` pairs go to rank r.
+    """
+    import torch
+
+    owner = experts.reshape(-1) // experts_per_rank
+    order = torch.argsort(owner, stable=True)
+    counts = torch.bincount(owner, minlength=n_ranks)
+    return order, counts.tolist()
+
+
+def combine_pairs(pair_out, weights):
+    """Expert outputs [T, k, hidden] bf16 and weights [T, k] -> [T, hidden] bf16:
+    sum over slots 0..k-1 in that order, in float32, rounded once."""
+    import torch
+
+    acc = pair_out[:, 0].float() * weights[:, :1]
+    for slot in range(1, pair_out.shape[1]):
+        acc += pair_out[:, slot].float() * weights[:, slot:slot + 1]
+    return acc.to(torch.bfloat16)
+
+
+def expert_weights(seed: int, layer: int, expert: int, units: Sequence[int], cfg: MoEConfig):
+    """One expert's FFN units ``units``: (gate_up [2 * 64 * len(units), hidden],
+    down [hidden, 64 * len(units)]) bf16; gate rows first, then up rows."""
+    import torch
+
+    in_std, ffn_std = cfg.hidden**-0.5, cfg.expert_ffn**-0.5
+
+    def blocks(kind, shape, std, dim=0):
+        return torch.cat([_randn(torch, unit_seed(seed, layer, kind, expert, unit), shape, std)
+                          for unit in units], dim=dim)
+
+    gate = blocks("gate", (FFN_UNIT, cfg.hidden), in_std)
+    up = blocks("up", (FFN_UNIT, cfg.hidden), in_std)
+    down = blocks("down", (cfg.hidden, FFN_UNIT), ffn_std, dim=1)
+    return torch.cat([gate, up]).contiguous(), down.contiguous()
+
+
+def run_experts(experts: dict, rows, ids):
+    """rows [R, hidden] bf16, ids [R] (keys of ``experts``: expert id -> (gate_up,
+    down)) -> each row through its expert's SwiGLU FFN, [R, hidden] bf16, in row order."""
+    import torch
+
+    F = torch.nn.functional
+    out = torch.empty((rows.shape[0], rows.shape[1]), dtype=rows.dtype)
+    if rows.shape[0] == 0:
+        return out
+    sorted_ids, perm = torch.sort(ids, stable=True)
+    grouped = rows[perm]
+    start = 0
+    for expert, count in zip(*torch.unique_consecutive(sorted_ids, return_counts=True)):
+        end = start + int(count)
+        gate_up, down = experts[int(expert)]
+        gate, up = F.linear(grouped[start:end], gate_up).chunk(2, dim=-1)
+        grouped[start:end] = F.linear(F.silu(gate) * up, down)
+        start = end
+    out[perm] = grouped
+    return out
+
+
+# --------------------------------------------------------------------------
+# The model (torch)
+# --------------------------------------------------------------------------
+
+
+class _Layer:
+    __slots__ = ("ln1", "w_qkv", "q_norm", "k_norm", "w_o", "ln2", "w_router", "experts",
+                 "k_cache", "v_cache")
+
+
+class MoEDecoder:
+    """One rank's part of the model and its KV cache, in one layout (``shard.mode``).
+
+    ``forward(tokens, start, comm)``: [b, S] ids of this rank's sequences at
+    positions start..start+S-1 -> the greedy next token of each, [b].  ``comm``
+    is a _Timed wrapper (EP: dispatch/combine, TP: allreduce/allgather).
+    """
+
+    def __init__(self, cfg: MoEConfig, shard: Shard, seed: int, max_len: int):
+        import torch
+
+        self.torch, self.cfg, self.shard, self.seed = torch, cfg, shard, seed
+        self.n_q, self.n_kv = len(shard.q_heads), len(shard.kv_heads)
+        self.batch, self.max_len = len(shard.sequences), max_len
+        self.layers = [self._make_layer(i) for i in range(cfg.layers)]
+        self.ln_f = self._norm_weight(cfg.hidden, "ln_f")
+        self.w_lm = self._blocks(("lm_head",), shard.vocab_units, (VOCAB_UNIT, cfg.hidden),
+                                 cfg.hidden**-0.5)
+        self._embedding: dict[int, object] = {}
+        hd = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos, self.sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+        self.last_logits = None
+
+    def _blocks(self, name: tuple, units, shape, std: float, dim: int = 0):
+        torch = self.torch
+        return torch.cat([_randn(torch, unit_seed(self.seed, *name, unit), shape, std)
+                          for unit in units], dim=dim).contiguous()
+
+    def _norm_weight(self, size: int, *name):
+        noise = _randn(self.torch, unit_seed(self.seed, *name), (size,), 0.05)
+        return (1.0 + noise.float()).to(self.torch.bfloat16)
+
+    def _make_layer(self, i: int) -> _Layer:
+        torch, cfg, shard = self.torch, self.cfg, self.shard
+        hd, hidden = cfg.head_dim, cfg.hidden
+        layer = _Layer()
+        q = self._blocks((i, "q"), shard.q_heads, (hd, hidden), hidden**-0.5)
+        k = self._blocks((i, "k"), shard.kv_heads, (hd, hidden), hidden**-0.5)
+        v = self._blocks((i, "v"), shard.kv_heads, (hd, hidden), hidden**-0.5)
+        layer.w_qkv = torch.cat([q, k, v]).contiguous()
+        layer.w_o = self._blocks((i, "o"), shard.q_heads, (hidden, hd),
+                                 (cfg.heads * hd) ** -0.5, dim=1)
+        layer.q_norm, layer.k_norm = self._norm_weight(hd, i, "q_norm"), self._norm_weight(
+            hd, i, "k_norm")
+        layer.ln1, layer.ln2 = self._norm_weight(hidden, i, "ln1"), self._norm_weight(
+            hidden, i, "ln2")
+        layer.w_router = _randn(torch, unit_seed(self.seed, i, "router"),
+                                (cfg.experts, hidden), hidden**-0.5)
+        layer.experts = {e: expert_weights(self.seed, i, e, shard.ffn_units, cfg)
+                         for e in shard.experts}
+        cache_shape = (self.batch, self.n_kv, self.max_len, hd)
+        layer.k_cache = torch.zeros(cache_shape, dtype=torch.bfloat16)
+        layer.v_cache = torch.zeros(cache_shape, dtype=torch.bfloat16)
+        return layer
+
+    def weight_nbytes(self) -> int:
+        tensors = [self.w_lm] + [t for layer in self.layers
+                                 for t in (layer.w_qkv, layer.w_o, layer.w_router)]
+        tensors += [t for layer in self.layers for pair in layer.experts.values() for t in pair]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def embed(self, tokens):
+        """[b, S] ids -> [b, S, hidden] bf16; row t generated from (seed, 'embed', t)."""
+        rows = []
+        for token in tokens.reshape(-1).tolist():
+            row = self._embedding.get(token)
+            if row is None:
+                row = _randn(self.torch, unit_seed(self.seed, "embed", token),
+                             (self.cfg.hidden,), 1.0)
+                self._embedding[token] = row
+            rows.append(row)
+        return self.torch.stack(rows).view(*tokens.shape, self.cfg.hidden)
+
+    def _rms(self, x, weight):
+        torch = self.torch
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
+        return weight * xf.to(torch.bfloat16)
+
+    @staticmethod
+    def _rope(x, cos, sin):
+        half = x.shape[-1] // 2
+        rotated = x.new_empty(x.shape)
+        rotated[..., :half] = -x[..., half:]
+        rotated[..., half:] = x[..., :half]
+        return x * cos + rotated * sin
+
+    def forward(self, tokens, start: int, comm):
+        b, length = tokens.shape
+        if start + length > self.max_len:
+            raise ValueError(f"position {start + length} beyond the KV cache ({self.max_len})")
+        x = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, self._rms(x, layer.ln1), start, comm)
+            m = self._rms(x, layer.ln2).reshape(b * length, -1)
+            x = x + self._moe(i, m, comm).view(b, length, -1)
+        last = self._rms(x[:, -1], self.ln_f)
+        self.last_logits = self._logits(last, comm)
+        return self.last_logits.argmax(dim=-1)
+
+    def _attention(self, i: int, a, start: int, comm):
+        """This rank's heads over its sequences; TP: the row-parallel O all-reduced."""
+        torch, layer, hd = self.torch, self.layers[i], self.cfg.head_dim
+        b, length, _ = a.shape
+        end = start + length
+        cos, sin = self.cos[start:end], self.sin[start:end]
+        q, k, v = torch.nn.functional.linear(a, layer.w_qkv).split(
+            [self.n_q * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        q = self._rms(q.view(b, length, self.n_q, hd), layer.q_norm).transpose(1, 2)
+        k = self._rms(k.view(b, length, self.n_kv, hd), layer.k_norm).transpose(1, 2)
+        layer.k_cache[:, :, start:end] = self._rope(k, cos, sin)
+        layer.v_cache[:, :, start:end] = v.view(b, length, self.n_kv, hd).transpose(1, 2)
+        mask = None
+        if length > 1 and start > 0:
+            mask = torch.ones(length, end, dtype=torch.bool).tril(diagonal=start)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            self._rope(q, cos, sin), layer.k_cache[:, :, :end], layer.v_cache[:, :, :end],
+            attn_mask=mask, is_causal=(length > 1 and start == 0),
+            enable_gqa=self.n_q != self.n_kv)
+        o = torch.nn.functional.linear(attn.transpose(1, 2).reshape(b, length, -1), layer.w_o)
+        if self.shard.mode == "tp":
+            comm.allreduce(o)
+        return o
+
+    def _moe(self, i: int, m, comm):
+        """m [T, hidden] -> the MoE block's output [T, hidden] bf16."""
+        layer = self.layers[i]
+        weights, experts = route(self.torch.nn.functional.linear(m, layer.w_router),
+                                 self.cfg.topk)
+        if self.shard.mode == "tp":
+            # every pair through this rank's slice of its expert: partial sums
+            rows = m.repeat_interleave(self.cfg.topk, dim=0)
+            pair_out = run_experts(layer.experts, rows, experts.reshape(-1))
+            out = combine_pairs(pair_out.view(*experts.shape, -1), weights)
+            comm.allreduce(out)
+            return out
+        return combine_pairs(self._expert_parallel(layer, m, experts, comm), weights)
+
+    def _expert_parallel(self, layer: _Layer, m, experts, comm):
+        """Dispatch every (token, slot) pair to its expert's owner, run what
+        arrived, bring the outputs back: [T, k, hidden] bf16."""
+        torch, hidden, k = self.torch, self.cfg.hidden, self.cfg.topk
+        order, send_counts = dispatch_plan(experts, self.shard.n_ranks, len(self.shard.experts))
+        send = torch.zeros((order.numel(), hidden + EXTRA_COLUMNS), dtype=torch.bfloat16)
+        send[:, :hidden] = m[order // k]
+        send[:, hidden] = experts.reshape(-1)[order].to(torch.bfloat16)  # exact below 257
+        recv, recv_counts = comm.dispatch(send, send_counts)
+        out = run_experts(layer.experts, recv[:, :hidden], recv[:, hidden].long())
+        back = comm.combine(out, recv_counts, send_counts)
+        pair_out = torch.empty((order.numel(), hidden), dtype=torch.bfloat16)
+        pair_out[order] = back
+        return pair_out.view(*experts.shape, hidden)
+
+    def _logits(self, last, comm):
+        """[b, vocab] logits: EP the full LM head here; TP this rank's vocabulary
+        block, every rank's gathered in rank order."""
+        logits = self.torch.nn.functional.linear(last, self.w_lm)
+        if self.shard.mode == "ep":
+            return logits
+        b, n = last.shape[0], self.shard.n_ranks
+        gathered = comm.allgather(logits)
+        return gathered.view(n, b, -1).permute(1, 0, 2).reshape(b, -1)
+
+
+# --------------------------------------------------------------------------
+# Communication, timed
+# --------------------------------------------------------------------------
+
+
+class _Timed:
+    """Wraps a comm: adds up the ns spent inside its collectives and counts the calls."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.ns = 0
+        self.calls = 0
+
+    def _time(self, fn, *args):
+        t0 = time.perf_counter_ns()
+        result = fn(*args)
+        self.ns += time.perf_counter_ns() - t0
+        self.calls += 1
+        return result
+
+    def dispatch(self, rows, send_counts):
+        return self._time(self.inner.dispatch, rows, send_counts)
+
+    def combine(self, rows, send_counts, recv_counts):
+        return self._time(self.inner.combine, rows, send_counts, recv_counts)
+
+    def allreduce(self, tensor):
+        return self._time(self.inner.allreduce, tensor)
+
+    def allgather(self, tensor):
+        return self._time(self.inner.allgather, tensor)
+
+
+class HarmpiAlltoall:
+    """``harmpi.alltoall``: the receive counts travel with the rows."""
+
+    def __init__(self, harmpi_module, comm):
+        self._alltoall, self._comm = harmpi_module.alltoall, comm
+
+    def describe(self) -> str:
+        return ("harmpi.alltoall(rows, send_counts) (the counts travel with the rows), "
+                "then back with recv_counts= the counts sent")
+
+    def dispatch(self, rows, send_counts):
+        return self._alltoall(rows, send_counts, comm=self._comm)
+
+    def combine(self, rows, send_counts, recv_counts):
+        return self._alltoall(rows, send_counts, comm=self._comm, recv_counts=recv_counts)[0]
+
+
+def _byte_view(tensor):
+    import torch
+
+    return tensor.view(torch.uint8).numpy()
+
+
+class MpiAlltoall:
+    """mpi4py: ``MPI_Alltoall`` of the counts, then ``MPI_Alltoallv`` of the rows (bytes)."""
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+
+        self._comm, self._MPI = comm, MPI
+        self._counts = np.zeros((2, comm.Get_size()), dtype=np.int32)
+
+    def describe(self) -> str:
+        return ("MPI_Alltoall of the counts, MPI_Alltoallv of the rows (MPI_BYTE); back: "
+                "MPI_Alltoallv, the counts known")
+
+    def _alltoallv(self, rows, send_counts, recv_counts):
+        import torch
+
+        row_nbytes = rows.shape[1] * rows.element_size()
+        send = np.asarray(send_counts, dtype=np.int64) * row_nbytes
+        recv = np.asarray(recv_counts, dtype=np.int64) * row_nbytes
+        out = torch.empty((int(sum(recv_counts)), rows.shape[1]), dtype=rows.dtype)
+        sdispl = np.concatenate([[0], np.cumsum(send)[:-1]])
+        rdispl = np.concatenate([[0], np.cumsum(recv)[:-1]])
+        self._comm.Alltoallv([_byte_view(rows), (send, sdispl), self._MPI.BYTE],
+                             [_byte_view(out), (recv, rdispl), self._MPI.BYTE])
+        return out
+
+    def dispatch(self, rows, send_counts):
+        self._counts[0] = send_counts
+        self._comm.Alltoall(self._counts[0], self._counts[1])
+        recv_counts = self._counts[1].tolist()
+        return self._alltoallv(rows, send_counts, recv_counts), recv_counts
+
+    def combine(self, rows, send_counts, recv_counts):
+        return self._alltoallv(rows, send_counts, recv_counts)
+
+
+class TorchAlltoall:
+    """``dist.all_to_all_single`` on a process group: the counts (int64, one per
+    rank), then the rows with split sizes."""
+
+    def __init__(self, group, description: str):
+        import torch
+        import torch.distributed as dist
+
+        self._dist, self._torch, self._group = dist, torch, group
+        n = dist.get_world_size(group)
+        self._send_counts = torch.zeros(n, dtype=torch.int64)
+        self._recv_counts = torch.zeros(n, dtype=torch.int64)
+        self._description = description
+
+    def describe(self) -> str:
+        return (f"dist.all_to_all_single of the counts, then of the rows with split sizes "
+                f"(back: the counts known), on {self._description}")
+
+    def _exchange(self, rows, send_counts, recv_counts):
+        out = self._torch.empty((int(sum(recv_counts)), rows.shape[1]), dtype=rows.dtype)
+        self._dist.all_to_all_single(out, rows, output_split_sizes=list(recv_counts),
+                                     input_split_sizes=list(send_counts), group=self._group)
+        return out
+
+    def dispatch(self, rows, send_counts):
+        self._send_counts.copy_(self._torch.tensor(send_counts, dtype=self._torch.int64))
+        self._dist.all_to_all_single(self._recv_counts, self._send_counts, group=self._group)
+        recv_counts = self._recv_counts.tolist()
+        return self._exchange(rows, send_counts, recv_counts), recv_counts
+
+    def combine(self, rows, send_counts, recv_counts):
+        return self._exchange(rows, send_counts, recv_counts)
+
+
+# --------------------------------------------------------------------------
+# Comm names
+# --------------------------------------------------------------------------
+
+
+def parse_comms(spec: str) -> list[str]:
+    """'ep:harmpi,tp:harmpi' -> the names, known and distinct (ValueError otherwise)."""
+    names = [part.strip() for part in spec.split(",") if part.strip()]
+    known = [f"ep:{c}" for c in EP_COMMS] + [f"tp:{c}" for c in TP_COMMS]
+    bad = [name for name in names if name not in known]
+    if not names or bad or len(set(names)) != len(names):
+        raise ValueError(f"--comm takes a comma list of distinct {', '.join(known)}; "
+                         f"got {spec!r}")
+    return names
+
+
+def base_comms(names: Sequence[str]) -> list[str]:
+    """The bench.impls adapters the comms need, in first-use order ('ep:gloo' -> 'gloo')."""
+    bases = []
+    for name in names:
+        base = name.split(":", 1)[1]
+        if base not in bases:
+            bases.append(base)
+    parse_impls(",".join(bases))
+    return bases
+
+
+def _ep_comm(base: str, adapter):
+    if base == "harmpi":
+        return HarmpiAlltoall(adapter._harmpi, adapter._comm)
+    if base == "mpi":
+        return MpiAlltoall(adapter._comm)
+    return TorchAlltoall(adapter.group, adapter.group_description())
+
+
+def _describe(name: str, comm, adapter) -> str:
+    if name.startswith("ep:"):
+        return f"{name}: {comm.describe()}"
+    return name + ": " + adapter.describe_tensors(DTYPES["bf16"]).split(": ", 1)[1]
+
+
+# --------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one run does (the same on every rank)."""
+
+    cfg: MoEConfig
+    n_ranks: int
+    batch: int
+    prompt_len: int
+    steps: int
+    warmup_steps: int
+    rounds: int
+    seed: int
+
+    @property
+    def per_round(self) -> list[int]:
+        return round_steps(self.steps, self.rounds)
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_len + self.warmup_steps + max(self.per_round) + 1
+
+    def prompt(self):
+        """[batch, prompt_len] ids, the same on every rank."""
+        import torch
+
+        rng = np.random.default_rng([self.seed, 7])
+        return torch.from_numpy(rng.integers(0, self.cfg.vocab,
+                                             (self.batch, self.prompt_len)))
+
+
+class Round(NamedTuple):
+    """One comm's decode from the prompt, on one rank."""
+
+    tokens: np.ndarray  # [this rank's sequences, 1 + warmup + steps]
+    step_ns: np.ndarray  # [steps]
+    comm_ns: np.ndarray  # [steps]
+    calls_per_step: int
+    margin_ulps: np.ndarray  # [its sequences, 1 + warmup + steps]: top-two logit gaps
+    prefill_logits: np.ndarray  # [this rank's sequences, vocab] float32
+
+
+def decode_round(model: MoEDecoder, comm, prompt, warmup_steps: int, steps: int,
+                 barrier) -> Round:
+    """Prefill + warm-up + timed steps of this rank's sequences."""
+    torch = model.torch
+    timed = _Timed(comm)
+    prompt = prompt[list(model.shard.sequences)]
+    barrier()
+    with torch.inference_mode():
+        token = model.forward(prompt, 0, timed)
+        prefill_logits = model.last_logits.float().numpy().copy()
+        generated, margins = [token], [row_margins_ulps(prefill_logits)]
+        step_ns = np.zeros(steps, dtype=np.int64)
+        comm_ns = np.zeros(steps, dtype=np.int64)
+        position = prompt.shape[1]
+        for i in range(warmup_steps + steps):
+            timed.ns = timed.calls = 0
+            t0 = time.perf_counter_ns()
+            token = model.forward(token.view(-1, 1), position, timed)
+            elapsed = time.perf_counter_ns() - t0
+            position += 1
+            generated.append(token)
+            margins.append(row_margins_ulps(model.last_logits.float().numpy()))
+            if i >= warmup_steps:
+                step_ns[i - warmup_steps], comm_ns[i - warmup_steps] = elapsed, timed.ns
+    return Round(torch.stack(generated, dim=1).numpy(), step_ns, comm_ns, timed.calls,
+                 np.stack(margins, axis=1), prefill_logits)
+
+
+@dataclasses.dataclass
+class Measured:
+    """One comm's rounds on this rank."""
+
+    rounds: list[Round] = dataclasses.field(default_factory=list)
+
+    def concatenated(self, field: str) -> np.ndarray:
+        return np.concatenate([getattr(r, field) for r in self.rounds])
+
+    def longest(self) -> Round:
+        return max(self.rounds, key=lambda r: r.tokens.shape[1])
+
+
+def row_margins_ulps(logits: np.ndarray) -> np.ndarray:
+    """[b, vocab] logits -> each row's gap between its top two logits, in bf16 ulps of
+    its top logit (ulp = 2^(exponent - 7)); near 0, bf16 sums in another order may
+    flip the greedy token."""
+    return np.array([top2_margin_ulps(row[None]) for row in np.asarray(logits)])
+
+
+def summarize(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int,
+              per_round: Sequence[int]) -> dict:
+    """Every rank's step and collective times [ranks, steps] -> the reported numbers:
+    tok/s = batch / median of the rank-averaged step; the mean step split into
+    compute + collectives (so they add up) and the collectives' share of it; the
+    rounds' lowest and highest tok/s."""
+    step_ns, comm_ns = np.asarray(step_ns, dtype=float), np.asarray(comm_ns, dtype=float)
+    mean_step = step_ns.mean(axis=0)
+    median_ms = float(np.median(mean_step)) / 1e6
+    bounds = np.cumsum([0, *per_round])
+    rounds = [batch * 1e9 / float(np.median(mean_step[a:b])) for a, b in zip(bounds, bounds[1:])]
+    mean_ms, comm_ms = step_ns.mean() / 1e6, comm_ns.mean() / 1e6
+    return {"tokens_per_s": batch * 1e3 / median_ms, "ms_per_step": median_ms,
+            "tokens_per_s_min": min(rounds), "tokens_per_s_max": max(rounds),
+            "mean_ms_per_step": float(mean_ms), "compute_ms_per_step": float(mean_ms - comm_ms),
+            "comm_ms_per_step": float(comm_ms), "comm_share": float(comm_ms / mean_ms)}
+
+
+def _gather_tokens(measured: Measured, mode: str, comm):
+    """The whole batch's tokens, top-two margins and prefill logits (EP: every
+    rank's sequences, in rank order), and whether every TP rank generated the
+    same tokens (collective)."""
+    longest = measured.longest()
+    parts = comm.allgather((longest.tokens, longest.margin_ulps, longest.prefill_logits))
+    if mode == "ep":
+        return (*(np.concatenate([p[i] for p in parts]) for i in range(3)), True)
+    identical = all(np.array_equal(p[0], parts[0][0]) for p in parts)
+    return parts[0][0], parts[0][1], parts[0][2], identical
+
+
+def _row(name: str, measured: Measured, plan: Plan, comm) -> dict:
+    """One comm's result row (collective; every rank gets it)."""
+    from mpi4py import MPI
+
+    step_ns = comm.allgather(measured.concatenated("step_ns"))
+    comm_ns = comm.allgather(measured.concatenated("comm_ns"))
+    mode = name.split(":", 1)[0]
+    tokens, margins, logits, identical = _gather_tokens(measured, mode, comm)
+    repeat = all(np.array_equal(r.tokens, measured.longest().tokens[:, :r.tokens.shape[1]])
+                 for r in measured.rounds)
+    row = {"comm": name, "mode": mode,
+           "calls_per_step": comm.allreduce(measured.rounds[0].calls_per_step, op=MPI.MAX),
+           **summarize(np.stack(step_ns), np.stack(comm_ns), plan.batch,
+                       [len(r.step_ns) for r in measured.rounds]),
+           "tokens_identical_across_ranks": identical, "tokens_repeat_across_rounds": repeat}
+    return row | {"_tokens": tokens, "_margins": margins, "_logits": logits}
+
+
+def mark_agreement(rows: list[dict]) -> bool:
+    """Compare each row's tokens with the first EP row's (else the first row's);
+    True when every EP row agrees with it bitwise and every TP row's ranks agree."""
+    reference = next((r for r in rows if r["mode"] == "ep"), rows[0])
+    ok = True
+    for row in rows:
+        position = first_divergence(reference["_tokens"], row["_tokens"])
+        row["agrees_with"] = reference["comm"]
+        row["first_divergence"] = position
+        row["tokens_agree"] = position is None
+        row["margin_ulps_there"] = None
+        if position is not None:  # the closest call among the sequences that parted there
+            parted = reference["_tokens"][:, position] != row["_tokens"][:, position]
+            row["margin_ulps_there"] = float(reference["_margins"][parted, position].min())
+        row["prefill_logits_gap_ulps"] = logits_gap_ulps(reference["_logits"], row["_logits"])
+        if row["mode"] == "ep" and not row["tokens_agree"]:
+            ok = False
+        ok = ok and row["tokens_identical_across_ranks"]
+    return ok
+
+
+# --------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------
+
+
+def format_table(rows: Sequence[dict]) -> list[str]:
+    """The result table, within 100 columns."""
+    lines = [f"{'# comm':<17}{'tok/s':>8}{'rounds':>13}{'ms/step':>9}{'compute':>9}"
+             f"{'collect.':>9}{'share':>7}{'calls':>6}{'agree':>7}"]
+    for row in rows:
+        agree = "yes" if row.get("tokens_agree") else ("NO" if row["mode"] == "ep" else "no")
+        spread = f"{row['tokens_per_s_min']:.1f}-{row['tokens_per_s_max']:.1f}"
+        lines.append(
+            f"{row['comm']:<17}{row['tokens_per_s']:>8.1f}{spread:>13}{row['ms_per_step']:>9.2f}"
+            f"{row['compute_ms_per_step']:>9.2f}{row['comm_ms_per_step']:>9.2f}"
+            f"{row['comm_share'] * 100:>6.1f}%{row['calls_per_step']:>6}{agree:>7}")
+    return lines
+
+
+def _notes(rows: Sequence[dict]) -> list[str]:
+    lines = []
+    for row in rows:
+        if not row["tokens_identical_across_ranks"]:
+            lines.append(f"# ERROR: {row['comm']}: ranks generated different tokens")
+        if not row["tokens_repeat_across_rounds"]:
+            lines.append(f"# note: {row['comm']}: rounds from the same prompt differ")
+        if row["mode"] == "ep" and not row["tokens_agree"]:
+            lines.append(f"# ERROR: {row['comm']}: EP tokens differ from {row['agrees_with']}'s "
+                         f"from generated token {row['first_divergence']}")
+    parts = []
+    for row in rows[1:]:
+        text = "bitwise" if row["tokens_agree"] else (
+            f"parted at token {row['first_divergence']} (top-2 margin there "
+            f"{row['margin_ulps_there']:.1f} bf16 ulps)")
+        parts.append(f"{row['comm']} {text}, prefill logits within "
+                     f"{row['prefill_logits_gap_ulps']:.1f} ulps")
+    if parts:
+        lines.append(f"# tokens vs {rows[0]['agrees_with']}: " + "; ".join(parts))
+    by_name = {row["comm"]: row for row in rows}
+    for base in ("ep:harmpi", "tp:harmpi"):
+        if base in by_name and len(rows) > 1:
+            ref = by_name[base]["tokens_per_s"]
+            lines.append(f"# tok/s ratio {base} / other: " + "; ".join(
+                f"{r['comm']} {ref / r['tokens_per_s']:.2f}x" for r in rows if r["comm"] != base))
+    return lines
+
+
+def _header(plan: Plan, models: dict, descriptions: dict, env_lines, threads: int,
+            build_s: float) -> list[str]:
+    cfg, n, b = plan.cfg, plan.n_ranks, plan.batch
+    row_nbytes = (cfg.hidden + EXTRA_COLUMNS) * 2
+    nbytes = {mode: model.weight_nbytes() / 2**20 for mode, model in models.items()}
+    return [
+        "# harmpi MoE decode benchmark: expert vs tensor parallelism (Qwen3-MoE-shaped, "
+        "random bf16 weights)",
+        *env_lines,
+        f"# Model: hidden {cfg.hidden}, layers {cfg.layers}, heads {cfg.heads} (kv "
+        f"{cfg.kv_heads}, head_dim {cfg.head_dim}, q/k norm, rotary), {cfg.experts} experts "
+        f"top-{cfg.topk} (SwiGLU, ffn {cfg.expert_ffn}), vocab {cfg.vocab}: "
+        f"{cfg.params() / 1e6:.0f} M parameters, {cfg.active_params() / 1e6:.0f} M active "
+        f"per token; built in {build_s:.1f} s",
+        *(f"# {mode.upper()} weights per rank: {mib:.0f} MiB" for mode, mib in nbytes.items()),
+        f"# EP over {n} ranks: {cfg.experts // n} experts and {b // n} of the {b} sequences "
+        f"per rank (attention, KV cache and LM head replicated); per step and layer two "
+        f"all-to-alls of uneven rows of {row_nbytes} B (hidden + expert id), "
+        f"{b * cfg.topk} rows in all",
+        f"# TP over {n} ranks: {cfg.heads // n} heads and 1/{n} of every expert's FFN per "
+        f"rank; per step {2 * cfg.layers} all-reduces of {b * cfg.hidden * 2} B and one "
+        f"logits allgather of {b * cfg.vocab // n * 2} B per rank",
+        f"# Decode: batch {b}, prompt {plan.prompt_len}, greedy; {plan.steps} timed steps "
+        f"per comm in {len(plan.per_round)} rounds, comms taking turns, each round from "
+        f"the prompt after {plan.warmup_steps} warm-up steps; {threads} torch thread(s) "
+        "per rank",
+        *(f"# {text}" for text in descriptions.values()),
+        "# tok/s = batch / median step; rounds: lowest-highest round's tok/s; compute + "
+        "collect. = mean step (ms, means over steps and ranks); share = collect. / mean "
+        "step, waiting for peers included; calls: collectives per step and rank",
+    ]
+
+
+# --------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------
+
+
+def _build(plan: Plan, names, comm) -> tuple[dict, float]:
+    from mpi4py import MPI
+
+    t0 = time.perf_counter()
+    makers = {"ep": ep_shard, "tp": tp_shard}
+    modes = sorted({name.split(":", 1)[0] for name in names})
+    models = {mode: MoEDecoder(plan.cfg, makers[mode](plan.cfg, plan.n_ranks, comm.Get_rank(),
+                                                       plan.batch), plan.seed, plan.max_len)
+              for mode in modes}
+    return models, comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+
+def _run_rounds(plan: Plan, models: dict, comms: dict, comm) -> dict[str, Measured]:
+    """Comms take turns, round by round, each round from the prompt."""
+    prompt = plan.prompt()
+    measured = {name: Measured() for name in comms}
+    for index, steps in enumerate(plan.per_round):
+        for name, inner in comms.items():
+            t0 = time.perf_counter()
+            model = models[name.split(":", 1)[0]]
+            result = decode_round(model, inner, prompt, plan.warmup_steps, steps, comm.Barrier)
+            measured[name].rounds.append(result)
+            if comm.Get_rank() == 0:
+                tok_s = plan.batch * 1e9 / np.median(result.step_ns)
+                print(f"# moe_decode: round {index + 1}/{len(plan.per_round)} {name}: {steps} "
+                      f"steps, {tok_s:.1f} tok/s on rank 0, {time.perf_counter() - t0:.1f} s",
+                      file=sys.stderr, flush=True)
+    return measured
+
+
+def run(plan: Plan, names: Sequence[str], *, threads: int | None = None, load: int = 0,
+        json_path: str | None = None, comm=None) -> int:
+    """Run the benchmark on every rank of ``comm`` (default the world); rank 0
+    prints.  Returns the exit code, the same on every rank."""
+    from mpi4py import MPI
+
+    from bench.osu import environment_lines, topology
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    threads_used = _set_threads(comm, threads)
+    models, build_s = _build(plan, names, comm)
+    bases = base_comms(names)
+    adapters = dict(zip(bases, make_impls(bases, comm)))
+    try:
+        comms, descriptions = {}, {}
+        for name in names:
+            base = name.split(":", 1)[1]
+            comms[name] = _ep_comm(base, adapters[base]) if name.startswith("ep:") else (
+                adapters[base])
+            descriptions[name] = _describe(name, comms[name], adapters[base])
+        env_lines = environment_lines(comm, topology(comm), harmpi_info_of(adapters.values()))
+        if comm.Get_rank() == 0:
+            lines = _header(plan, models, descriptions, env_lines, threads_used.count, build_s)
+            print("\n".join(harness.fit_lines(lines)), flush=True)
+        with host_load(comm, load) as busy:
+            measured = _run_rounds(plan, models, comms, comm)
+        rows = [_row(name, measured[name], plan, comm) for name in names]
+        ok = mark_agreement(rows)
+        if comm.Get_rank() == 0:
+            lines = format_table(rows) + _notes(rows) + ([busy.summary()] if load else [])
+            print("\n".join(harness.fit_lines(lines)), flush=True)
+            if json_path:
+                _write_json(json_path, plan, rows)
+        return 0 if ok else 1
+    finally:
+        close_impls(list(adapters.values()))
+
+
+def _write_json(path: str, plan: Plan, rows: Sequence[dict]) -> None:
+    meta = {"benchmark": "moe_decode", "model": dataclasses.asdict(plan.cfg),
+            "ranks": plan.n_ranks, "batch": plan.batch, "steps": plan.steps}
+    out = [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows]
+    for row, full in zip(out, rows):
+        row["tokens"] = np.asarray(full["_tokens"]).tolist()
+    with open(path, "w") as fh:
+        json.dump({"meta": meta, "rows": out}, fh, indent=2)
+        fh.write("\n")
+
+
+@click.command(name="moe_decode", help=(
+    "Greedy decode of a Qwen3-MoE-shaped model with random bf16 weights, expert-parallel "
+    "(all-to-all) and tensor-parallel (all-reduce), one run per comm. Run under MPI: "
+    "mpirun -np 2 python -m mpi4py -m bench.moe_decode"))
+@harness.help_option()
+@click.option("--comm", "comm_spec", default=DEFAULT_COMMS, show_default=True,
+              help="Comma list of ep:<c> (expert parallel, all-to-all over c) and tp:<c> "
+                   f"(tensor parallel, all-reduce over c); c one of {', '.join(EP_COMMS)}.")
+@click.option("--hidden", type=click.IntRange(min=2), default=MoEConfig.hidden,
+              show_default=True)
+@click.option("--layers", type=click.IntRange(min=1), default=MoEConfig.layers,
+              show_default=True)
+@click.option("--heads", type=click.IntRange(min=1), default=MoEConfig.heads,
+              show_default=True)
+@click.option("--kv-heads", type=click.IntRange(min=1), default=MoEConfig.kv_heads,
+              show_default=True)
+@click.option("--experts", type=click.IntRange(min=1), default=MoEConfig.experts,
+              show_default=True)
+@click.option("--topk", type=click.IntRange(min=1), default=MoEConfig.topk, show_default=True)
+@click.option("--expert-ffn", type=click.IntRange(min=1), default=MoEConfig.expert_ffn,
+              show_default=True)
+@click.option("--vocab", type=click.IntRange(min=1), default=MoEConfig.vocab,
+              show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Sequences decoded together (EP: batch / ranks per rank).")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Timed decode steps per comm, split over the rounds.")
+@click.option("--rounds", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--warmup", "warmup_steps", type=click.IntRange(min=0), default=2,
+              show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="torch threads per rank (default: host CPUs / ranks on the host).")
+@click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("--load", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="N busy processes (unbound spin loops) on each host during the rounds.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
+              default=None, help="Write the rows (and tokens) as JSON (rank 0).")
+def main(comm_spec, hidden, layers, heads, kv_heads, experts, topk, expert_ffn, vocab, batch,
+         prompt_len, steps, rounds, warmup_steps, threads, seed, load, json_path):
+    from mpi4py import MPI
+
+    cfg = MoEConfig(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                    experts=experts, topk=topk, expert_ffn=expert_ffn, vocab=vocab)
+    n_ranks = MPI.COMM_WORLD.Get_size()
+    try:
+        names = parse_comms(comm_spec)
+        cfg.check(n_ranks, batch)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    plan = Plan(cfg, n_ranks, batch, prompt_len, steps, warmup_steps, rounds, seed)
+    code = harness.run_or_abort(run, plan, names, threads=threads, load=load,
+                                json_path=json_path)
+    harness.exit_all(code)
+
+
+if __name__ == "__main__":
+    main()
