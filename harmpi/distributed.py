@@ -1152,9 +1152,12 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
         if input.dtype in _FLOATS:
             # harmpi's own all-to-all: rows through the node's slots, every
             # pair's count checked against its receiver's split size
-            rows = list(input_split_sizes) or [input.size(0) // n] * n
-            want = list(output_split_sizes) or [output.size(0) // n] * n
-            api.alltoall(src, rows, comm=self._harmpi_comm, out=dst, recv_counts=want)
+            if not input_split_sizes and not output_split_sizes:
+                api.alltoall(src, comm=self._harmpi_comm, out=dst)  # even: no count lists
+            else:
+                rows = list(input_split_sizes) or [input.size(0) // n] * n
+                want = list(output_split_sizes) or [output.size(0) // n] * n
+                api.alltoall(src, rows, comm=self._harmpi_comm, out=dst, recv_counts=want)
             if finish is not None:
                 finish(None)
             return _DoneWork([output])
