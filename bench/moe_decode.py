@@ -68,6 +68,7 @@ from bench import harness
 from bench.decode import (
     _randn,
     _set_threads,
+    collective_latency_ns,
     first_divergence,
     logits_gap_ulps,
     round_steps,
@@ -488,17 +489,27 @@ class MoEDecoder:
 
 
 class _Timed:
-    """Wraps a comm: adds up the ns spent inside its collectives and counts the calls."""
+    """Wraps a comm: adds up the ns spent inside its collectives in a step, counts
+    the calls, and during timed steps (``begin_step(i)``, i >= 0) records each
+    call's entry and exit times."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, steps: int, calls_per_step: int):
         self.inner = inner
-        self.ns = 0
-        self.calls = 0
+        self.ns = self.calls = 0
+        self.step = -1
+        self.enter_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
+        self.exit_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
+
+    def begin_step(self, step: int) -> None:
+        self.step, self.ns, self.calls = step, 0, 0
 
     def _time(self, fn, *args):
         t0 = time.perf_counter_ns()
         result = fn(*args)
-        self.ns += time.perf_counter_ns() - t0
+        t1 = time.perf_counter_ns()
+        if 0 <= self.step and self.calls < self.enter_ns.shape[1]:
+            self.enter_ns[self.step, self.calls], self.exit_ns[self.step, self.calls] = t0, t1
+        self.ns += t1 - t0
         self.calls += 1
         return result
 
@@ -691,6 +702,8 @@ class Round(NamedTuple):
     step_ns: np.ndarray  # [steps]
     comm_ns: np.ndarray  # [steps]
     calls_per_step: int
+    enter_ns: np.ndarray  # [steps, calls per step]: each collective's entry, perf_counter_ns
+    exit_ns: np.ndarray  # [steps, calls per step]
     margin_ulps: np.ndarray  # [its sequences, 1 + warmup + steps]: top-two logit gaps
     prefill_logits: np.ndarray  # [this rank's sequences, vocab] float32
 
@@ -699,7 +712,8 @@ def decode_round(model: MoEDecoder, comm, prompt, warmup_steps: int, steps: int,
                  barrier) -> Round:
     """Prefill + warm-up + timed steps of this rank's sequences."""
     torch = model.torch
-    timed = _Timed(comm)
+    cfg = model.cfg
+    timed = _Timed(comm, steps, 2 * cfg.layers + (model.shard.mode == "tp"))
     prompt = prompt[list(model.shard.sequences)]
     barrier()
     with torch.inference_mode():
@@ -710,7 +724,7 @@ def decode_round(model: MoEDecoder, comm, prompt, warmup_steps: int, steps: int,
         comm_ns = np.zeros(steps, dtype=np.int64)
         position = prompt.shape[1]
         for i in range(warmup_steps + steps):
-            timed.ns = timed.calls = 0
+            timed.begin_step(i - warmup_steps)  # negative: not recorded
             t0 = time.perf_counter_ns()
             token = model.forward(token.view(-1, 1), position, timed)
             elapsed = time.perf_counter_ns() - t0
@@ -720,7 +734,7 @@ def decode_round(model: MoEDecoder, comm, prompt, warmup_steps: int, steps: int,
             if i >= warmup_steps:
                 step_ns[i - warmup_steps], comm_ns[i - warmup_steps] = elapsed, timed.ns
     return Round(torch.stack(generated, dim=1).numpy(), step_ns, comm_ns, timed.calls,
-                 np.stack(margins, axis=1), prefill_logits)
+                 timed.enter_ns, timed.exit_ns, np.stack(margins, axis=1), prefill_logits)
 
 
 @dataclasses.dataclass
@@ -773,21 +787,24 @@ def _gather_tokens(measured: Measured, mode: str, comm):
     return parts[0][0], parts[0][1], parts[0][2], identical
 
 
-def _row(name: str, measured: Measured, plan: Plan, comm) -> dict:
+def _row(name: str, measured: Measured, plan: Plan, comm, same_host: bool) -> dict:
     """One comm's result row (collective; every rank gets it)."""
     from mpi4py import MPI
 
-    step_ns = comm.allgather(measured.concatenated("step_ns"))
-    comm_ns = comm.allgather(measured.concatenated("comm_ns"))
+    step_ns, comm_ns, enter_ns, exit_ns = (
+        np.stack(comm.allgather(measured.concatenated(field)))
+        for field in ("step_ns", "comm_ns", "enter_ns", "exit_ns"))
     mode = name.split(":", 1)[0]
     tokens, margins, logits, identical = _gather_tokens(measured, mode, comm)
     repeat = all(np.array_equal(r.tokens, measured.longest().tokens[:, :r.tokens.shape[1]])
                  for r in measured.rounds)
     row = {"comm": name, "mode": mode,
            "calls_per_step": comm.allreduce(measured.rounds[0].calls_per_step, op=MPI.MAX),
-           **summarize(np.stack(step_ns), np.stack(comm_ns), plan.batch,
-                       [len(r.step_ns) for r in measured.rounds]),
+           **summarize(step_ns, comm_ns, plan.batch, [len(r.step_ns) for r in measured.rounds]),
+           "own_ms_per_step": None,
            "tokens_identical_across_ranks": identical, "tokens_repeat_across_rounds": repeat}
+    if same_host:  # one clock: the part of each call after the last rank entered it
+        row["own_ms_per_step"] = float(collective_latency_ns(enter_ns, exit_ns).mean() / 1e6)
     return row | {"_tokens": tokens, "_margins": margins, "_logits": logits}
 
 
@@ -820,14 +837,15 @@ def mark_agreement(rows: list[dict]) -> bool:
 def format_table(rows: Sequence[dict]) -> list[str]:
     """The result table, within 100 columns."""
     lines = [f"{'# comm':<17}{'tok/s':>8}{'rounds':>13}{'ms/step':>9}{'compute':>9}"
-             f"{'collect.':>9}{'share':>7}{'calls':>6}{'agree':>7}"]
+             f"{'collect.':>9}{'share':>7}{'own':>7}{'calls':>6}{'agree':>7}"]
     for row in rows:
         agree = "yes" if row.get("tokens_agree") else ("NO" if row["mode"] == "ep" else "no")
         spread = f"{row['tokens_per_s_min']:.1f}-{row['tokens_per_s_max']:.1f}"
+        own = "-" if row.get("own_ms_per_step") is None else f"{row['own_ms_per_step']:.2f}"
         lines.append(
             f"{row['comm']:<17}{row['tokens_per_s']:>8.1f}{spread:>13}{row['ms_per_step']:>9.2f}"
             f"{row['compute_ms_per_step']:>9.2f}{row['comm_ms_per_step']:>9.2f}"
-            f"{row['comm_share'] * 100:>6.1f}%{row['calls_per_step']:>6}{agree:>7}")
+            f"{row['comm_share'] * 100:>6.1f}%{own:>7}{row['calls_per_step']:>6}{agree:>7}")
     return lines
 
 
@@ -888,7 +906,9 @@ def _header(plan: Plan, models: dict, descriptions: dict, env_lines, threads: in
         *(f"# {text}" for text in descriptions.values()),
         "# tok/s = batch / median step; rounds: lowest-highest round's tok/s; compute + "
         "collect. = mean step (ms, means over steps and ranks); share = collect. / mean "
-        "step, waiting for peers included; calls: collectives per step and rank",
+        "step, waiting for peers included; own: ms of collect. after the last rank entered "
+        "each call (one host, one clock: the collectives' own latency, without waiting for "
+        "a slower peer); calls: collectives per step and rank",
     ]
 
 
@@ -947,13 +967,14 @@ def run(plan: Plan, names: Sequence[str], *, threads: int | None = None, load: i
             comms[name] = _ep_comm(base, adapters[base]) if name.startswith("ep:") else (
                 adapters[base])
             descriptions[name] = _describe(name, comms[name], adapters[base])
-        env_lines = environment_lines(comm, topology(comm), harmpi_info_of(adapters.values()))
+        topo = topology(comm)
+        env_lines = environment_lines(comm, topo, harmpi_info_of(adapters.values()))
         if comm.Get_rank() == 0:
             lines = _header(plan, models, descriptions, env_lines, threads_used.count, build_s)
             print("\n".join(harness.fit_lines(lines)), flush=True)
         with host_load(comm, load) as busy:
             measured = _run_rounds(plan, models, comms, comm)
-        rows = [_row(name, measured[name], plan, comm) for name in names]
+        rows = [_row(name, measured[name], plan, comm, topo["hosts"] == 1) for name in names]
         ok = mark_agreement(rows)
         if comm.Get_rank() == 0:
             lines = format_table(rows) + _notes(rows) + ([busy.summary()] if load else [])

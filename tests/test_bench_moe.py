@@ -176,6 +176,8 @@ def test_one_rank_ep_and_tp_decode_the_same_tokens():
     assert np.array_equal(ep.prefill_logits, tp.prefill_logits)
     assert ep.calls_per_step == 2 * cfg.layers and tp.calls_per_step == 2 * cfg.layers + 1
     assert ep.margin_ulps.shape == (2, 7) and (ep.margin_ulps >= 0).all()
+    assert ep.enter_ns.shape == (5, 2 * cfg.layers) and tp.exit_ns.shape == (5, 2 * cfg.layers + 1)
+    assert (tp.exit_ns >= tp.enter_ns).all() and (tp.enter_ns > 0).all()
     # a second round from the prompt repeats the first
     again = decode_round(MoEDecoder(cfg, ep_shard(cfg, 1, 0, 2), 9, 16), _OneRankEP(), prompt,
                          1, 5, lambda: None)
@@ -244,6 +246,7 @@ def test_moe_decode_under_mpirun(tmp_path):
     for name, row in rows.items():
         assert row["tokens_identical_across_ranks"] is True
         assert row["tokens_per_s"] > 0 and 0 <= row["comm_share"] <= 1
+        assert 0 <= row["own_ms_per_step"] <= row["comm_ms_per_step"]
         assert np.asarray(row["tokens"]).shape == (4, 1 + 1 + 3)  # the longest round's
         if name.startswith("ep:"):  # the all-to-alls move bytes: bitwise the same tokens
             assert row["tokens_agree"] is True and row["prefill_logits_gap_ulps"] == 0
