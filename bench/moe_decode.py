@@ -980,15 +980,16 @@ def run(plan: Plan, names: Sequence[str], *, threads: int | None = None, load: i
             lines = format_table(rows) + _notes(rows) + ([busy.summary()] if load else [])
             print("\n".join(harness.fit_lines(lines)), flush=True)
             if json_path:
-                _write_json(json_path, plan, rows)
+                _write_json(json_path, plan, rows, topo)
         return 0 if ok else 1
     finally:
         close_impls(list(adapters.values()))
 
 
-def _write_json(path: str, plan: Plan, rows: Sequence[dict]) -> None:
+def _write_json(path: str, plan: Plan, rows: Sequence[dict], topo: dict) -> None:
     meta = {"benchmark": "moe_decode", "model": dataclasses.asdict(plan.cfg),
-            "ranks": plan.n_ranks, "batch": plan.batch, "steps": plan.steps}
+            "ranks": plan.n_ranks, "batch": plan.batch, "steps": plan.steps,
+            "topology": {k: v for k, v in topo.items() if isinstance(v, (int, str, list))}}
     out = [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows]
     for row, full in zip(out, rows):
         row["tokens"] = np.asarray(full["_tokens"]).tolist()

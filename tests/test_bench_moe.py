@@ -224,9 +224,11 @@ def test_osu_alltoall_uneven_counts_and_cases():
 
 
 @pytest.mark.timeout(360)
-def test_moe_decode_under_mpirun(tmp_path):
+@pytest.mark.parametrize("ranks_per_node", [None, 1], ids=["1x2", "2x1"])
+def test_moe_decode_under_mpirun(tmp_path, ranks_per_node):
     from test_bench import HAVE_HARMPI, _mpirun
 
+    env = {} if ranks_per_node is None else {"HARMPI_RANKS_PER_NODE": str(ranks_per_node)}
     json_path = tmp_path / "moe.json"
     comms = ("ep:harmpi,ep:mpi,ep:gloo,ep:torch:harmpi,tp:harmpi" if HAVE_HARMPI
              else "ep:mpi,ep:gloo")
@@ -234,7 +236,7 @@ def test_moe_decode_under_mpirun(tmp_path):
             "2", "--experts", "4", "--expert-ffn", "128", "--vocab", "512", "--batch", "4",
             "--prompt-len", "4", "--steps", "6", "--rounds", "2", "--warmup", "1",
             "--json", str(json_path)]
-    proc = _mpirun(2, "bench.moe_decode", args, timeout_s=300)
+    proc = _mpirun(2, "bench.moe_decode", args, env=env, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= 100
@@ -243,6 +245,7 @@ def test_moe_decode_under_mpirun(tmp_path):
     doc = json.loads(json_path.read_text())
     rows = {row["comm"]: row for row in doc["rows"]}
     assert set(rows) == set(comms.split(","))
+    assert doc["meta"]["topology"]["nodes"] == (1 if ranks_per_node is None else 2)
     for name, row in rows.items():
         assert row["tokens_identical_across_ranks"] is True
         assert row["tokens_per_s"] > 0 and 0 <= row["comm_share"] <= 1
