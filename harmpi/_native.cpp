@@ -33,6 +33,7 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -67,6 +68,22 @@ struct Served {
 };
 
 Served g_served;
+
+// The attached context's all-to-all (one node): its compiled step
+// f(ctl, x, out, row_nbytes, plan, code) -> status (harmpi/algorithms/alltoall.py),
+// the plan array it fills, the number of ranks, and how the kind word is
+// made (harmpi/kind.py: format | collective | digest of the row shape).
+using a2a_entry_t = int64_t (*)(int64_t ctl_addr, int64_t x_addr, int64_t out_addr,
+                                int64_t row_nbytes, int64_t plan_addr, int64_t code);
+struct ServedAlltoall {
+  a2a_entry_t entry = nullptr;
+  int64_t* plan = nullptr;
+  int64_t nranks = 0;
+  int64_t coll_bits = 0;     // the collective field, in place
+  int64_t digest_shift = 0;
+  int64_t digest_mask = 0;
+};
+ServedAlltoall g_a2a;
 // fallback(t, rc), an owned reference (nullptr: none). Never released at
 // process exit: the interpreter may be gone by then.
 PyObject* g_fallback = nullptr;
@@ -148,6 +165,87 @@ void attach(int64_t ctl_addr, int64_t gate_offset, int64_t entry_addr,
   g_fallback = fallback.is_none() ? nullptr : fallback.release().ptr();
   Py_XDECREF(old);
   g_served = s;
+  g_a2a = ServedAlltoall();  // attach_alltoall, after attach, serves it again
+}
+
+// all-to-all ---------------------------------------------------------------
+
+constexpr int64_t kBadPair = -3;
+
+// zlib's crc32 (what Python's zlib.crc32 computes), of a short string
+uint32_t crc32_of(const std::string& text) {
+  uint32_t crc = 0xFFFFFFFFu;
+  for (unsigned char ch : text) {
+    crc ^= ch;
+    for (int k = 0; k < 8; ++k) {
+      crc = (crc >> 1) ^ (0xEDB88320u & (0u - (crc & 1u)));
+    }
+  }
+  return crc ^ 0xFFFFFFFFu;
+}
+
+// kind.shape_digest(t.shape[1:]): the crc of repr() of the row shape tuple
+int64_t row_shape_digest(const at::Tensor& t) {
+  std::string text = "(";
+  const auto sizes = t.sizes();
+  for (size_t d = 1; d < sizes.size(); ++d) {
+    if (d > 1) {
+      text += ", ";
+    }
+    text += std::to_string(sizes[d]);
+  }
+  text += sizes.size() == 2 ? ",)" : ")";
+  return static_cast<int64_t>(crc32_of(text)) & g_a2a.digest_mask;
+}
+
+// harmpi.alltoall(t)'s hot path, an even split of a tensor on the served
+// context: the result tensor, or an int: kNotMine (the Python path takes it),
+// the step's failure status (> 0), or kBadPair (a rank split unevenly)
+py::object alltoall(py::handle obj) {
+  py::detail::make_caster<at::Tensor> tensor;
+  if (g_a2a.entry == nullptr || !tensor.load(obj, false)) {
+    return py::int_(kNotMine);
+  }
+  const at::Tensor& t = py::detail::cast_op<const at::Tensor&>(tensor);
+  const int fmt = format_of(t);
+  const int64_t n = g_a2a.nranks;
+  if (fmt < 0 || t.dim() < 1 || t.size(0) == 0 || t.size(0) % n != 0) {
+    return py::int_(kNotMine);  // (the Python path explains what it refuses)
+  }
+  const int64_t row_nbytes = t.numel() / t.size(0) * static_cast<int64_t>(t.element_size());
+  const int64_t code = fmt | g_a2a.coll_bits | (row_shape_digest(t) << g_a2a.digest_shift);
+  at::Tensor out = at::empty_like(t);
+  int64_t* plan = g_a2a.plan;
+  plan[5 * n + 2] = t.size(0) / n;  // the even split's rows per rank
+  int64_t rc;
+  {
+    py::gil_scoped_release unlocked;
+    rc = g_a2a.entry(reinterpret_cast<int64_t>(g_served.ctl),
+                     reinterpret_cast<int64_t>(t.data_ptr()),
+                     reinterpret_cast<int64_t>(out.data_ptr()), row_nbytes,
+                     reinterpret_cast<int64_t>(plan), code);
+  }
+  if (rc != 0) {
+    return py::int_(rc);
+  }
+  if (plan[5 * n + 1] >= 0) {
+    return py::int_(kBadPair);
+  }
+  return py::cast(out);
+}
+
+void attach_alltoall(int64_t entry_addr, int64_t plan_addr, int64_t nranks, int64_t coll_bits,
+                     int64_t digest_shift, int64_t digest_mask) {
+  ServedAlltoall a;
+  if (entry_addr != 0 && g_served.ctl != nullptr) {
+    a.entry = reinterpret_cast<a2a_entry_t>(entry_addr);
+    a.plan = reinterpret_cast<int64_t*>(plan_addr);
+    a.nranks = nranks;
+    a.coll_bits = coll_bits;
+    a.digest_shift = digest_shift;
+    a.digest_mask = digest_mask;
+  }
+  g_a2a = a;
 }
 
 // the operator's kernels -------------------------------------------------
@@ -273,6 +371,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("allreduce_sum", &allreduce_sum, py::arg("tensors"), py::arg("opts"),
         "allreduce_sum([t], AllreduceOptions) -> -2 (not a synchronous SUM), -1 (not handled "
         "here) or the entry's status (0: done)");
+  m.def("alltoall", &alltoall, py::arg("t"),
+        "alltoall(t) -> the result of an even all-to-all of t, or -1 (not handled here), -3 "
+        "(a rank split unevenly) or the step's failure status");
+  m.def("attach_alltoall", &attach_alltoall, py::arg("entry_addr"), py::arg("plan_addr"),
+        py::arg("nranks"), py::arg("coll_bits"), py::arg("digest_shift"),
+        py::arg("digest_mask"),
+        "attach_alltoall(...): the attached context's all-to-all step (after attach)");
   m.def("attach", &attach, py::arg("ctl_addr"), py::arg("gate_offset"), py::arg("entry_addr"),
         py::arg("formats"), py::arg("fallback"),
         "attach(ctl_addr, gate_offset, entry_addr, ((torch.dtype, id), ...), fallback): the "

@@ -305,6 +305,16 @@ def alltoall(x, send_counts=None, comm=None, out=None, recv_counts=None, dtype=N
     size must be learned first); several nodes, one message per other node
     on each rank's rail plus two flag rounds.
     """
+    native = _STATE.native_alltoall
+    if native is not None and send_counts is None and out is None and recv_counts is None \
+            and (comm is None or comm is _COMM_WORLD) and dtype is None:
+        # an even split of a tensor on the world context, checked and run from
+        # C++ (harmpi.native); an int: not a call it takes (-1), or a failure
+        got = native(x)
+        if type(got) is not int:
+            return got
+        if got != -1:
+            _native_alltoall_failed(x, got)
     addr, n, fmt, is_torch = _describe(x, dtype, False)
     rows, row_n, row_nb, code = _a2a_kind(x.shape, fmt)
     ctx = _context(comm)
@@ -359,6 +369,17 @@ def _alltoall_run(ctx, plan, P, addr, row_n, row_nb, fmt, code, expect_total, ma
         raise
     return result
 
+
+def _native_alltoall_failed(x, rc):
+    addr, n, fmt, _ = _describe(x, None, False)
+    _, row_n, _, code = _a2a_kind(x.shape, fmt)
+    ctx = _STATE.world
+    _a2a_status(ctx, 0 if rc == _NATIVE_BAD_PAIR else rc, ctx.alltoall_plan, ctx.topo.size,
+                addr, row_n, fmt, code)
+
+
+#: what harmpi._C.alltoall returns when a rank split unevenly (_native.cpp)
+_NATIVE_BAD_PAIR = -3
 
 _A2A_KINDS = {}
 

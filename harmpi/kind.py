@@ -30,8 +30,8 @@ import zlib
 
 import numba
 
-__all__ = ["FIELDS", "POISON", "OP_SUM", "COLL_ALLREDUCE", "COLL_ALLGATHER", "COLL_ALLTOALL",
-           "encode", "decode",
+__all__ = ["FIELDS", "field", "POISON", "OP_SUM", "COLL_ALLREDUCE", "COLL_ALLGATHER",
+           "COLL_ALLTOALL", "encode", "decode",
            "with_ring", "without_ring", "allgather_code", "ring_lines_max", "shape_digest",
            "rail_tag", "MAX_TAG", "ABANDON_TAG",
            "POISON_TAG"]
@@ -78,6 +78,11 @@ def decode(code: int) -> dict:
     if code < 0:
         return {}
     return {name: (code >> shift) & ((1 << width) - 1) for name, shift, width in FIELDS}
+
+
+def field(name: str) -> tuple:
+    """(shift, width) of a field (for the C++ side, which makes one kind word)."""
+    return _SHIFT[name], _WIDTH[name]
 
 
 def ring_lines_max() -> int:

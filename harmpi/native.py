@@ -69,8 +69,8 @@ from .errors import HarmpiArgumentError
 
 log = logging.getLogger("harmpi")
 
-__all__ = ["MODULE", "load", "attach", "detach", "status", "built_against", "name_group",
-           "unname_group", "checkout_root", "rebuild_advice"]
+__all__ = ["MODULE", "load", "attach", "alltoall", "detach", "status", "built_against",
+           "name_group", "unname_group", "checkout_root", "rebuild_advice"]
 
 MODULE = "harmpi._C"
 #: what precedes the torch version in the module's file (_native.cpp)
@@ -217,8 +217,25 @@ def attach(ctx):
         return None
     mod.attach(int(ctx.ctl.ctypes.data), control.offset("gate"), int(ctx.entry_cfunc),
                tuple(FORMAT_IDS.items()), _fallback)
+    # one node: the all-to-all step is compiled too (a module built from an
+    # older _native.cpp has no attach_alltoall: the API keeps its Python path)
+    if ctx.alltoall is None and hasattr(mod, "attach_alltoall"):
+        from . import kind  # noqa: PLC0415
+        from .algorithms.alltoall import ALLTOALL_CFUNC  # noqa: PLC0415
+
+        coll_shift, _ = kind.field("coll")
+        digest_shift, digest_width = kind.field("digest")
+        mod.attach_alltoall(int(ALLTOALL_CFUNC), int(ctx.alltoall_plan.ctypes.data),
+                            ctx.topo.size, kind.COLL_ALLTOALL << coll_shift, digest_shift,
+                            (1 << digest_width) - 1)
     ctx.ctl[0]["gate"] = 1
     return mod.allreduce
+
+
+def alltoall():
+    """The module's ``alltoall(t)`` (harmpi.alltoall(t)'s hot path; it
+    declines with -1 while no context is served), or None if not loaded."""
+    return getattr(_loaded, "alltoall", None)
 
 
 def detach() -> None:

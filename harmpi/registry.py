@@ -51,6 +51,8 @@ class Registry:
         self.world = None
         self.torch = None           # harmpi.torch, once a tensor has been seen
         self.native = None          # harmpi.native's allreduce(t), while it serves
+        #: harmpi.native's alltoall(t) once loaded (it declines when nothing is served)
+        self.native_alltoall = None
         self.keyval = None
         self.closed = None          # why no collective may run any more (finalize, fork)
         self.sigfd = -1             # read end of Python's signal wakeup fd, if harmpi set it
@@ -236,6 +238,7 @@ class Registry:
         from . import native  # noqa: PLC0415 - imports torch's C++ side
 
         self.native = native.attach(ctx)
+        self.native_alltoall = native.alltoall()
 
     def free_all(self):
         """harmpi.finalize(): free every healthy context (collective)."""

@@ -56,12 +56,12 @@ from numba import types
 
 from .. import node
 from ..control import ARRAY as _ctl
-from ..control import MISMATCH, OK, POISONED, _voidptr
+from ..control import MISMATCH, OK, POISONED, _voidptr, control_at
 from ..errors import HarmpiMismatchError
 from ..kind import POISON_TAG, rail_tag
 
 __all__ = ["PLAN_FIELDS", "plan_words", "geometry", "ALLTOALL_STEP", "ALLTOALL_START", "warm_up",
-           "ALLTOALL_FINISH", "HierAlltoall", "new_plan", "pair_mismatch"]
+           "ALLTOALL_FINISH", "ALLTOALL_CFUNC", "HierAlltoall", "new_plan", "pair_mismatch"]
 
 _i64 = types.int64
 #: witness of the flag rounds (harmpi.node compiles them per storage type; with
@@ -79,6 +79,7 @@ PLAN_FIELDS = (("send", "P"), ("expect", "P"), ("recv", "P"), ("send_off", "P"),
                ("recv_off", "P"), ("steps", 1), ("bad_pair", 1), ("even_rows", 1))
 
 
+@numba.njit(cache=True, nogil=True)
 def plan_words(P):
     return 5 * P + 3
 
@@ -249,9 +250,19 @@ def alltoall_step(ctl, x_addr, out_addr, row_nb, plan, code):
     return alltoall_finish(ctl, x_addr, out_addr, row_nb, plan, code)
 
 
+@numba.cfunc(_i64(_i64, _i64, _i64, _i64, _i64, _i64), cache=True, nogil=True)
+def _alltoall_cfunc(ctl_addr, x_addr, out_addr, row_nb, plan_addr, code):
+    """alltoall_step for C callers (harmpi/_native.cpp), which pass addresses."""
+    ctl = control_at(ctl_addr)
+    plan = numba.carray(_voidptr(plan_addr), (plan_words(ctl[0].local_size),), np.int64)
+    return alltoall_step(ctl, x_addr, out_addr, row_nb, plan, code)
+
+
 ALLTOALL_START = node.entry_point(alltoall_start, _START_SIG)
 ALLTOALL_FINISH = node.entry_point(alltoall_finish, _FINISH_SIG)
 ALLTOALL_STEP = node.entry_point(alltoall_step, _FINISH_SIG)
+#: alltoall_step's C address (0 under NUMBA_DISABLE_JIT)
+ALLTOALL_CFUNC = getattr(_alltoall_cfunc, "address", 0)
 
 
 # -- several nodes -----------------------------------------------------------

@@ -221,3 +221,26 @@ def test_both_spellings():
 def test_small_slots_geometry():
     head, block = geometry(SMALL["slot_nbytes"], 4)
     assert head == 64 and block % 64 == 0 and head + 4 * block <= SMALL["slot_nbytes"]
+
+
+def test_default_call_runs_from_cpp_on_one_node(world, topo):
+    """Where harmpi._C serves the world context (one node, module built), an
+    even split of a tensor runs from C++: its result, identical to the
+    Python path's; elsewhere it declines (-1) and the Python path runs."""
+    from harmpi.registry import STATE  # noqa: PLC0415
+
+    n, r = world.Get_size(), world.Get_rank()
+    x, want = inputs("bf16", [[3] * n for _ in range(n)], r, (2, 3), 77, "torch")
+    harmpi.alltoall(x)  # (the first tensor call attaches the module)
+    serving = harmpi.info()["native"].startswith("serving")
+    native = STATE.native_alltoall
+    if not serving:
+        assert native is None or native(x) == -1
+        return
+    got = native(x)
+    assert isinstance(got, torch.Tensor) == (topo.node_count == 1)
+    if topo.node_count == 1:
+        assert bits(got) == bits(want)
+        assert native(x[:, :1].contiguous()) is not None  # another row shape: its own kind
+        if n > 1:
+            assert native(torch.zeros(n * 2 + 1, 2)) == -1  # not an even split: Python's
