@@ -323,6 +323,54 @@ def _local_out(c, out_addr, L, g, ranks, me, row_nb, k, head, block, recv, roff)
                     _slot_addr(c, parity, i) + head + me * block, min(block, seg - lo))
 
 
+@numba.njit(cache=True, nogil=True)
+def _take_header(msg, p, L, lr, ranks, plan, counts, recv, first):
+    """The header of the message from rank (p, lr): (node p has more steps,
+    whether a count crossing this rail differs from its receiver's
+    expectation). On the first step the rows node p sends me go into recv.
+    Both ends of the rail check the same pairs: what p's ranks send me
+    against my expectation, what my node's ranks send (p, lr) against its."""
+    words = msg[:8 * (2 * L + 1)].view(np.int64)
+    bad = False
+    if first:
+        P = recv.shape[0]
+        for i in range(L):
+            src = ranks[p, i]
+            recv[src] = words[1 + i]
+            mine = plan[P + src]
+            if mine >= 0 and mine != words[1 + i]:
+                bad = True
+            theirs = words[1 + L + i]  # what (p, lr) expects from my local rank i
+            if theirs >= 0 and theirs != counts[i, ranks[p, lr]]:
+                bad = True
+    return words[0], bad
+
+
+@numba.njit(cache=True, nogil=True)
+def _scan_headers(c, counts, ranks, g, P, L, me, recv):
+    """After step 0's flag round (several nodes): every local header's send
+    row into counts[L, P], the rows each local rank sends me into recv;
+    returns (the longest segment that passes through a slot, in rows; the
+    first local (sender * P + receiver) whose count is not what the
+    receiver expects, or -1)."""
+    parity = _parity(c)
+    longest = 0
+    for i in range(L):
+        hdr = numba.carray(_voidptr(_slot_addr(c, parity, i)), (2 * P,), np.int64)
+        for j in range(P):
+            counts[i, j] = hdr[j]
+            if j != ranks[g, i] and hdr[j] > longest:
+                longest = hdr[j]  # (own rows never pass through a slot)
+        recv[ranks[g, i]] = hdr[me]
+    for j in range(L):
+        want = numba.carray(_voidptr(_slot_addr(c, parity, j)), (2 * P,), np.int64)
+        for i in range(L):
+            expect = want[P + ranks[g, i]]
+            if expect >= 0 and expect != counts[i, ranks[g, j]]:
+                return longest, ranks[g, i] * P + ranks[g, j]
+    return longest, -1
+
+
 class HierAlltoall:
     """The several-node all-to-all (module docstring), as a context's entry.
     Every node holds L ranks (the context offers MPI_Alltoallv otherwise);
@@ -346,16 +394,8 @@ class HierAlltoall:
         self.send_bufs = {p: np.empty(cap, np.uint8) for p in self.peers}
         self.recv_bufs = {p: np.empty(cap, np.uint8) for p in self.peers}
         self.recv = np.zeros(self.P, np.int64)
+        self.counts = np.zeros((self.L, self.P), np.int64)
         self.roff = np.zeros(self.P, np.int64)
-
-    def _headers(self):
-        """int64[L, 2P]: every local rank's header of step 0 (current parity)."""
-        ctx, P = self.ctx, self.P
-        rows = []
-        for i in range(self.L):
-            addr = node.slot_addr(ctx.ctl, i)
-            rows.append(np.frombuffer(ctx.view(addr, 16 * P), np.int64))
-        return np.stack(rows)
 
     def run(self, call, row_nb, plan, make_out):
         """The whole collective (``call``: x and the kind word); ``make_out(
@@ -365,7 +405,7 @@ class HierAlltoall:
         x_addr, code = call.addr, call.code
         if plan[5 * P + 2] >= 0:
             plan[:P] = plan[P:2 * P] = plan[5 * P + 2]
-        plan[3 * P:4 * P] = np.concatenate(([0], np.cumsum(plan[:P])[:-1]))
+        _prefix(plan[:P], plan[3 * P:4 * P], P)
         tag = rail_tag(row_nb, code)
         out = out_addr = failed = None
         k = 0
@@ -376,12 +416,9 @@ class HierAlltoall:
                 ctx.fail(rc, call)  # a timeout or a peer that gave up: no going on
             local = ctx.error_state() if rc else None
             if k == 0 and local is None:
-                hdr = self._headers()
-                counts = np.ascontiguousarray(hdr[:, :P])
-                blocked = counts.copy()
-                for i in range(L):
-                    blocked[i, self.ranks[g, i]] = 0  # own rows never pass through a slot
-                longest = int(blocked.max()) * row_nb
+                counts = self.counts
+                longest, bad = _scan_headers(ctl[0], counts, self.ranks, g, P, L, me, self.recv)
+                longest *= row_nb
             more = int(local is None and longest > (k + 1) * self.block)
             status, anyone_more = self._exchange(call, k, row_nb, tag, plan, counts if
                                                  local is None else None, more)
@@ -391,15 +428,13 @@ class HierAlltoall:
             if rc == POISONED:
                 raise self._rail_mismatch(call, int(ctl[0]["err_a"]), int(ctl[0]["err_peer"]))
             if k == 0:
-                self.recv[self.ranks[g]] = counts[:, me]
-                bad = self._local_pair(counts, hdr)
-                if bad is not None:
+                if bad >= 0:
                     # the node's ranks all see it, the other nodes do not:
                     # run every step (without copying out), then raise
-                    failed = pair_error(ctx.topo.rank, call.op, *bad)
+                    failed = pair_error(ctx.topo.rank, call.op, *divmod(int(bad), P))
                 else:
-                    self.roff[:] = np.concatenate(([0], np.cumsum(self.recv)[:-1]))
-                    out, out_addr = make_out(int(self.recv.sum()))
+                    total = _prefix(self.recv, self.roff, P)
+                    out, out_addr = make_out(int(total))
                     plan[2 * P:3 * P] = self.recv
                     plan[4 * P:5 * P] = self.roff
                     _own_rows(x_addr, out_addr, row_nb, plan, P, me)
@@ -436,32 +471,16 @@ class HierAlltoall:
                                       call)
         status, anyone_more = 0, more
         for p, (nb, t) in zip(self.peers, got):
-            words = np.frombuffer(self.recv_bufs[p][:self.msg_head], np.int64)
             if t != tag or nb < self.msg_head:
                 status = RAIL_TAG_BAD
                 continue
-            anyone_more |= int(words[0])
-            if k == 0 and counts is not None:
-                theirs_ranks = self.ranks[p]
-                self.recv[theirs_ranks] = words[1:1 + L]
-                expect = plan[P + theirs_ranks]
-                theirs = words[1 + L:1 + 2 * L]  # what (p, l) expects from my node
-                mine = counts[:, theirs_ranks[self.l]]
-                if (np.any((expect >= 0) & (expect != words[1:1 + L]))
-                        or np.any((theirs >= 0) & (theirs != mine))):
-                    status = status or RAIL_COUNTS_BAD
+            theirs_more, bad = _take_header(self.recv_bufs[p], p, L, self.l, self.ranks, plan,
+                                            counts if counts is not None else self.counts,
+                                            self.recv, k == 0 and counts is not None)
+            anyone_more |= theirs_more
+            if bad:
+                status = status or RAIL_COUNTS_BAD
         return status, anyone_more
-
-    def _local_pair(self, counts, hdr):
-        """A (sender, receiver) pair of this node whose count differs from the
-        receiver's expectation (every rank of the node sees the same)."""
-        P, mine = self.P, self.ranks[self.g]
-        for i, ri in enumerate(mine):
-            for j, rj in enumerate(mine):
-                want = hdr[j, P + ri]
-                if want >= 0 and want != counts[i, rj]:
-                    return int(ri), int(rj)
-        return None
 
     def _rail_mismatch(self, call, status, peer):
         topo = self.ctx.topo
@@ -574,3 +593,7 @@ def warm_up():
     _unpack(msg.ctypes.data, out.ctypes.data, L, 1, ranks, 8, 0, block, recv, roff)
     _local_out(ctl[0], out.ctypes.data, L, 0, ranks, 0, 8, 0, head, block, recv, roff)
     _own_rows(x.ctypes.data, out.ctypes.data, 8, plan, P, 0)
+    _scan_headers(ctl[0], counts, ranks, 0, P, L, 0, recv)
+    _take_header(msg, 1, L, 0, ranks, plan, counts, recv, True)
+    _prefix(plan[:P], plan[3 * P:4 * P], P)
+    _prefix(recv, roff, P)
