@@ -77,7 +77,6 @@ using a2a_entry_t = int64_t (*)(int64_t ctl_addr, int64_t x_addr, int64_t out_ad
                                 int64_t row_nbytes, int64_t plan_addr, int64_t code);
 struct ServedAlltoall {
   a2a_entry_t entry = nullptr;
-  int64_t* plan = nullptr;
   int64_t nranks = 0;
   int64_t coll_bits = 0;     // the collective field, in place
   int64_t digest_shift = 0;
@@ -170,7 +169,9 @@ void attach(int64_t ctl_addr, int64_t gate_offset, int64_t entry_addr,
 
 // all-to-all ---------------------------------------------------------------
 
-constexpr int64_t kBadPair = -3;
+// alltoall(t) returns kBadPairBase - (sender * nranks + receiver) when a
+// rank split unevenly (an even split expects the same rows from everyone)
+constexpr int64_t kBadPairBase = -4;
 
 // zlib's crc32 (what Python's zlib.crc32 computes), of a short string
 uint32_t crc32_of(const std::string& text) {
@@ -200,7 +201,10 @@ int64_t row_shape_digest(const at::Tensor& t) {
 
 // harmpi.alltoall(t)'s hot path, an even split of a tensor on the served
 // context: the result tensor, or an int: kNotMine (the Python path takes it),
-// the step's failure status (> 0), or kBadPair (a rank split unevenly)
+// the step's failure status (> 0), or kBadPairBase - the first bad pair.
+// The plan (the step's per-call scratch, harmpi/algorithms/alltoall.py) is
+// this thread's: a call from a thread that does not own the context is
+// refused by the step, and must not write into the owner's plan meanwhile.
 py::object alltoall(py::handle obj) {
   py::detail::make_caster<at::Tensor> tensor;
   if (g_a2a.entry == nullptr || !tensor.load(obj, false)) {
@@ -215,7 +219,9 @@ py::object alltoall(py::handle obj) {
   const int64_t row_nbytes = t.numel() / t.size(0) * static_cast<int64_t>(t.element_size());
   const int64_t code = fmt | g_a2a.coll_bits | (row_shape_digest(t) << g_a2a.digest_shift);
   at::Tensor out = at::empty_like(t);
-  int64_t* plan = g_a2a.plan;
+  thread_local std::vector<int64_t> scratch;
+  scratch.resize(static_cast<size_t>(5 * n + 3));
+  int64_t* plan = scratch.data();
   plan[5 * n + 2] = t.size(0) / n;  // the even split's rows per rank
   int64_t rc;
   {
@@ -229,17 +235,16 @@ py::object alltoall(py::handle obj) {
     return py::int_(rc);
   }
   if (plan[5 * n + 1] >= 0) {
-    return py::int_(kBadPair);
+    return py::int_(kBadPairBase - plan[5 * n + 1]);
   }
   return py::cast(out);
 }
 
-void attach_alltoall(int64_t entry_addr, int64_t plan_addr, int64_t nranks, int64_t coll_bits,
+void attach_alltoall(int64_t entry_addr, int64_t nranks, int64_t coll_bits,
                      int64_t digest_shift, int64_t digest_mask) {
   ServedAlltoall a;
   if (entry_addr != 0 && g_served.ctl != nullptr) {
     a.entry = reinterpret_cast<a2a_entry_t>(entry_addr);
-    a.plan = reinterpret_cast<int64_t*>(plan_addr);
     a.nranks = nranks;
     a.coll_bits = coll_bits;
     a.digest_shift = digest_shift;
@@ -372,10 +377,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "allreduce_sum([t], AllreduceOptions) -> -2 (not a synchronous SUM), -1 (not handled "
         "here) or the entry's status (0: done)");
   m.def("alltoall", &alltoall, py::arg("t"),
-        "alltoall(t) -> the result of an even all-to-all of t, or -1 (not handled here), -3 "
-        "(a rank split unevenly) or the step's failure status");
-  m.def("attach_alltoall", &attach_alltoall, py::arg("entry_addr"), py::arg("plan_addr"),
-        py::arg("nranks"), py::arg("coll_bits"), py::arg("digest_shift"),
+        "alltoall(t) -> the result of an even all-to-all of t, or -1 (not handled here), "
+        "-4 - the first bad (sender * n + receiver) pair, or the step's failure status");
+  m.def("attach_alltoall", &attach_alltoall, py::arg("entry_addr"), py::arg("nranks"), py::arg("coll_bits"), py::arg("digest_shift"),
         py::arg("digest_mask"),
         "attach_alltoall(...): the attached context's all-to-all step (after attach)");
   m.def("attach", &attach, py::arg("ctl_addr"), py::arg("gate_offset"), py::arg("entry_addr"),

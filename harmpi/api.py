@@ -319,7 +319,9 @@ def alltoall(x, send_counts=None, comm=None, out=None, recv_counts=None, dtype=N
     rows, row_n, row_nb, code = _a2a_kind(x.shape, fmt)
     ctx = _context(comm)
     P = ctx.topo.size
-    plan = ctx.alltoall_plan
+    # the call's own scratch (a context's shared one could be overwritten by a
+    # second thread's call before the step refuses it)
+    plan = _a2a.new_plan(P)
     if send_counts is None and out is None and recv_counts is None and ctx.alltoall is None:
         # an even split on one node (the decode-step case): the output is
         # x's shape, one compiled call
@@ -374,12 +376,15 @@ def _native_alltoall_failed(x, rc):
     addr, n, fmt, _ = _describe(x, None, False)
     _, row_n, _, code = _a2a_kind(x.shape, fmt)
     ctx = _STATE.world
-    _a2a_status(ctx, 0 if rc == _NATIVE_BAD_PAIR else rc, ctx.alltoall_plan, ctx.topo.size,
-                addr, row_n, fmt, code)
+    if rc <= _NATIVE_BAD_PAIR_BASE:
+        raise _a2a.pair_error(ctx.topo.rank, "alltoall",
+                              *divmod(_NATIVE_BAD_PAIR_BASE - rc, ctx.topo.size))
+    ctx.raise_status(rc, addr, row_n, fmt, code, "alltoall")
 
 
-#: what harmpi._C.alltoall returns when a rank split unevenly (_native.cpp)
-_NATIVE_BAD_PAIR = -3
+#: harmpi._C.alltoall returns this minus the first bad (sender * n + receiver)
+#: pair when a rank split unevenly (_native.cpp)
+_NATIVE_BAD_PAIR_BASE = -4
 
 _A2A_KINDS = {}
 

@@ -36,7 +36,7 @@ from mpi4py import MPI
 
 from . import control, copytune, dtypes, kind, node, owner, sync, transports
 from .algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
-from .algorithms.alltoall import HierAlltoall, MpiAlltoall, new_plan
+from .algorithms.alltoall import HierAlltoall, MpiAlltoall
 from .algorithms.base import Call
 from .algorithms.har_latency import HAR2_FINISH, HAR2_START, HAR2_STEP
 from .config import Config
@@ -284,9 +284,8 @@ class Context:
         self.entry, self.entry_cfunc = self._default_entry()
         self.gather = self._gather_entry()
         #: all-to-all: None on one node (the compiled steps of
-        #: harmpi.algorithms.alltoall), else the algorithm object; its plan
+        #: harmpi.algorithms.alltoall), else the algorithm object
         self.alltoall = self._alltoall_entry()
-        self.alltoall_plan = new_plan(self.topo.size)
         #: the profile HARMPI_PROFILE / HARMPI_TRACE started (harmpi.profile)
         self.profile = None
         if self.config.profile or self.config.trace:

@@ -225,8 +225,8 @@ def attach(ctx):
 
         coll_shift, _ = kind.field("coll")
         digest_shift, digest_width = kind.field("digest")
-        mod.attach_alltoall(int(ALLTOALL_CFUNC), int(ctx.alltoall_plan.ctypes.data),
-                            ctx.topo.size, kind.COLL_ALLTOALL << coll_shift, digest_shift,
+        mod.attach_alltoall(int(ALLTOALL_CFUNC), ctx.topo.size,
+                            kind.COLL_ALLTOALL << coll_shift, digest_shift,
                             (1 << digest_width) - 1)
     ctx.ctl[0]["gate"] = 1
     return mod.allreduce

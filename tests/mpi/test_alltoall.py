@@ -244,3 +244,40 @@ def test_default_call_runs_from_cpp_on_one_node(world, topo):
         assert native(x[:, :1].contiguous()) is not None  # another row shape: its own kind
         if n > 1:
             assert native(torch.zeros(n * 2 + 1, 2)) == -1  # not an even split: Python's
+
+
+def test_other_threads_never_disturb_the_owners_calls(world):
+    """Two more threads call alltoall on the owner's communicator while it
+    runs its own calls: theirs are refused, and every one of the owner's
+    results is right (the counts of a call are its own, not the context's)."""
+    import threading  # noqa: PLC0415
+
+    comm = world.Dup()
+    harmpi.init(comm)
+    n, r = comm.Get_size(), comm.Get_rank()
+    stop = threading.Event()
+    refused = []
+
+    def hammer():
+        x = torch.full((n * 7, 3), -5.0)
+        while not stop.is_set():
+            try:
+                harmpi.alltoall(x, [7] * n, comm=comm)
+            except harmpi.HarmpiError as exc:
+                refused.append(str(exc))
+
+    threads = [threading.Thread(target=hammer, name=f"caller-{k}") for k in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for call in range(150):
+            matrix = _matrix(n, [41, call], 6)
+            x, want = inputs("f32", matrix, r, (3,), 500 + call, "torch")
+            y, got = harmpi.alltoall(x, matrix[r], comm=comm)
+            assert got == matrix[:, r].tolist() and bits(y) == bits(want), f"call {call}"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert refused and all("thread" in m for m in refused), refused[:1]
+    comm.Barrier()
