@@ -499,6 +499,8 @@ class _Timed:
         self.step = -1
         self.enter_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
         self.exit_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
+        #: EP: rows each dispatch brought this rank (its experts' work), per timed step
+        self.expert_rows = np.zeros((steps, calls_per_step // 2), dtype=np.int64)
 
     def begin_step(self, step: int) -> None:
         self.step, self.ns, self.calls = step, 0, 0
@@ -514,7 +516,10 @@ class _Timed:
         return result
 
     def dispatch(self, rows, send_counts):
-        return self._time(self.inner.dispatch, rows, send_counts)
+        recv, recv_counts = self._time(self.inner.dispatch, rows, send_counts)
+        if 0 <= self.step:
+            self.expert_rows[self.step, self.calls // 2] = recv.shape[0]
+        return recv, recv_counts
 
     def combine(self, rows, send_counts, recv_counts):
         return self._time(self.inner.combine, rows, send_counts, recv_counts)
@@ -704,6 +709,7 @@ class Round(NamedTuple):
     calls_per_step: int
     enter_ns: np.ndarray  # [steps, calls per step]: each collective's entry, perf_counter_ns
     exit_ns: np.ndarray  # [steps, calls per step]
+    expert_rows: np.ndarray  # [steps, layers]: EP, rows each dispatch brought this rank
     margin_ulps: np.ndarray  # [its sequences, 1 + warmup + steps]: top-two logit gaps
     prefill_logits: np.ndarray  # [this rank's sequences, vocab] float32
 
@@ -734,7 +740,8 @@ def decode_round(model: MoEDecoder, comm, prompt, warmup_steps: int, steps: int,
             if i >= warmup_steps:
                 step_ns[i - warmup_steps], comm_ns[i - warmup_steps] = elapsed, timed.ns
     return Round(torch.stack(generated, dim=1).numpy(), step_ns, comm_ns, timed.calls,
-                 timed.enter_ns, timed.exit_ns, np.stack(margins, axis=1), prefill_logits)
+                 timed.enter_ns, timed.exit_ns, timed.expert_rows, np.stack(margins, axis=1),
+                 prefill_logits)
 
 
 @dataclasses.dataclass
@@ -803,6 +810,10 @@ def _row(name: str, measured: Measured, plan: Plan, comm, same_host: bool) -> di
            **summarize(step_ns, comm_ns, plan.batch, [len(r.step_ns) for r in measured.rounds]),
            "own_ms_per_step": None,
            "tokens_identical_across_ranks": identical, "tokens_repeat_across_rounds": repeat}
+    if mode == "ep":  # the experts' work per MoE block: every rank's mean, the busiest's
+        rows_each = np.stack(comm.allgather(measured.concatenated("expert_rows")))
+        row["expert_rows_mean"] = float(rows_each.mean())
+        row["expert_rows_busiest"] = float(rows_each.max(axis=0).mean())
     if same_host:  # one clock: the part of each call after the last rank entered it
         row["own_ms_per_step"] = float(collective_latency_ns(enter_ns, exit_ns).mean() / 1e6)
     return row | {"_tokens": tokens, "_margins": margins, "_logits": logits}
@@ -868,6 +879,11 @@ def _notes(rows: Sequence[dict]) -> list[str]:
                      f"{row['prefill_logits_gap_ulps']:.1f} ulps")
     if parts:
         lines.append(f"# tokens vs {rows[0]['agrees_with']}: " + "; ".join(parts))
+    ep = next((row for row in rows if row["mode"] == "ep"), None)
+    if ep is not None:
+        lines.append(f"# EP load: a rank's experts got {ep['expert_rows_mean']:.2f} (token, "
+                     f"expert) rows per MoE block on average, the busiest rank "
+                     f"{ep['expert_rows_busiest']:.2f} (the step waits for it)")
     by_name = {row["comm"]: row for row in rows}
     for base in ("ep:harmpi", "tp:harmpi"):
         if base in by_name and len(rows) > 1:

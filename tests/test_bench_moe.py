@@ -176,6 +176,7 @@ def test_one_rank_ep_and_tp_decode_the_same_tokens():
     assert np.array_equal(ep.prefill_logits, tp.prefill_logits)
     assert ep.calls_per_step == 2 * cfg.layers and tp.calls_per_step == 2 * cfg.layers + 1
     assert ep.margin_ulps.shape == (2, 7) and (ep.margin_ulps >= 0).all()
+    assert (ep.expert_rows == 2 * cfg.topk).all()  # one rank: every pair comes here
     assert ep.enter_ns.shape == (5, 2 * cfg.layers) and tp.exit_ns.shape == (5, 2 * cfg.layers + 1)
     assert (tp.exit_ns >= tp.enter_ns).all() and (tp.enter_ns > 0).all()
     # a second round from the prompt repeats the first
@@ -254,5 +255,7 @@ def test_moe_decode_under_mpirun(tmp_path, ranks_per_node):
         if name.startswith("ep:"):  # the all-to-alls move bytes: bitwise the same tokens
             assert row["tokens_agree"] is True and row["prefill_logits_gap_ulps"] == 0
             assert row["calls_per_step"] == 2 * 2
+            # batch 4 x top-2 rows over 2 ranks: 4 each on average, the busiest 4..8
+            assert row["expert_rows_mean"] == 4.0 and 4 <= row["expert_rows_busiest"] <= 8
         else:
             assert row["calls_per_step"] == 2 * 2 + 1
