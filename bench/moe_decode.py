@@ -871,7 +871,7 @@ def _notes(rows: Sequence[dict]) -> list[str]:
             lines.append(f"# ERROR: {row['comm']}: EP tokens differ from {row['agrees_with']}'s "
                          f"from generated token {row['first_divergence']}")
     parts = []
-    for row in rows[1:]:
+    for row in (r for r in rows if r["comm"] != r["agrees_with"]):
         text = "bitwise" if row["tokens_agree"] else (
             f"parted at token {row['first_divergence']} (top-2 margin there "
             f"{row['margin_ulps_there']:.1f} bf16 ulps)")
