@@ -45,6 +45,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import harmpi
+import harmpi.distributed  # noqa: F401 - backend "harmpi", mpi://
 from bench.harness import fit_lines, parse_names, parse_nbytes
 from bench.load import host_load
 
@@ -250,7 +251,7 @@ def report(rows, impls, n, uneven=False):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("harmpi")
+    dist.init_process_group("harmpi", init_method="mpi://")  # rendezvous over MPI
     comm = MPI.COMM_WORLD.Dup()  # the benchmark's barriers and MPI_Alltoall, apart from harmpi's
     groups = {"torch:harmpi": dist.group.WORLD}
     if "gloo" in args.impls:

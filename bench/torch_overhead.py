@@ -40,6 +40,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import harmpi
+import harmpi.distributed  # noqa: F401 - backend "harmpi", mpi://
 from bench.harness import parse_names, parse_nbytes
 from harmpi.distributed import ProcessGroupHarmpi
 
@@ -141,7 +142,7 @@ def report(rows, impls, n):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("harmpi")
+    dist.init_process_group("harmpi", init_method="mpi://")  # rendezvous over MPI
     comm = MPI.COMM_WORLD.Dup()  # the benchmark's barriers and MPI_Allreduce
     n, rank = comm.Get_size(), comm.Get_rank()
     groups = {"torch:harmpi": dist.group.WORLD, "torch:noop": NoopGroup(rank, n)}

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-import harmpi  # noqa: F401  (registers the backend)
+import harmpi.distributed  # noqa: F401  (registers the backend and mpi://)
 
 
 def _run(group, x, a, b, mode, skewed, iters):
@@ -61,7 +61,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=200)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("harmpi")
+    dist.init_process_group("harmpi", init_method="mpi://")  # rendezvous over MPI
     groups = {"harmpi": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     x = torch.zeros(args.nbytes // 2, dtype=torch.bfloat16)
     a = torch.randn(args.mm, args.mm)

@@ -42,8 +42,8 @@ from . import compilenote as _compilenote  # noqa: E402
 
 _compilenote.install()
 
-from . import allgather, allreduce, alltoall, profile  # noqa: E402  (callable modules, see allreduce.py)
-from . import failfast as _failfast  # noqa: E402
+# (callable modules, see allreduce.py; failfast.install(): the opt-in excepthook)
+from . import allgather, allreduce, alltoall, failfast, profile  # noqa: E402, F401
 from .api import barrier, finalize, gather_logits, info, init  # noqa: E402
 from .config import ALGORITHMS, Config  # noqa: E402
 from .errors import (  # noqa: E402
@@ -56,20 +56,14 @@ from .errors import (  # noqa: E402
 
 
 def _register_torch_backend():
-    """torch.distributed backend "harmpi" (harmpi.distributed), when torch is installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        return
-    from . import distributed
-
-    distributed.register()
+    """torch.distributed backend "harmpi" (harmpi.distributed), when the program
+    imported torch already: ``import harmpi`` never imports torch itself (``import
+    harmpi.distributed`` registers the backend in any order)."""
+    if "torch" in _sys.modules:
+        from . import distributed  # noqa: F401 - registers at import
 
 
 _register_torch_backend()
-
-if _LAUNCHED:  # an uncaught exception on one rank ends the job (harmpi.failfast)
-    _failfast.install()
 
 __all__ = ["allreduce", "allgather", "alltoall", "gather_logits", "barrier", "init", "finalize",
            "info", "profile", "ALGORITHMS", "Config", "HarmpiError", "HarmpiArgumentError",

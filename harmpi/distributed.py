@@ -1,9 +1,12 @@
 """torch.distributed backend "harmpi": existing torch code runs on harmpi with one word changed.
 
-    import harmpi                                   # registers the backend
+    import harmpi.distributed                       # registers the backend
     import torch.distributed as dist
-    dist.init_process_group("harmpi")               # under mpirun: no MASTER_ADDR needed
+    dist.init_process_group("harmpi")               # env:// (the launcher sets MASTER_ADDR)
     dist.all_reduce(t)                              # harmpi's all-reduce
+
+``import harmpi`` registers it as well when the program imported torch
+before harmpi; harmpi never imports torch on its own.
 
 How it plugs in. torch lets a backend be a ``dist.ProcessGroup`` subclass
 written in Python: the creator given to ``dist.Backend.register_backend``
@@ -16,11 +19,14 @@ communicator and one harmpi context: the default group is MPI.COMM_WORLD
 order), a ``new_group`` gets a communicator of its own ranks (a TP group
 inside a larger world, a group spanning virtual nodes).
 
-Rank and world size come from MPI. Under an MPI launcher without
-MASTER_ADDR, ``init_process_group`` (any backend) rendezvouses over MPI:
-rank 0 starts a TCPStore on a free port and broadcasts its address, so
-gloo groups can be made beside harmpi ones in the same job. A rank or
-world size given by the caller (or by RANK/WORLD_SIZE) must match MPI's.
+Rank and world size come from MPI. torch's env:// rendezvous needs
+MASTER_ADDR and MASTER_PORT, which harmpi's launcher (and torchrun) set;
+under plain mpirun, ``init_method="mpi://"`` (any backend; registered with
+torch's public ``register_rendezvous_handler``) rendezvouses over MPI
+instead: rank 0 starts a TCPStore on a free port and broadcasts its
+address, so gloo groups can be made beside harmpi ones in the same job. A
+rank or world size given by the caller (or by RANK/WORLD_SIZE) must match
+MPI's.
 
 What each call does (``t``: a CPU tensor of bf16, f16, f32 or f64):
 
@@ -108,7 +114,7 @@ from .registry import STATE
 from .topology import LATE_FRACTION, arrive
 from .torch import describe as _describe
 
-__all__ = ["BACKEND", "MIN_TORCH", "ProcessGroupHarmpi", "register"]
+__all__ = ["BACKEND", "MIN_TORCH", "RENDEZVOUS", "ProcessGroupHarmpi", "register"]
 
 log = logging.getLogger("harmpi")
 
@@ -1513,19 +1519,14 @@ def _members_arrive(store, rank, ranks, timeout_s):
 
 # -- rendezvous over MPI ------------------------------------------------------------------------
 
-def _mpi_launched():
-    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
-                                         "PMI_SIZE", "MPI_LOCALNRANKS"))
-
-
 def _query_int(query, name):
     values = parse_qs(query).get(name)
     return int(values[0]) if values else None
 
 
 def _mpi_rendezvous(url, timeout=datetime.timedelta(minutes=30), **kwargs):
-    """env:// without MASTER_ADDR under an MPI launcher: rank and world size
-    from MPI, a TCPStore on rank 0 at a free port broadcast over MPI."""
+    """``init_method="mpi://"``: rank and world size from MPI, a TCPStore on
+    rank 0 at a free port broadcast over MPI (no MASTER_ADDR/MASTER_PORT)."""
     query = urlparse(url).query
     rank, size = _WORLD.Get_rank(), _WORLD.Get_size()
     for name, mine, env in (("rank", rank, "RANK"), ("world_size", size, "WORLD_SIZE")):
@@ -1590,23 +1591,18 @@ def _host_address():
     return addrs[0] if addrs else socket.gethostname()
 
 
+#: the URL scheme of the MPI rendezvous: ``init_process_group(..., init_method="mpi://")``
+RENDEZVOUS = "mpi"
+
+
 def _install_rendezvous():
-    import importlib  # noqa: PLC0415
+    """``mpi://`` with torch's public registry (once: torch refuses a scheme twice)."""
+    from torch.distributed.rendezvous import register_rendezvous_handler  # noqa: PLC0415
 
-    # (torch.distributed's attribute "rendezvous" is the function, not the module)
-    rdzv = importlib.import_module("torch.distributed.rendezvous")
-    handlers = getattr(rdzv, "_rendezvous_handlers", None)
-    if handlers is None or "env" not in handlers or getattr(handlers["env"], "_harmpi", False):
-        return
-    original = handlers["env"]
-
-    def env_or_mpi(url, **kwargs):
-        if "MASTER_ADDR" not in os.environ and _mpi_launched():
-            return _mpi_rendezvous(url, **kwargs)
-        return original(url, **kwargs)
-
-    env_or_mpi._harmpi = True
-    handlers["env"] = env_or_mpi
+    try:
+        register_rendezvous_handler(RENDEZVOUS, _mpi_rendezvous)
+    except RuntimeError:  # registered already (this module imported twice, under two names)
+        log.debug("rendezvous scheme %s:// is registered already", RENDEZVOUS)
 
 
 _registered = False
@@ -1614,10 +1610,11 @@ _registered = False
 
 def register():
     """Register backend "harmpi" for CPU with torch.distributed (idempotent;
-    ``import harmpi`` calls it when torch is importable), the MPI
-    rendezvous, and the torch op ``torch.ops.harmpi.all_reduce_`` when the
-    native module is built; under an MPI launcher, RANK, WORLD_SIZE,
-    LOCAL_RANK and LOCAL_WORLD_SIZE where unset (harmpi.worldenv)."""
+    importing this module calls it, and so does ``import harmpi`` when torch
+    is imported already), the MPI rendezvous ``mpi://``, and the torch op
+    ``torch.ops.harmpi.all_reduce_`` when the native module is built; under
+    an MPI launcher, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE where
+    unset (harmpi.worldenv)."""
     global _registered
     if _registered:
         return
@@ -1627,3 +1624,6 @@ def register():
         return
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
     _install_rendezvous()
+
+
+register()  # importing this module is how a program asks for the backend

@@ -1,16 +1,28 @@
 """A rank that fails ends the whole job, within a second or so.
 
-Under an MPI launcher (``mpirun``, ``python -m launch``, ``python -m
-mpi4py``), an uncaught exception on one rank used to leave the others
-waiting: the failing rank hangs in MPI_Finalize (Open MPI fences there
-until every rank arrives) while its peers wait on it inside a collective
-until harmpi's deadline, or forever in user code. ``import harmpi`` under a
-launcher therefore installs :class:`AbortHook` as ``sys.excepthook``:
+Under an MPI launcher (``mpirun``, ``python -m launch``), an uncaught
+exception on one rank leaves the others waiting: the failing rank hangs in
+MPI_Finalize (Open MPI fences there until every rank arrives) while its
+peers wait on it inside a collective until harmpi's deadline, or forever in
+user code. Two ways end the job instead; ``import harmpi`` itself changes
+neither ``sys.excepthook`` nor ``sys.exit``:
 
-1. the previous hook prints the traceback, once, on the failing rank only
-   (its peers are killed before they can fail, and print nothing), each
-   line prefixed by the rank as torch.distributed prefixes it
-   (``[rank1]: Traceback ...``);
+- **the runner**, ``python -m harmpi.run script.py [args]`` (harmpi.run;
+  the launcher runs every Python command with it): :func:`run` calls the
+  program and ends the job when it raises, including a ``SystemExit`` with
+  a non-zero status (``sys.exit(3)``: status 3; a message instead of a
+  number: 1), as torchrun ends the job when a worker exits non-zero;
+- **the hook**, :func:`install`, for a program started by plain ``mpirun
+  python script.py``: it installs :class:`AbortHook` as ``sys.excepthook``
+  (Python shows a SystemExit to no hook: ``sys.exit(n)`` ends only that
+  rank there).
+
+Either way, on the failing rank:
+
+1. the current ``sys.excepthook`` prints the traceback, once, on the
+   failing rank only (its peers are killed before they can fail, and
+   print nothing), each line prefixed by the rank as torch.distributed
+   prefixes it (``[rank1]: Traceback ...``);
 2. the line "rank r of n ended with ..." is logged, and stdout and stderr
    are flushed (the launcher forwards them; nothing is lost);
 3. ``MPI.COMM_WORLD.Abort(status)``: the launcher kills every other rank
@@ -26,24 +38,13 @@ which it never does here, as the job ends in step 3. Written to the buffer,
 the traceback and harmpi's line would be lost; the user would see only
 Open MPI's "MPI_ABORT was invoked on rank 1".
 
-``sys.exit(n)`` with n non-zero ends the job too (with status n; a message
-instead of a number: 1), as torchrun ends the job when a worker exits
-non-zero. Python shows a SystemExit to no hook and its status to no code at
-exit, so harmpi binds ``sys.exit`` (only if it is still the builtin) to
-raise :class:`ExitRequest`, a SystemExit whose finaliser aborts when it
-runs with no Python frame below it, in the main thread: that is Python
-dropping an exit that nothing caught, right before the interpreter exits.
-An exit that the program catches (a CLI's ``--help`` under test) is
-dropped inside a Python frame and ends nothing. ``raise SystemExit(n)``
-written out is not seen (``python -m mpi4py`` sees it).
-
 What is left alone, and why:
 
 - Exceptions in other threads (``threading.excepthook``): Python keeps the
   process running, and so does harmpi. A thread that dies is often harmless
-  (a progress bar, a prefetcher); if the main thread then fails, this hook
-  ends the job, and if it waits on the dead thread's share of a collective,
-  the deadline does.
+  (a progress bar, a prefetcher); if the main thread then fails, the job
+  ends, and if it waits on the dead thread's share of a collective, the
+  deadline does.
 - ``python -i`` (inspect after an error): no abort, the user asked to look.
 - A process forked from a rank, a one-rank world, MPI not initialised or
   already finalised: there is no job to end, or no MPI to end it with.
@@ -51,9 +52,10 @@ What is left alone, and why:
   already ends the job (Open MPI's prterun kills the other ranks within
   ~0.5 s, measured); nothing runs in a killed process.
 
-Opt out with ``HARMPI_ABORT_ON_EXCEPTION=0`` (read at import), or by giving
-``harmpi.init`` a ``Config(abort_on_exception=False)`` for the world
-communicator (looked at when a rank fails).
+Opt out with ``HARMPI_ABORT_ON_EXCEPTION=0`` (read when the runner starts or
+:func:`install` runs), or by giving ``harmpi.init`` a
+``Config(abort_on_exception=False)`` for the world communicator (looked at
+when a rank fails).
 """
 
 from __future__ import annotations
@@ -63,13 +65,12 @@ import logging
 import os
 import signal
 import sys
-import threading
-import types
+from typing import Callable
 
 from .config import Config
 from .errors import HarmpiArgumentError
 
-__all__ = ["AbortHook", "ExitRequest", "install", "abort_status", "exit_status", "rank_prefixed"]
+__all__ = ["AbortHook", "install", "run", "abort_status", "exit_status", "rank_prefixed"]
 
 log = logging.getLogger("harmpi")
 
@@ -105,33 +106,15 @@ def _mpi_world():
     return world if world.Get_size() > 1 else None
 
 
-class ExitRequest(SystemExit):
-    """What harmpi's ``sys.exit`` raises: a SystemExit that ends the job
-    when nothing caught it (see the module docstring)."""
-
-    def watched_by(self, hook):
-        self.hook = hook
-        return self
-
-    def __del__(self):
-        # (the garbage collector of a finalising interpreter also runs
-        # finalisers with no Python frame below: not an exit request)
-        hook = self.__dict__.get("hook")
-        if (hook is not None and sys._getframe().f_back is None and not sys.is_finalizing()
-                and threading.current_thread() is threading.main_thread()):
-            hook.exited(self.code)
-
-
 class AbortHook:
-    """``sys.excepthook``: run the previous hook, then end the whole job.
-    Its :meth:`exit` serves as ``sys.exit``."""
+    """``sys.excepthook``: run the previous hook, then end the whole job."""
 
     def __init__(self, previous):
         self.previous = previous
         self.pid = os.getpid()  # a forked child is not a rank: it never aborts the job
 
     def __call__(self, exc_type, exc, tb):
-        world = self._world()
+        world = self.world()
         if world is None:
             self.previous(exc_type, exc, tb)
             return
@@ -150,19 +133,17 @@ class AbortHook:
             sys.stderr = captured
             _write_stderr(rank_prefixed(buf.getvalue(), rank))
 
-    def exit(self, status=None):
-        """``sys.exit``: raise :class:`ExitRequest` (held in no local: this
-        frame, in its traceback, must not keep it alive in a cycle)."""
-        raise ExitRequest(status).watched_by(self)
-
     def exited(self, code):
-        """An ExitRequest that nothing caught: the interpreter is exiting."""
+        """A SystemExit that nothing caught: end the job if its status is not 0
+        (a message, which Python would print, is printed first)."""
         status = exit_status(code)
-        world = self._world() if status else None
+        world = self.world() if status else None
         if world is not None:
+            if code is not None and not isinstance(code, int):
+                _write_stderr(f"{code}\n")
             self._abort(world, status, f"sys.exit({code!r})")
 
-    def _world(self):
+    def world(self):
         """COMM_WORLD to abort, or None: no abort here."""
         if sys.flags.inspect or os.getpid() != self.pid or _opted_out():
             return None
@@ -217,14 +198,47 @@ def _enabled(env=None) -> bool:
 
 
 def install(env=None) -> bool:
-    """Install :class:`AbortHook` (once) unless the configuration opts out;
-    whether it is installed. harmpi calls this at import, under a launcher."""
+    """Install :class:`AbortHook` as ``sys.excepthook`` (once) unless the
+    configuration opts out; whether it is installed. For programs started by
+    plain ``mpirun python script.py``; ``python -m harmpi.run`` needs no hook."""
     if isinstance(sys.excepthook, AbortHook):
         return True
     if not _enabled(env):
         return False
-    hook = AbortHook(sys.excepthook)
-    sys.excepthook = hook
-    if isinstance(sys.exit, types.BuiltinFunctionType):  # someone else's is left alone
-        sys.exit = hook.exit
+    sys.excepthook = AbortHook(sys.excepthook)
     return True
+
+
+def run(main: Callable[[], object], env=None) -> None:
+    """Call ``main()``, ending the whole job when it raises (the runner's
+    half of this module: see the module docstring). A ``SystemExit`` of
+    status 0, and any exception outside a multi-rank job or with the
+    configuration opting out, propagates as Python would handle it."""
+    if not _enabled(env):
+        main()
+        return
+    try:
+        main()
+    except SystemExit as exc:
+        AbortHook(sys.excepthook).exited(exc.code)
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure ends the job
+        hook = AbortHook(sys.excepthook)
+        if hook.world() is None:
+            raise
+        tb = exc.__traceback__ = _own_frames_dropped(exc.__traceback__)  # (hooks print it)
+        hook(type(exc), exc, tb)
+        raise  # (only if MPI_Abort returned)
+
+
+def _own_frames_dropped(tb):
+    """``tb`` without its first frames in this module, harmpi.run and runpy:
+    the traceback starts at the program, as under ``python script.py``."""
+    import runpy  # noqa: PLC0415 - only on a failure
+
+    own = {os.path.normcase(os.path.abspath(f)) for f in (__file__, runpy.__file__)}
+    own.add(os.path.normcase(os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.py")))
+    own.add("<frozen runpy>")  # (runpy's code when Python was built with it frozen)
+    while tb is not None and os.path.normcase(tb.tb_frame.f_code.co_filename) in own:
+        tb = tb.tb_next
+    return tb

@@ -5,8 +5,9 @@ LOCAL_WORLD_SIZE, and libraries read them instead of asking torch: transformers
 takes the tensor-parallel size of ``tp_plan="auto"`` from WORLD_SIZE (unset,
 it silently runs the whole model on every rank), accelerate its process
 layout. ``harmpi-launch`` sets them in every rank (launch/rankenv.py); under a
-plain ``mpirun python script.py`` nothing does, so ``import harmpi`` (through
-:func:`harmpi.distributed.register`) calls :func:`export`:
+plain ``mpirun python script.py`` nothing does, so ``import
+harmpi.distributed`` (through :func:`harmpi.distributed.register`) and the
+runner ``python -m harmpi.run`` call :func:`export`:
 
 ==================  =====================================================
 RANK, WORLD_SIZE    MPI.COMM_WORLD's rank and size

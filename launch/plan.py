@@ -41,6 +41,9 @@ Placement rules (every host is assumed to look like the launching host):
   ``init_process_group("gloo")`` script runs. ``python`` (also ``python3``)
   as the command means the launcher's interpreter, and a bare ``script.py``
   is run with it, as torchrun does.
+* **Fail-fast.** The launcher's interpreter runs its program under
+  ``python -m harmpi.run`` (harmpi.failfast): a rank that raises or exits
+  non-zero ends the whole job at once instead of leaving its peers waiting.
 * **Virtual nodes.** ``--virtual-nodes K`` sets ``HARMPI_RANKS_PER_NODE=K``:
   harmpi then treats each K consecutive ranks of a host as one node (uneven
   splits such as 3 ranks as 2+1 are legal), to test multi-node code on one host.
@@ -66,11 +69,13 @@ __all__ = [
     "MAP_BY",
     "PlanInputs",
     "RANKENV",
+    "RUNNER",
     "SPIN_ENV",
     "TRANSPORTS",
     "build_command",
     "plan_layout",
     "rank_command",
+    "with_runner",
 ]
 
 MAP_BY = ("numa", "socket", "core", "hwthread", "node", "slot")
@@ -82,6 +87,9 @@ SPIN_ENV = {"GOMP_SPINCOUNT": "100000000", "KMP_BLOCKTIME": "infinite"}
 FORWARD_PREFIXES = ("HARMPI_", "OMP_", "GOMP_", "KMP_", "I_MPI_", "MASTER_")
 #: the per-rank shim every command runs under (a file: it must not import this package)
 RANKENV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rankenv.py")
+#: what the launcher's interpreter runs every program under: harmpi's runner
+#: (harmpi/run.py; an uncaught exception or a non-zero exit ends the job)
+RUNNER = ("-m", "harmpi.run")
 _PYTHON = re.compile(r"^python(3(\.\d+)?)?$")
 
 
@@ -508,14 +516,37 @@ def rank_command(command: tuple[str, ...], python: str) -> list[str]:
 
     ``python`` (or ``python3``, ``python3.N``) becomes ``python``, the
     launcher's interpreter; a bare ``script.py`` is run with it, as torchrun
-    does; anything else runs as given.
+    does; anything else runs as given. The launcher's interpreter runs its
+    program (a script, ``-m module`` or ``-c code``) under harmpi's runner
+    (:data:`RUNNER`), so that a rank that fails ends the job.
     """
     head, *rest = command
-    if _PYTHON.match(head):
-        command = (python, *rest)
+    if _PYTHON.match(head) or head == python:
+        command = (python, *with_runner(tuple(rest)))
     elif head.endswith(".py"):
-        command = (python, *command)
+        command = (python, *RUNNER, *command)
     return [python, "-I", "-S", RANKENV, "--", *command]
+
+
+#: interpreter options that take the next argument as their value
+_VALUED_OPTIONS = ("-W", "-X", "--check-hash-based-pycs")
+_CLUSTER_ENDING_CM = re.compile(r"^-[A-VYZa-z]+[cm]$")  # -um, -Bc: not -Xname=...c
+
+
+def with_runner(args: tuple[str, ...]) -> tuple[str, ...]:
+    """An interpreter's arguments with :data:`RUNNER` put before its program
+    (``python -u s.py`` -> ``python -u -m harmpi.run s.py``); unchanged when
+    there is no program to run (an interactive or stdin interpreter, a
+    ``-um``-style cluster of options, which is left as written)."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("-c", "-m") or not arg.startswith("-"):
+            return (*args[:i], *RUNNER, *args[i:])
+        if arg in ("-", "--") or _CLUSTER_ENDING_CM.match(arg):
+            return args
+        i += 2 if arg in _VALUED_OPTIONS else 1
+    return args
 
 
 def _master_env(lay: Layout, port: int | None, base_env: Mapping[str, str]) -> dict[str, str]:

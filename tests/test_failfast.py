@@ -1,8 +1,11 @@
 """A rank that fails ends the whole job within seconds (harmpi.failfast):
-an uncaught exception under the launcher, plain mpirun and ``python -m
-mpi4py``, and a rank killed by a signal, with the traceback shown once, a
-non-zero status and nothing left in the shared-memory backing directory.
-The opt-out keeps the old behaviour. Whole jobs, plus the hook in-process."""
+an uncaught exception under the launcher, under plain mpirun with harmpi's
+runner (``python -m harmpi.run``) or with the hook the program opts into
+(``harmpi.failfast.install()``), and under ``python -m mpi4py``, and a rank
+killed by a signal, with the traceback shown once, a non-zero status and
+nothing left in the shared-memory backing directory. The opt-out keeps the
+old behaviour. Whole jobs, plus the hook, the runner's call and the
+runner's command line in-process or in one process."""
 
 import io
 import os
@@ -27,6 +30,7 @@ BOUND_S = 30.0
 
 JOB = """
     import os, signal, sys, time, harmpi, torch
+    {install}
     from mpi4py import MPI
     rank = MPI.COMM_WORLD.rank
     MPI.COMM_WORLD.Barrier()      # start-up (seconds apart under load) out of a short deadline
@@ -52,12 +56,27 @@ def _launch_argv(argv):
             "--mpi-arg", forward, "--", sys.executable, *script]
 
 
+#: how a job starts: "launch" (python -m launch, which runs harmpi.run),
+#: "mpirun" (plain mpirun, python -m harmpi.run), "hook" (plain mpirun, plain
+#: python, the job calls harmpi.failfast.install()), "mpi4py" (python -m
+#: mpi4py, with the hook: mpi4py's own abort comes at exit, after harmpi's
+#: exit-time teardown waited on the peers, ~60 s)
+STARTERS = ("launch", "mpirun", "hook", "mpi4py")
+INSTALL = "harmpi.failfast.install()"
+
+
+def _starter_job(tmp_path, body, starter, extra_env=None):
+    """:func:`test_faults._job` started by ``starter`` (see STARTERS)."""
+    body = body.replace("{install}", INSTALL if starter in ("hook", "mpi4py") else "pass")
+    argv, env, shm = _job(tmp_path, body, mpi4py_main=starter == "mpi4py",
+                          runner=starter == "mpirun", extra_env=extra_env)
+    return (_launch_argv(argv) if starter == "launch" else argv), env, shm
+
+
 def _start(tmp_path, fail, peer="wait", starter="mpirun", extra_env=None):
     """Run the job; (completed process, seconds from the failure to the end)."""
-    body = JOB.format(fail=fail, peer=peer)
-    argv, env, shm = _job(tmp_path, body, mpi4py_main=starter == "mpi4py", extra_env=extra_env)
-    if starter == "launch":
-        argv = _launch_argv(argv)
+    body = JOB.format(fail=fail, peer=peer, install="{install}")
+    argv, env, shm = _starter_job(tmp_path, body, starter, extra_env)
     proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=job_limit_s(BOUND_S))
     ended = time.time()
@@ -67,7 +86,7 @@ def _start(tmp_path, fail, peer="wait", starter="mpirun", extra_env=None):
     return proc, ended - float(m.group(1))
 
 
-@pytest.mark.parametrize("starter", ["launch", "mpirun", "mpi4py"])
+@pytest.mark.parametrize("starter", STARTERS)
 def test_an_uncaught_exception_ends_the_job(tmp_path, starter):
     proc, took = _start(tmp_path, RAISE, starter=starter)
     assert took < BOUND_S, (took, proc.stderr[-3000:])
@@ -80,9 +99,12 @@ def test_an_uncaught_exception_ends_the_job(tmp_path, starter):
 
 
 TORCH_JOB = """
-    import sys, time, harmpi, torch
+    import os, sys, time, torch
+    import harmpi.distributed           # backend "harmpi"
     import torch.distributed as dist
-    dist.init_process_group("harmpi")   # installs torch's excepthook around harmpi's
+    {install}
+    # (installs torch's excepthook around harmpi's; env:// under the launcher)
+    dist.init_process_group("harmpi", init_method=None if "MASTER_ADDR" in os.environ else "mpi://")
     rank = dist.get_rank()
     print(f"rank {rank} excepthook {sys.excepthook.__name__}", flush=True)
     dist.all_reduce(torch.ones(10))
@@ -95,15 +117,14 @@ TORCH_JOB = """
 """
 
 
-@pytest.mark.parametrize("starter", ["launch", "mpirun"])
+@pytest.mark.parametrize("starter", ["launch", "mpirun", "hook"])
 def test_the_traceback_survives_torchs_excepthook(tmp_path, starter):
     """With a torch process group, torch's excepthook points sys.stderr at a
-    buffer and calls harmpi's hook, which aborts before torch prints the
-    buffer: harmpi writes the traceback (prefixed by the rank, as torch
-    would) and its line to the real stderr first."""
-    argv, env, shm = _job(tmp_path, TORCH_JOB)
-    if starter == "launch":
-        argv = _launch_argv(argv)
+    buffer and calls the hook before it (harmpi's, with the opt-in hook),
+    which aborts before torch prints the buffer; the runner calls torch's
+    hook with its own buffer. Either way harmpi writes the traceback
+    (prefixed by the rank, as torch would) and its line to the real stderr."""
+    argv, env, shm = _starter_job(tmp_path, TORCH_JOB, starter)
     proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=job_limit_s(BOUND_S))
     took = time.time() - float(re.search(r"rank 1 fails at ([0-9.]+)", proc.stdout).group(1))
@@ -112,6 +133,7 @@ def test_the_traceback_survives_torchs_excepthook(tmp_path, starter):
     assert proc.returncode != 0 and "rank 0 exits" not in proc.stdout
     err = proc.stderr
     assert err.count("[rank1]: Traceback (most recent call last)") == 1, err[-3000:]
+    assert "runpy" not in err and "harmpi/failfast.py" not in err  # starts at the program
     assert err.count("[rank1]: RuntimeError: rank 1 fails on purpose") == 1, err[-3000:]
     assert "rank 1 of 2 ended with an uncaught RuntimeError" in err, err[-3000:]
     assert err.index("[rank1]: Traceback") < err.index("rank 1 of 2 ended with")
@@ -128,6 +150,18 @@ def test_a_peer_outside_harmpi_is_ended_too(tmp_path, fail, status, tracebacks):
     assert took < BOUND_S, (took, proc.stderr[-3000:])
     assert proc.returncode == status, proc.stderr[-3000:]
     assert (proc.stdout + proc.stderr).count("Traceback (most recent call last)") == tracebacks
+
+
+def test_the_hook_leaves_sys_exit_alone(tmp_path):
+    """The opt-in hook sees no SystemExit (Python shows it to no hook): the
+    rank that exits ends alone and its sleeping peer is not ended early."""
+    body = JOB.format(fail="sys.exit(3)", peer="sleep", install=INSTALL).replace(
+        "time.sleep(120)", "time.sleep(3)")
+    argv, env, shm = _job(tmp_path, body)
+    proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=job_limit_s(BOUND_S))
+    assert proc.returncode == 3 and "rank 0 exits" in proc.stdout, proc.stderr[-3000:]
+    assert "MPI_ABORT" not in proc.stderr
 
 
 def test_sys_exit_non_zero_ends_the_job_under_the_launcher(tmp_path):
@@ -187,7 +221,7 @@ def test_a_clean_exit_never_aborts(tmp_path):
         else:
             sys.exit(0)
     """
-    argv, env, shm = _job(tmp_path, body)
+    argv, env, shm = _job(tmp_path, body, runner=True)
     proc = subprocess.run(argv, env=env, capture_output=True, text=True,
                           timeout=job_limit_s(BOUND_S))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -293,43 +327,91 @@ def test_a_world_context_config_opts_out(world, monkeypatch):
     assert world.aborted == [1]
 
 
-def test_sys_exit_aborts_only_when_nothing_caught_it(world):
-    hook, _ = _hook()
-    with pytest.raises(SystemExit) as info:
-        hook.exit(5)
-    exc = info.value
-    assert isinstance(exc, failfast.ExitRequest) and exc.code == 5
-    del info, exc             # caught, and dropped inside a Python frame
+def test_the_runner_aborts_on_an_exit_that_nothing_caught(world):
+    with pytest.raises(SystemExit):
+        failfast.run(lambda: sys.exit(0), env={})
+
+    def caught():
+        try:
+            sys.exit(7)
+        except SystemExit:
+            pass
+
+    failfast.run(caught, env={})
     assert world.aborted == []
-    hook.exited(None)
-    hook.exited(0)
-    assert world.aborted == []
-    hook.exited(4)            # what an exit that nothing caught runs
-    hook.exited("a message")  # Python prints it, the status is 1
+    for code in (4, "a message"):  # Python prints a message, the status is 1
+        with pytest.raises(SystemExit):
+            failfast.run(lambda code=code: sys.exit(code), env={})
     assert world.aborted == [4, 1]
+
+
+def test_the_runner_aborts_on_an_exception_from_the_program(world, capfd):
+    def program():
+        raise RuntimeError("from the program")
+
+    with pytest.raises(RuntimeError):  # (the fake world's Abort returns)
+        failfast.run(program, env={})
+    err = capfd.readouterr().err
+    assert "[rank1]: RuntimeError: from the program" in err, err
+    assert "harmpi/failfast.py" not in err  # the traceback starts at the program
+    assert world.aborted == [1]
+    with pytest.raises(RuntimeError):
+        failfast.run(program, env={"HARMPI_ABORT_ON_EXCEPTION": "0"})
+    assert world.aborted == [1]
 
 
 def test_install_once_and_the_environment_opt_out(monkeypatch):
     builtin_exit = sys.exit
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
-    monkeypatch.setattr(sys, "exit", builtin_exit)
     assert not failfast.install({"HARMPI_ABORT_ON_EXCEPTION": "0"})
-    assert sys.excepthook is sys.__excepthook__ and sys.exit is builtin_exit
+    assert sys.excepthook is sys.__excepthook__
     # another bad setting surfaces at the first collective; the hook goes in
     assert failfast.install({"HARMPI_SLOT_BYTES": "63"})
     hook = sys.excepthook
     assert isinstance(hook, failfast.AbortHook) and hook.previous is sys.__excepthook__
-    assert sys.exit == hook.exit
     assert failfast.install({}) and sys.excepthook is hook
+    assert sys.exit is builtin_exit  # never rebound
 
 
-def test_someone_elses_sys_exit_is_left_alone(monkeypatch):
-    def theirs(status=None):
-        raise SystemExit(status)
+RUN_SCRIPT = """
+import os, sys
+print("name", __name__, "argv", sys.argv[1:], "path0", sys.path[0] == os.path.dirname(
+    os.path.realpath(__file__)) if "__file__" in globals() else sys.path[0], flush=True)
+if sys.argv[1:2] == ["fail"]:
+    raise RuntimeError("the program fails")
+sys.exit(int(sys.argv[2]) if sys.argv[1:2] == ["exit"] else 0)
+"""
 
-    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
-    monkeypatch.setattr(sys, "exit", theirs)
-    assert failfast.install({}) and sys.exit is theirs
+
+@pytest.mark.parametrize("how", ["script", "module", "command"])
+def test_the_runner_runs_a_program_as_python_would(tmp_path, how):
+    """``python -m harmpi.run`` outside a job: the program's name, argv and
+    sys.path[0] as under ``python``, its status, one traceback without the
+    runner's frames (no job: Python reports it)."""
+    (tmp_path / "prog.py").write_text(RUN_SCRIPT)
+    program = {"script": [str(tmp_path / "prog.py")], "module": ["-m", "prog"],
+               "command": ["-c", RUN_SCRIPT]}[how]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, str(tmp_path)]))
+    for name in list(env):
+        if name.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_")):
+            del env[name]
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "harmpi.run", *program, *args], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    ok = run("a", "b")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    path0 = {"script": "True", "module": "True", "command": ""}[how]
+    assert ok.stdout.split("\n")[0] == f"name __main__ argv ['a', 'b'] path0 {path0}"
+    assert run("exit", "3").returncode == 3
+    failed = run("fail")
+    assert failed.returncode == 1
+    assert failed.stderr.count("Traceback (most recent call last)") == 1, failed.stderr
+    assert "RuntimeError: the program fails" in failed.stderr
+    bad = subprocess.run([sys.executable, "-m", "harmpi.run"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 1 and "usage: python -m harmpi.run" in bad.stderr
 
 
 def test_config_reads_the_switch():

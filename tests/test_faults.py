@@ -33,8 +33,9 @@ def _env(tmp_path, extra=None):
     return env, shm
 
 
-def _job(tmp_path, body, np=2, mpi4py_main=False, extra_env=None):
-    """(argv, env, shm dir) of an mpirun job running ``body`` on ``np`` ranks."""
+def _job(tmp_path, body, np=2, mpi4py_main=False, extra_env=None, runner=False):
+    """(argv, env, shm dir) of an mpirun job running ``body`` on ``np`` ranks
+    (under ``python -m mpi4py`` or harmpi's runner ``python -m harmpi.run`` if asked)."""
     mpirun = _mpirun()
     if mpirun is None:
         pytest.skip("no mpirun")
@@ -46,8 +47,8 @@ def _job(tmp_path, body, np=2, mpi4py_main=False, extra_env=None):
     argv = [mpirun, "-np", str(np), "--map-by", ":OVERSUBSCRIBE", "--bind-to", "none"]
     for name in names:
         argv += ["-x", name]
-    argv += [sys.executable] + (["-m", "mpi4py"] if mpi4py_main else []) + [str(script),
-                                                                             str(tmp_path)]
+    starter = ["-m", "mpi4py"] if mpi4py_main else ["-m", "harmpi.run"] if runner else []
+    argv += [sys.executable, *starter, str(script), str(tmp_path)]
     return argv, env, shm
 
 

@@ -40,7 +40,7 @@ from launch import (  # noqa: E402
     read_sysfs_topology,
 )
 from launch.mpi import candidate_launchers, probe_launcher  # noqa: E402
-from launch.plan import RANKENV  # noqa: E402
+from launch.plan import RANKENV, RUNNER  # noqa: E402
 from launch.runner import run_mpirun  # noqa: E402
 from launch.topology import build_topology, detect_topology, parse_cpulist, parse_lscpu  # noqa: E402
 
@@ -280,7 +280,7 @@ def test_openmpi_default_two_ranks_two_cores():
         "/opt/ompi/bin/mpirun", "-np", "2", "--map-by", "numa", "--bind-to", "core",
         "-x", "GOMP_SPINCOUNT", "-x", "KMP_BLOCKTIME", "-x", "MASTER_ADDR",
         "-x", "OMP_NUM_THREADS",
-        "-x", "OMP_PLACES", "-x", "OMP_PROC_BIND", *SHIM, "python", "s.py",
+        "-x", "OMP_PLACES", "-x", "OMP_PROC_BIND", *SHIM, "python", *RUNNER, "s.py",
     ]
     assert env == {
         "OMP_NUM_THREADS": "1", "OMP_PROC_BIND": "close", "OMP_PLACES": "cores",
@@ -447,8 +447,8 @@ def test_virtual_nodes_allow_uneven_split():
 
 def test_mpi_args_go_before_the_command():
     argv, _, _ = build(mpi_args=("--mca", "btl", "tcp,self", "--report-bindings"))
-    assert argv[-11:] == ["--mca", "btl", "tcp,self", "--report-bindings", *SHIM, "python",
-                          "s.py"]
+    assert argv[-13:] == ["--mca", "btl", "tcp,self", "--report-bindings", *SHIM, "python",
+                          *RUNNER, "s.py"]
 
 
 def test_openmpi_root_and_mca_defaults_never_override_the_user():
@@ -496,7 +496,7 @@ def test_mpich_default():
         "GOMP_SPINCOUNT": "100000000", "KMP_BLOCKTIME": "infinite", "OMP_NUM_THREADS": "1",
         "OMP_PLACES": "cores", "OMP_PROC_BIND": "close", "MASTER_ADDR": "127.0.0.1"}
     assert "-x" not in argv and not any(k.startswith("OMPI_") for k in env)
-    assert argv[-7:] == SHIM + list(CMD)
+    assert argv[-9:] == [*SHIM, "python", *RUNNER, "s.py"]
 
 
 def test_mpich_threads_hosts_ppn_hostfile():
@@ -589,8 +589,8 @@ def test_cli_dry_run_prints_env_and_command(fake_machine, sep):
     assert argv[:7] == ["/opt/ompi/bin/mpirun", "-np", "2", "--map-by", "numa",
                         "--bind-to", "core"]
     # the command keeps its own options; `python` is the launcher's interpreter
-    assert argv[-9:] == [sys.executable, "-I", "-S", RANKENV, "--", sys.executable, "s.py",
-                         "-np", "9"]
+    assert argv[-11:] == [sys.executable, "-I", "-S", RANKENV, "--", sys.executable, *RUNNER,
+                          "s.py", "-np", "9"]
     assert "-x" in argv and "HARMPI_TRANSPORT" in argv
 
 
@@ -599,8 +599,8 @@ def test_cli_dry_run_mpi_arg_and_warning(fake_machine):
                     "--dry-run", "--", "python", "s.py")
     assert result.exit_code == 0, result.output
     argv = shlex.split(result.stdout.splitlines()[-1])
-    assert argv[-10:] == ["--mca", "btl", "tcp,self", sys.executable, "-I", "-S", RANKENV,
-                          "--", sys.executable, "s.py"]
+    assert argv[-12:] == ["--mca", "btl", "tcp,self", sys.executable, "-I", "-S", RANKENV,
+                          "--", sys.executable, *RUNNER, "s.py"]
     assert "harmpi-launch: warning: --spin with 4 ranks" in result.stderr
     assert "relaxed from core to none" in result.stderr
 

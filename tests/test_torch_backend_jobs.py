@@ -10,9 +10,9 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(240)
 
 GLOO_DEFAULT = """
-    import torch, torch.distributed as dist, harmpi
+    import torch, torch.distributed as dist, harmpi.distributed
     from mpi4py import MPI
-    dist.init_process_group("gloo")          # MPI rendezvous: no MASTER_ADDR
+    dist.init_process_group("gloo", init_method="mpi://")  # no MASTER_ADDR
     h = dist.new_group(backend="harmpi")     # harmpi beside it
     x = torch.full((5120,), float(dist.get_rank() + 1), dtype=torch.bfloat16)
     y = x.clone()
@@ -32,11 +32,11 @@ def test_harmpi_group_under_a_gloo_default_group(tmp_path):
 
 
 WRONG_RANK = """
-    import os, sys, torch.distributed as dist, harmpi
+    import os, sys, torch.distributed as dist, harmpi.distributed
     from mpi4py import MPI
     os.environ["RANK"] = str(1 - MPI.COMM_WORLD.Get_rank())
     try:
-        dist.init_process_group("harmpi")
+        dist.init_process_group("harmpi", init_method="mpi://")
     except harmpi.HarmpiArgumentError as exc:
         print("refused:", exc, flush=True)
 """
@@ -49,11 +49,11 @@ def test_a_rank_that_contradicts_mpi_is_refused(tmp_path):
 
 
 OLD_TORCH = """
-    import torch, torch.distributed as dist, harmpi
+    import torch, torch.distributed as dist, harmpi.distributed
     from harmpi import distributed
     distributed.MIN_TORCH = (99, 0)
     try:
-        dist.init_process_group("harmpi")
+        dist.init_process_group("harmpi", init_method="mpi://")
     except harmpi.HarmpiError as exc:
         print("refused:", exc, flush=True)
 """
@@ -66,8 +66,8 @@ def test_an_unsupported_torch_is_refused_with_its_version(tmp_path):
 
 
 ASYNC_MISMATCH = """
-    import torch, torch.distributed as dist, harmpi
-    dist.init_process_group("harmpi")
+    import torch, torch.distributed as dist, harmpi.distributed
+    dist.init_process_group("harmpi", init_method="mpi://")
     r = dist.get_rank()
     x = torch.ones(5 + r)                     # the ranks disagree on the size
     work = dist.all_reduce(x, async_op=True)

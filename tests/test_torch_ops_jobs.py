@@ -17,7 +17,7 @@ ABSENT_RANK = """
     from harmpi.distributed import _mpi_rendezvous
     from mpi4py import MPI
     MPI.COMM_WORLD.Barrier()   # start-up (seconds apart under load) stays out of the 2 s deadline
-    dist.init_process_group("harmpi")
+    dist.init_process_group("harmpi", init_method="mpi://")
     r, n = dist.get_rank(), dist.get_world_size()
     calls = {{
         "broadcast": lambda g, x: dist.broadcast(x, src=0, group=g),
@@ -104,7 +104,7 @@ DESTROY_CYCLES = """
     if {keep}:   # the behaviour before groups were freed, to show the test can fail
         ProcessGroupHarmpi.shutdown = lambda self: None
     resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
-    dist.init_process_group("harmpi")
+    dist.init_process_group("harmpi", init_method="mpi://")
     n, r = dist.get_world_size(), dist.get_rank()
     shm = os.path.join(sys.argv[1], "shm")
 
@@ -147,7 +147,7 @@ INTERRUPTED = """
     import datetime, os, signal, threading, time, torch, torch.distributed as dist, harmpi
     from mpi4py import MPI
     MPI.COMM_WORLD.Barrier()
-    dist.init_process_group("harmpi")
+    dist.init_process_group("harmpi", init_method="mpi://")
     r = dist.get_rank()
     g = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=4))
     x = torch.zeros(4)
@@ -197,7 +197,7 @@ LATE_GROUP = """
     import datetime, os, sys, time, torch, torch.distributed as dist, harmpi
     from mpi4py import MPI
     MPI.COMM_WORLD.Barrier()
-    dist.init_process_group("harmpi")
+    dist.init_process_group("harmpi", init_method="mpi://")
     r, n = dist.get_rank(), dist.get_world_size()
     MPI.COMM_WORLD.Barrier()
     if r == n - 1:   # comes to new_group after the others' 2 s deadline

@@ -24,7 +24,7 @@ if str(REPO) not in sys.path:
 import launch.cli as cli_mod  # noqa: E402
 from launch import Host, MpiInfo, MpiNotFoundError, PlanInputs, build_command, find_mpi  # noqa: E402
 from launch.hosts import unresolvable  # noqa: E402
-from launch.plan import RANKENV, rank_command  # noqa: E402
+from launch.plan import RANKENV, RUNNER, rank_command, with_runner  # noqa: E402
 from launch.rankenv import rank_variables  # noqa: E402
 from launch.topology import build_topology  # noqa: E402
 
@@ -65,15 +65,26 @@ def test_rankenv_sets_the_variables_and_execs():
 
 
 @pytest.mark.parametrize("command, runs", [
-    (("python", "s.py", "-x"), [PY, "s.py", "-x"]),
-    (("python3", "-c", "pass"), [PY, "-c", "pass"]),
-    (("s.py", "--flag"), [PY, "s.py", "--flag"]),         # torchrun's bare script
-    (("dir/s.py",), [PY, "dir/s.py"]),
+    (("python", "s.py", "-x"), [PY, *RUNNER, "s.py", "-x"]),
+    (("python3", "-c", "pass"), [PY, *RUNNER, "-c", "pass"]),
+    (("s.py", "--flag"), [PY, *RUNNER, "s.py", "--flag"]),         # torchrun's bare script
+    (("dir/s.py",), [PY, *RUNNER, "dir/s.py"]),
+    ((PY, "-u", "-m", "pytest"), [PY, "-u", *RUNNER, "-m", "pytest"]),  # the launcher's own
     (("/usr/bin/python3", "s.py"), ["/usr/bin/python3", "s.py"]),  # a path is the user's choice
     (("hostname",), ["hostname"]),
 ])
 def test_rank_command_resolves_python(command, runs):
     assert rank_command(command, PY) == [PY, "-I", "-S", RANKENV, "--", *runs]
+
+
+@pytest.mark.parametrize("args, runs", [
+    (("-X", "dev", "s.py"), ("-X", "dev", *RUNNER, "s.py")),
+    (("-Xdev", "-W", "error", "-c", "pass"), ("-Xdev", "-W", "error", *RUNNER, "-c", "pass")),
+    ((), ()), (("-i",), ("-i",)), (("-",), ("-",)),   # no program: nothing to run it under
+    (("-um", "mod"), ("-um", "mod")),                 # a cluster of options is left as written
+])
+def test_the_runner_goes_before_the_program(args, runs):
+    assert with_runner(args) == runs
 
 
 def build(env=None, **kw):
@@ -139,7 +150,7 @@ def test_nproc_per_node_as_torchrun_spells_it(fake_machine):
         result = invoke(spelling, "2", "--dry-run", "s.py")
         assert result.exit_code == 0, result.output
         argv = shlex.split(result.stdout.splitlines()[-1])
-        assert argv[1:3] == ["-np", "2"] and argv[-2:] == [sys.executable, "s.py"]
+        assert argv[1:3] == ["-np", "2"] and argv[-4:] == [sys.executable, *RUNNER, "s.py"]
     result = invoke("--nproc-per-node", "1", "--hosts", "localhost:1,127.0.0.1:1", "--dry-run",
                     "s.py")
     argv = shlex.split(result.stdout.splitlines()[-1])
@@ -160,7 +171,7 @@ def test_torchruns_node_flags_on_one_host(fake_machine):
                   ("--node_rank=0", "--nnodes", "1", "--standalone")):
         argv = _dry_argv(*flags, "--nproc-per-node", "2")
         assert argv == plain, flags
-    assert plain[1:3] == ["-np", "2"] and plain[-2:] == [sys.executable, "s.py"]
+    assert plain[1:3] == ["-np", "2"] and plain[-4:] == [sys.executable, *RUNNER, "s.py"]
 
 
 def test_torchruns_nnodes_names_the_hosts(fake_machine):

@@ -119,5 +119,7 @@ def harmpi_process_group():
         harmpi.init(config=harmpi.Config.from_env())
     except harmpi.HarmpiArgumentError:
         harmpi.finalize()
+    from harmpi import distributed  # noqa: F401, PLC0415 - backend "harmpi", mpi://
+
     if not dist.is_initialized():
-        dist.init_process_group("harmpi")
+        dist.init_process_group("harmpi", init_method="mpi://")

@@ -106,7 +106,9 @@ def test_torch_backend_is_recorded(world):
     made = not dist.is_initialized()
     if made:
         harmpi.init(config=harmpi.Config.from_env())
-        dist.init_process_group("harmpi")
+        from harmpi import distributed  # noqa: F401, PLC0415 - backend "harmpi", mpi://
+
+        dist.init_process_group("harmpi", init_method="mpi://")
     try:
         x = torch.ones(64)
         with harmpi.profile() as p:

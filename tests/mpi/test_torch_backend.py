@@ -1,7 +1,7 @@
 """torch.distributed backend "harmpi" under mpirun, against gloo in the same job.
 
-The default group is harmpi (init_process_group("harmpi") without
-MASTER_ADDR: rank and world size from MPI); a gloo group over the same
+The default group is harmpi (init_process_group("harmpi",
+init_method="mpi://") without MASTER_ADDR: rank and world size from MPI); a gloo group over the same
 ranks computes the reference of every call. Subgroups: consecutive pairs
 (a TP group inside a larger world) and the even ranks (a group that spans
 virtual nodes when HARMPI_RANKS_PER_NODE splits the host).
@@ -17,6 +17,7 @@ from conftest import DTYPES, assert_same_everywhere, error_bound
 from mpi4py import MPI
 
 import harmpi
+import harmpi.distributed  # noqa: F401 - backend "harmpi", mpi://
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,7 +38,7 @@ def groups():
     except harmpi.HarmpiArgumentError:
         harmpi.finalize()
     assert "MASTER_ADDR" not in os.environ
-    dist.init_process_group("harmpi")
+    dist.init_process_group("harmpi", init_method="mpi://")
     world = MPI.COMM_WORLD
     n = world.Get_size()
     gloo = dist.new_group(backend="gloo")

@@ -1,11 +1,11 @@
-"""Under mpirun, ``import harmpi`` gives libraries torchrun's rank variables
+"""Under mpirun, ``import harmpi.distributed`` gives libraries torchrun's rank variables
 (harmpi.worldenv): RANK and WORLD_SIZE from MPI, the local pair from the launcher."""
 
 import os
 
 from mpi4py import MPI
 
-import harmpi  # noqa: F401 - sets the variables
+import harmpi.distributed  # noqa: F401 - sets the variables
 
 
 def test_rank_variables_match_mpi():

@@ -5,7 +5,7 @@ import os
 import torch
 import torch.distributed as dist
 
-import harmpi  # noqa: F401  (registers the "harmpi" backend)
+import harmpi.distributed  # noqa: F401  (registers the "harmpi" backend)
 
 dist.init_process_group("harmpi")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -3,8 +3,8 @@
 torch's ``DistributedTest._DistTestBase`` normally forks its own ranks per
 method (``MultiProcessTestCase``) and meets them through a FileStore. Here
 every mpirun rank is one test rank instead: it joins one process group for
-the whole job (``init_process_group(backend)`` under mpirun: harmpi's MPI
-rendezvous, for gloo as for harmpi), then runs the listed methods in order,
+the whole job (``init_process_group(backend, init_method="mpi://")`` under mpirun:
+harmpi's MPI rendezvous, for gloo as for harmpi), then runs the listed methods in order,
 the same method on every rank at the same time.
 
 How the suite is adapted:
@@ -216,12 +216,12 @@ def main(argv):
 
     import torch.distributed as dist  # noqa: PLC0415
 
-    import harmpi  # noqa: F401, PLC0415 - backend "harmpi" and the MPI rendezvous
+    import harmpi.distributed  # noqa: F401, PLC0415 - backend "harmpi" and mpi://
 
     meeting = _Meeting(meet_timeout_s)
     # the world's deadline, for gloo as for harmpi (harmpi honours a group's timeout=)
     deadline = datetime.timedelta(seconds=float(os.environ.get("HARMPI_TIMEOUT_S", "10")))
-    dist.init_process_group(backend, timeout=deadline)
+    dist.init_process_group(backend, init_method="mpi://", timeout=deadline)
     Case = _case_class(dt, meeting)
     with open(os.path.join(results_dir, f"rank{rank}.jsonl"), "a") as fh:
         for name in methods:

@@ -1,0 +1,98 @@
+"""harmpi's layers (issue 23): ``import harmpi`` imports harmpi and nothing
+else, and changes nothing of the interpreter's: torch stays out of
+``sys.modules`` unless the program imported it, ``sys.exit`` and
+``sys.excepthook`` stay Python's (also under mpirun, where the launcher
+variables are set), and torch's rendezvous table keeps torch's handlers."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from test_faults import REPO, _job, job_limit_s
+
+pytestmark = pytest.mark.timeout(300)
+
+#: a fresh interpreter's view of ``import harmpi``
+IMPORT_ONLY = """
+import sys
+exit0, hook0 = sys.exit, sys.excepthook
+import harmpi
+assert "torch" not in sys.modules, "import harmpi imported torch"
+assert sys.exit is exit0, "import harmpi replaced sys.exit"
+assert sys.excepthook is hook0, "import harmpi replaced sys.excepthook"
+print("clean import", flush=True)
+"""
+
+#: torch first: ``import harmpi`` registers the backend; harmpi.distributed
+#: registers mpi:// through torch's public call and leaves env:// as it was
+TORCH_FIRST = """
+import importlib
+import torch, torch.distributed as dist
+rendezvous = importlib.import_module("torch.distributed.rendezvous")  # (not dist.rendezvous)
+env0 = rendezvous._rendezvous_handlers["env"]
+import harmpi
+assert "harmpi" in dist.Backend.backend_list, dist.Backend.backend_list
+import harmpi.distributed
+assert rendezvous._rendezvous_handlers["env"] is env0, "env:// was replaced"
+assert "mpi" in rendezvous._rendezvous_handlers
+print("registered", flush=True)
+"""
+
+HARMPI_DISTRIBUTED = """
+import sys
+import harmpi.distributed
+import torch.distributed as dist
+assert "harmpi" in dist.Backend.backend_list
+print("registered", flush=True)
+"""
+
+
+def _singleton_env():
+    env = dict(os.environ, PYTHONPATH=REPO, OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_osc="^ucx", OMPI_MCA_pml="ob1")
+    for name in list(env):
+        if name.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_")):
+            del env[name]
+    return env
+
+
+@pytest.mark.parametrize("code, says", [(IMPORT_ONLY, "clean import"),
+                                        (TORCH_FIRST, "registered"),
+                                        (HARMPI_DISTRIBUTED, "registered")],
+                         ids=["import-harmpi", "torch-first", "harmpi.distributed"])
+def test_import_in_a_fresh_interpreter(code, says):
+    proc = subprocess.run([sys.executable, "-c", code], env=_singleton_env(),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and says in proc.stdout, proc.stderr[-3000:]
+
+
+def test_import_harmpi_under_mpirun_changes_nothing(tmp_path):
+    """The launcher's variables are set (mpirun -np 2): still no torch, no hooks."""
+    argv, env, shm = _job(tmp_path, IMPORT_ONLY)
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True,
+                          timeout=job_limit_s(10))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("clean import") == 2, proc.stdout
+    assert os.listdir(shm) == []
+
+
+UNDER_THE_RUNNER = """
+import sys
+assert "torch" not in sys.modules, "the runner imported torch"
+if sys.argv[1:] == ["torch"]:
+    import torch, harmpi, torch.distributed as dist   # torch first, as a torchrun script
+    assert "harmpi" in dist.Backend.backend_list, dist.Backend.backend_list
+print("ran", *sys.argv[1:], flush=True)
+"""
+
+
+@pytest.mark.parametrize("arg", ["plain", "torch"])
+def test_the_runner_imports_torch_only_when_the_program_does(tmp_path, arg):
+    """``python -m harmpi.run`` imports harmpi first; a program that imports
+    torch and then harmpi still gets the backend (registered after its
+    ``import torch``), and one that never imports torch does not get it."""
+    (tmp_path / "prog.py").write_text(UNDER_THE_RUNNER)
+    proc = subprocess.run([sys.executable, "-m", "harmpi.run", str(tmp_path / "prog.py"), arg],
+                          env=_singleton_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and f"ran {arg}" in proc.stdout, proc.stderr[-3000:]
