@@ -415,6 +415,11 @@ class Context:
 
     # -- pieces the algorithms ask for --------------------------------------
 
+    def har2(self):
+        """The compiled two-node all-reduce's algorithm (its rail is in the
+        control block), or None on other topologies."""
+        return self._har2
+
     def rail_transport(self):
         return self._rail_transport
 

@@ -56,9 +56,19 @@ from numba import types
 
 from .. import node
 from ..control import ARRAY as _ctl
-from ..control import MISMATCH, OK, POISONED, _voidptr, control_at
+from ..control import (
+    MISMATCH,
+    OK,
+    POISONED,
+    RAIL_FAILED,
+    RAIL_LATE,
+    RAIL_TIMEOUT,
+    _voidptr,
+    control_at,
+)
 from ..errors import HarmpiMismatchError
 from ..kind import POISON_TAG, rail_tag
+from ..transports import sockio
 
 __all__ = ["PLAN_FIELDS", "plan_words", "geometry", "ALLTOALL_STEP", "ALLTOALL_START", "warm_up",
            "ALLTOALL_FINISH", "ALLTOALL_CFUNC", "HierAlltoall", "new_plan", "pair_mismatch"]
@@ -371,6 +381,125 @@ def _scan_headers(c, counts, ranks, g, P, L, me, recv):
     return longest, -1
 
 
+# -- two nodes over tcp, compiled ----------------------------------------------
+#
+# The same flag rounds and messages as HierAlltoall.run's Python loop (so
+# the two can meet), over the rail socket, sockio rows and receive buffer
+# the two-node all-reduce keeps in the control block (rail_* fields): per
+# step one call does the node round, the exchange and the status round, and
+# one more the copies, instead of ~100 us of Python.
+
+_RAIL_ROWS = 2
+
+
+@numba.njit(cache=True, nogil=True)
+def _rail_views(c):
+    ops = numba.carray(_voidptr(c.rail_ops), (_RAIL_ROWS, sockio.OP_WORDS), np.int64)
+    pollfds = numba.carray(_voidptr(c.rail_pollfds), (_RAIL_ROWS, 2), np.int32)
+    scratch = numba.carray(_voidptr(c.rail_scratch), (c.rail_scratch_len,), np.int64)
+    return ops, pollfds, scratch
+
+
+_ROUND_SIG = _i64(_ctl, types.intp, _i64, types.int64[::1], _i64, _i64, types.int64[:, ::1],
+                  types.int64[:, ::1], _i64, types.intp, _i64, types.int64[::1])
+_COPY_SIG = types.void(_ctl, types.intp, types.intp, _i64, types.int64[::1], _i64,
+                       types.int64[:, ::1], _i64)
+
+
+@numba.njit(_ROUND_SIG, cache=True, nogil=True)
+def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, tag, state):
+    """Step k of the two-node all-to-all up to its status round. ``state``
+    (int64[4]) in: [longest rows through a slot (k > 0)]; out: [longest,
+    bad local pair or -1, any node has more steps, the rail's status].
+    Returns OK, or the failed round's status (MISMATCH after a poisoned
+    exchange keeps the node's verdict in err_*)."""
+    c = ctl[0]
+    L, me = c.local_size, c.local_rank
+    P = ranks.shape[0] * L
+    rank = ranks[g, me]
+    head, block = geometry(c.slot_nbytes, P)
+    rc = node.peers_abandoned(ctl)
+    if rc != OK:
+        return rc
+    _fill(c, x_addr, row_nb, plan, P, rank, k, head, block, k == 0)
+    rc = node._stage_at(ctl, 0, 0, 0, 0, row_nb, code, _W, 0)
+    if rc != OK and rc != MISMATCH:
+        return rc
+    local_bad = rc == MISMATCH
+    if local_bad:
+        c.saved_peer, c.saved_a, c.saved_b = c.err_peer, c.err_a, c.err_b
+    recv = plan[2 * P:3 * P]
+    if k == 0 and not local_bad:
+        state[0], state[1] = _scan_headers(c, counts, ranks, g, P, L, rank, recv)
+    more = 1 if (not local_bad and state[0] * row_nb > (k + 1) * block) else 0
+    ops, pollfds, scratch = _rail_views(c)
+    nb = 0
+    send_tag = POISON_TAG
+    if not local_bad:
+        nb = _pack(c, msg_addr, 1 - g, L, me, ranks, row_nb, k, head, block, counts,
+                   plan[P:2 * P], more)
+        send_tag = tag
+    sockio.set_recv(ops, 0, c.rail_fd, c.rail_recv, c.rail_recv_cap)
+    sockio.set_send(ops, 1, c.rail_fd, msg_addr, nb, send_tag,
+                    sockio.realtime_ns() + c.timeout_ns)
+    if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
+        node.abandon(ctl, c.rail_peer)
+        return RAIL_FAILED
+    io = sockio.progress(ops, _RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
+                         node.hook_addr(ctl))
+    if io == sockio.IO_INTERRUPTED:
+        return node.interrupted(ctl)
+    if io != sockio.IO_OK:
+        node.abandon(ctl, c.rail_peer)
+        return RAIL_TIMEOUT if io == sockio.IO_TIMEOUT else RAIL_FAILED
+    if sockio.realtime_ns() > ops[0, sockio.OP_HDR_DL]:
+        node.abandon(ctl, c.rail_peer)  # the peer gave up on this step by now
+        return RAIL_LATE
+    got_nb, got_tag = ops[0, sockio.OP_HDR_N], ops[0, sockio.OP_HDR_TAG]
+    msg_head = (8 * (2 * L + 1) + 63) // 64 * 64
+    status = 0
+    theirs_more = 0
+    if got_tag != tag or got_nb < msg_head or got_nb > c.rail_recv_cap:
+        status = RAIL_TAG_BAD
+    elif not local_bad:
+        inbox = numba.carray(_voidptr(c.rail_recv), (msg_head,), np.uint8)
+        theirs_more, bad = _take_header(inbox, 1 - g, L, me, ranks, plan, counts, recv, k == 0)
+        if bad:
+            status = RAIL_COUNTS_BAD
+    if local_bad:
+        status = RAIL_TAG_BAD
+    state[2] = 1 if (more or theirs_more) else 0
+    rc = node.publish_wait_status(ctl, status)
+    state[3] = c.err_a if rc == POISONED else 0
+    if rc != OK and rc != POISONED:
+        return rc
+    if local_bad:
+        c.err_peer, c.err_a, c.err_b = c.saved_peer, c.saved_a, c.saved_b
+        return MISMATCH
+    return rc
+
+
+@numba.njit(_COPY_SIG, cache=True, nogil=True)
+def _a2a2_copy(ctl, x_addr, out_addr, row_nb, plan, k, ranks, g):
+    """Step k's copies into out: my own rows (step 0), the local senders'
+    chunks from their slots, the other node's from the rail message."""
+    c = ctl[0]
+    L, me = c.local_size, c.local_rank
+    P = ranks.shape[0] * L
+    rank = ranks[g, me]
+    head, block = geometry(c.slot_nbytes, P)
+    recv, roff = plan[2 * P:3 * P], plan[4 * P:5 * P]
+    if k == 0:
+        _prefix(recv, roff, P)
+        _own_rows(x_addr, out_addr, row_nb, plan, P, rank)
+    _local_out(c, out_addr, L, g, ranks, rank, row_nb, k, head, block, recv, roff)
+    _unpack(c.rail_recv, out_addr, L, 1 - g, ranks, row_nb, k, block, recv, roff)
+
+
+A2A2_ROUND = node.entry_point(_a2a2_round, _ROUND_SIG)
+A2A2_COPY = node.entry_point(_a2a2_copy, _COPY_SIG)
+
+
 class HierAlltoall:
     """The several-node all-to-all (module docstring), as a context's entry.
     Every node holds L ranks (the context offers MPI_Alltoallv otherwise);
@@ -395,12 +524,19 @@ class HierAlltoall:
         self.recv_bufs = {p: np.empty(cap, np.uint8) for p in self.peers}
         self.recv = np.zeros(self.P, np.int64)
         self.counts = np.zeros((self.L, self.P), np.int64)
+        #: two nodes over tcp: the steps run compiled, on the rail the
+        #: two-node all-reduce set up in the control block (its rows too)
+        har2 = ctx.har2()
+        self.compiled = har2 is not None and har2.compiled
+        self.state = np.zeros(4, np.int64)
         self.roff = np.zeros(self.P, np.int64)
 
     def run(self, call, row_nb, plan, make_out):
         """The whole collective (``call``: x and the kind word); ``make_out(
         total_rows)`` -> (out, address) once the receive counts are known.
         Returns out."""
+        if self.compiled:
+            return self._run_compiled(call, row_nb, plan, make_out)
         ctx, ctl, P, L, g, me = self.ctx, self.ctx.ctl, self.P, self.L, self.g, self.me
         x_addr, code = call.addr, call.code
         if plan[5 * P + 2] >= 0:
@@ -446,6 +582,37 @@ class HierAlltoall:
                             self.block, self.recv, self.roff)
             k += 1
             if not anyone_more:
+                if failed is not None:
+                    raise failed
+                return out
+
+    def _run_compiled(self, call, row_nb, plan, make_out):
+        """run() on two nodes over tcp: per step one compiled call for the
+        rounds and the exchange (A2A2_ROUND), one for the copies."""
+        ctx, ctl, P, state = self.ctx, self.ctx.ctl, self.P, self.state
+        if plan[5 * P + 2] >= 0:
+            plan[:P] = plan[P:2 * P] = plan[5 * P + 2]
+        _prefix(plan[:P], plan[3 * P:4 * P], P)
+        tag = rail_tag(row_nb, call.code)
+        send = self.send_bufs[self.peers[0]]
+        out = out_addr = failed = None
+        k = 0
+        while True:
+            rc = A2A2_ROUND(ctl, call.addr, row_nb, plan, call.code, k, self.counts, self.ranks,
+                            self.g, send.ctypes.data, tag, state)
+            if rc == POISONED:
+                raise self._rail_mismatch(call, int(state[3]), int(ctl[0]["err_peer"]))
+            if rc:
+                ctx.fail(rc, call)
+            if k == 0:
+                if state[1] >= 0:  # (see run())
+                    failed = pair_error(ctx.topo.rank, call.op, *divmod(int(state[1]), P))
+                else:
+                    out, out_addr = make_out(int(plan[2 * P:3 * P].sum()))
+            if failed is None:
+                A2A2_COPY(ctl, call.addr, out_addr, row_nb, plan, k, self.ranks, self.g)
+            k += 1
+            if not state[2]:
                 if failed is not None:
                     raise failed
                 return out
