@@ -505,7 +505,8 @@ class TorchGroups:
             raise ValueError(f"no torch.distributed backend {backend!r} here; "
                              f"choose from {', '.join(TORCH_BACKENDS)}")
         if backend == "harmpi":
-            _import_harmpi()  # registers the backend
+            _import_harmpi()
+            import harmpi.distributed  # noqa: F401 - registers the backend
         key = f"{backend}:unbound" if unbound else backend
         group = self._groups.get(key)
         if group is None:
