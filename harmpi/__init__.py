@@ -10,8 +10,6 @@ Shared memory (an MPI shared window) inside each node, one cross-node
 exchange per collective between nodes. See README.md.
 """
 
-__version__ = "0.1.0"
-
 import os as _os
 import sys as _sys
 
@@ -53,6 +51,7 @@ from .errors import (  # noqa: E402
     HarmpiTimeoutError,
     HarmpiTransportError,
 )
+from .version import __version__  # noqa: E402
 
 
 def _register_torch_backend():

@@ -13,18 +13,24 @@ becomes an exception in Context.fail.
 from __future__ import annotations
 
 import logging
-import sys
 
 import numpy as np
 from mpi4py import MPI
 
 from . import dtypes, kind
+from . import native as _native_module  # (a local "native" is the served operator)
 from .algorithms import alltoall as _a2a
 from .algorithms.base import Call
+from .args import check_op as _check_op
+from .args import context as _context
+from .args import describe as _describe
+from .args import shape_digest as _shape_digest
 from .config import Config
 from .context import AUTO_CODE
-from .errors import HarmpiArgumentError, HarmpiError
+from .errors import HarmpiArgumentError
+from .logits import allgather_dim, gather_logits, normalize_dim
 from .registry import STATE
+from .version import __version__
 
 __all__ = ["init", "finalize", "allreduce", "allgather", "alltoall", "barrier", "info",
            "gather_logits"]
@@ -32,7 +38,6 @@ __all__ = ["init", "finalize", "allreduce", "allgather", "alltoall", "barrier", 
 log = logging.getLogger("harmpi")
 
 _COMM_WORLD = MPI.COMM_WORLD
-_BF16_NAMES = ("bf16", "bfloat16")
 
 
 _STATE = STATE
@@ -74,91 +79,6 @@ def finalize():
     _STATE.free_all()
 
 
-def _context(comm):
-    ctx = _STATE.get(comm)
-    if ctx.broken is not None:
-        raise HarmpiError(f"harmpi context is unusable: {ctx.broken}")
-    return ctx
-
-
-def _describe_array(x, dtype, writable):
-    """(addr, n, fmt) of a numpy array, or HarmpiArgumentError."""
-    if not x.dtype.isnative:
-        raise HarmpiArgumentError(_byte_order_refusal(x.dtype))
-    if dtype is None:
-        f = dtypes.by_numpy_dtype(x.dtype)
-    elif dtype not in _BF16_NAMES:
-        raise HarmpiArgumentError(f"dtype={dtype!r}: only 'bf16' may be given, for uint16 "
-                                  "arrays holding bfloat16 bits")
-    elif x.dtype != np.uint16:
-        raise HarmpiArgumentError(f"dtype='bf16' needs a uint16 array, got {x.dtype}")
-    else:
-        f = dtypes.FORMATS[dtypes.BF16]
-    if f is None:
-        raise HarmpiArgumentError(
-            f"unsupported array dtype {x.dtype}; harmpi reduces float16, float32, float64, "
-            "and bfloat16 (torch.bfloat16 tensors, or uint16 arrays with dtype='bf16')")
-    if not x.flags.c_contiguous:
-        raise HarmpiArgumentError(
-            f"array of shape {x.shape} is not C-contiguous; pass np.ascontiguousarray(x)")
-    if writable and not x.flags.writeable:
-        raise HarmpiArgumentError("array is read-only; the collective writes its result in "
-                                  "place (pass a writable copy)")
-    return x.ctypes.data, x.size, f.id
-
-
-def _byte_order_refusal(dt):
-    order = "big" if dt.byteorder == ">" else "little"
-    return (f"array of dtype {dt.str!r} stores its elements {order}-endian; harmpi sums "
-            f"arrays in this machine's byte order ({sys.byteorder}-endian) and does not "
-            "convert them (a sum of swapped bytes is garbage): pass "
-            "x.astype(x.dtype.newbyteorder('=')) and, for an in-place result, copy it back")
-
-
-def _describe_subclass(x, dtype, writable):
-    """(addr, n, fmt) of an instance of a numpy array subclass (np.memmap,
-    np.matrix, ...): an array like any other, except a masked array, whose
-    mask a sum of the raw data would ignore."""
-    if isinstance(x, np.ma.MaskedArray):
-        raise HarmpiArgumentError(
-            "masked arrays are not supported: harmpi would sum the data under the mask too; "
-            "pass x.filled(0) (or np.ma.getdata(x) to sum every element)")
-    return _describe_array(x, dtype, writable)
-
-
-def _torch_module(x):
-    """harmpi.torch if ``x`` is a torch tensor (imported on first sight), else None."""
-    ht = _STATE.torch
-    if ht is None:
-        torch = sys.modules.get("torch")
-        if torch is None or not isinstance(x, torch.Tensor):
-            return None
-        from . import torch as ht  # noqa: PLC0415 - torch only once a tensor is seen
-        _STATE.torch = ht
-        _STATE.attach_native()
-    return ht if isinstance(x, ht.Tensor) else None
-
-
-def _describe(x, dtype, writable):
-    """(addr, n, fmt, is_torch) of x, or HarmpiArgumentError."""
-    if type(x) is np.ndarray:
-        return (*_describe_array(x, dtype, writable), False)
-    if isinstance(x, np.ndarray):  # a subclass: np.memmap and the like
-        return (*_describe_subclass(x, dtype, writable), False)
-    ht = _torch_module(x)
-    if ht is None:
-        raise HarmpiArgumentError(
-            f"expected a numpy array or a torch tensor, got {type(x).__name__}")
-    if dtype is not None:
-        raise HarmpiArgumentError("dtype= is only for numpy uint16 arrays; a tensor has its own")
-    return (*ht.describe(x, writable), True)
-
-
-def _check_op(op):
-    if op != "sum" and op is not MPI.SUM:
-        raise HarmpiArgumentError(f"op={op!r} is not supported; harmpi all-reduce sums (op='sum')")
-
-
 def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
     """Sum ``x`` element-wise over every rank of ``comm``, in place; return ``x``.
 
@@ -190,7 +110,7 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
         if rc == 0:
             return x
         if rc > 0:
-            _native_failed(x, rc)
+            native_failed(x, rc)
     _check_op(op)
     addr, n, fmt, _ = _describe(x, dtype, True)
     ctx = _context(comm)
@@ -205,7 +125,7 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
     return x
 
 
-def _native_failed(x, rc):
+def native_failed(x, rc):
     addr, n, fmt, _ = _describe(x, None, True)
     _STATE.world.raise_status(rc, addr, n, fmt, AUTO_CODE | fmt, "allreduce")
 
@@ -227,19 +147,6 @@ def _gather_out(x, out, n, fmt, is_torch, nranks, dtype):
     return out, out_addr
 
 
-_SHAPE_DIGESTS = {}
-
-
-def _shape_digest(shape):
-    """kind.shape_digest, cached (a decode loop gathers the same shapes)."""
-    digest = _SHAPE_DIGESTS.get(shape)
-    if digest is None:
-        if len(_SHAPE_DIGESTS) > 1024:
-            _SHAPE_DIGESTS.clear()
-        digest = _SHAPE_DIGESTS[shape] = kind.shape_digest(shape)
-    return digest
-
-
 def allgather(x, dim=0, comm=None, dtype=None, out=None):
     """Concatenate every rank's ``x`` along dimension ``dim``; return the result.
 
@@ -259,7 +166,9 @@ def allgather(x, dim=0, comm=None, dtype=None, out=None):
     one compiled strided copy puts it in place: n * x.nbytes more bytes read
     and written, plus a few us of Python (harmpi.logits.allgather_dim).
     """
-    if dim or dim is None:  # (0 and False: the dim-0 path; no more Python on it)
+    # (0 and False: the dim-0 path, no more Python on it; a dim that names
+    # dimension 0 too, -1 of a 1-d x, joins it)
+    if (dim or dim is None) and normalize_dim(dim, len(x.shape)):
         return allgather_dim(x, dim, comm, dtype, out)
     addr, n, fmt, is_torch = _describe(x, dtype, False)
     ctx = _context(comm)
@@ -505,7 +414,6 @@ _THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
 
 def info(comm=None):
     """What harmpi knows about ``comm``: topology, transport and thresholds (a dict)."""
-    from . import __version__  # noqa: PLC0415 - the package imports this module
     _STATE.check_open()  # (a context made before MPI_Finalize is still known)
     ctx = _STATE.get(comm)
     topo = ctx.topo
@@ -550,14 +458,12 @@ def _native_status(ctx):
         return "off (HARMPI_NATIVE=0 or Config(native=False))"
     if ctx is _STATE.world and _STATE.native is not None:
         return "serving harmpi.allreduce(t) for this context"
-    from . import native  # noqa: PLC0415 - no torch import: status() reads the file
-
-    status = native.status()
+    status = _native_module.status()
     if status == "loaded":
         return ("loaded; not serving this context (it serves the world communicator's "
                 "compiled entry)")
     return status
 
 
-# last: harmpi.logits builds on this module (gather_logits is re-exported as is)
-from .logits import allgather_dim, gather_logits  # noqa: E402
+# the torch operators' Python path (harmpi.native sits below this module)
+_native_module.use_python_path(allreduce, native_failed)

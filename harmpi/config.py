@@ -66,10 +66,15 @@ import os
 
 from .errors import HarmpiArgumentError
 
-__all__ = ["Config", "ALGORITHMS", "TRANSPORTS"]
+__all__ = ["Config", "ALGORITHMS", "ALGORITHM_IDS", "ALGORITHM_NAMES", "TRANSPORTS"]
 
 #: All-reduce algorithms by name. "auto" picks among them by size and topology.
 ALGORITHMS = ("shm", "shm_rsag", "har_latency", "har_bandwidth", "leader", "flat_ring")
+#: small integers carried in the meta code (harmpi.kind), so ranks that forced
+#: different algorithms are told so instead of deadlocking (harmpi.algorithms
+#: checks that its ALLREDUCE table lists ALGORITHMS in this order)
+ALGORITHM_IDS = {"auto": 0, **{name: i + 1 for i, name in enumerate(ALGORITHMS)}}
+ALGORITHM_NAMES = {i: name for name, i in ALGORITHM_IDS.items()}
 TRANSPORTS = ("auto", "tcp", "mpi", "verbs")
 STREAM_STORES = ("auto", "on", "off", "flush")
 LOGITS_ROUTES = ("auto", "allgather", "allreduce")

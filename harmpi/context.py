@@ -289,7 +289,7 @@ class Context:
         #: the profile HARMPI_PROFILE / HARMPI_TRACE started (harmpi.profile)
         self.profile = None
         if self.config.profile or self.config.trace:
-            from .profile import Profile  # noqa: PLC0415 - only when profiling
+            from .profiling import Profile  # noqa: PLC0415 - only when profiling
 
             self.profile = Profile(self, trace=self.config.trace).start()
 
@@ -714,7 +714,7 @@ class Context:
         """Release the window, transports and communicators (collective).
         (The API detaches harmpi.native first.)"""
         if self.profile is not None and self.broken is None:
-            from .profile import finish  # noqa: PLC0415
+            from .profiling import finish  # noqa: PLC0415
 
             finish(self.profile)
             self.profile = None

@@ -752,7 +752,7 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
                 if rc == 0:
                     return _DONE
                 if rc > 0:
-                    api._native_failed(tensors[0], rc)
+                    api.native_failed(tensors[0], rc)
             elif len(tensors) == 1 and (opts is None or (not opts.asyncOp
                                                          and opts.reduceOp == _SUM)):
                 # any other group: its context's entry, called here
@@ -778,7 +778,7 @@ class ProcessGroupHarmpi(dist.ProcessGroup):
                 if rc == 0:
                     return _DONE
                 if rc > 0:
-                    api._native_failed(t, rc)
+                    api.native_failed(t, rc)
             if t.dtype in _FLOATS and t.device.type == "cpu":
                 api.allreduce(t, comm=self._harmpi_comm)
                 return _DONE

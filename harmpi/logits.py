@@ -119,7 +119,8 @@ import numba
 import numpy as np
 from numba import types
 
-from . import api, dtypes, kind, node
+from . import dtypes, kind, node
+from .args import context, describe, shape_digest
 from .context import AUTO_CODE
 from .control import _voidptr
 from .errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError
@@ -451,7 +452,7 @@ def _allreduce_route(ctx, st, table, src, rows, lead, fmt, isz, full):
 
 
 def _check_shard(shard):
-    addr, count, fmt, is_torch = api._describe(shard, None, False)
+    addr, count, fmt, is_torch = describe(shard, None, False)
     shape = tuple(shard.shape)
     if not shape:
         raise HarmpiArgumentError("a 0-d shard has no vocabulary dimension; pass shape "
@@ -489,7 +490,7 @@ def gather_logits(shard, comm=None, route=None):
     (the check tail, 3 elements per rank, follows it); it is contiguous.
     """
     addr, fmt, is_torch, shape = _check_shard(shard)
-    ctx = api._context(comm)
+    ctx = context(comm)
     cfg = ctx.config
     check_route(route)
     st = _state(ctx)
@@ -534,7 +535,7 @@ def reset_widths(comm=None):
     every rank, and the next gather_logits learns the widths again on every
     rank (a rank whose width did not change would otherwise keep its table,
     and the call would raise HarmpiMismatchError)."""
-    st = _STATES.get(api._context(comm))
+    st = _STATES.get(context(comm))
     if st is not None:
         st.table = None
 
@@ -551,7 +552,7 @@ def gather_uneven(t, outs, comm=None, route=None):
     HarmpiMismatchError on every rank. ``route`` as in :func:`gather_logits`.
     """
     addr, fmt, is_torch, shape = _check_shard(t)
-    ctx = api._context(comm)
+    ctx = context(comm)
     n, rank = ctx.topo.size, ctx.topo.rank
     lead = shape[:-1]
     if not isinstance(outs, (list, tuple)) or len(outs) != n:
@@ -559,7 +560,7 @@ def gather_uneven(t, outs, comm=None, route=None):
         raise HarmpiArgumentError(f"outs must be a list of {n} tensors (one per rank), got {got}")
     addrs, widths = [], []
     for q, o in enumerate(outs):
-        o_addr, _, o_fmt, o_torch = api._describe(o, None, True)
+        o_addr, _, o_fmt, o_torch = describe(o, None, True)
         o_shape = tuple(o.shape)
         if o_torch != is_torch or o_fmt != fmt or o_shape[:-1] != lead or not o_shape:
             raise HarmpiArgumentError(
@@ -594,24 +595,23 @@ def gather_uneven(t, outs, comm=None, route=None):
 
 
 def allgather_dim(x, dim, comm, dtype, out):
-    """``harmpi.allgather(x, dim, ...)`` for dim != 0 (see the module docstring)."""
+    """``harmpi.allgather(x, dim, ...)`` for a dim that is not dimension 0
+    (harmpi.api's allgather takes that itself; see the module docstring)."""
     shape = tuple(x.shape) or (1,)
     d = normalize_dim(dim, len(shape))
-    if d == 0:
-        return api.allgather(x, 0, comm, dtype, out)
-    addr, count, fmt, is_torch = api._describe(x, dtype, False)
-    ctx = api._context(comm)
+    addr, count, fmt, is_torch = describe(x, dtype, False)
+    ctx = context(comm)
     n = ctx.topo.size
     res_shape = shape[:d] + (shape[d] * n,) + shape[d + 1:]
     if out is None:
         out = _empty(x, res_shape, is_torch)
-    o_addr, _, o_fmt, o_torch = api._describe(out, dtype, True)
+    o_addr, _, o_fmt, o_torch = describe(out, dtype, True)
     if o_torch != is_torch or o_fmt != fmt or tuple(out.shape) != res_shape:
         raise HarmpiArgumentError(
             f"out must be a {'tensor' if is_torch else 'numpy array'} of x's dtype and shape "
             f"{res_shape} (x's shape with dim {d} times {n}); got {type(out).__name__} of shape "
             f"{tuple(out.shape)}" + ("" if o_fmt == fmt else " and another dtype"))
-    digest = api._shape_digest((shape, d))
+    digest = shape_digest((shape, d))
     outer = math.prod(shape[:d])
     if outer == 1 or count == 0:  # the dim-0 layout is the result's
         _gather(ctx, addr, o_addr, count, fmt, digest, "allgather")

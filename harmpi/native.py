@@ -82,6 +82,18 @@ _loaded = None
 _status = NOT_YET
 #: group name -> communicator, for the operators' ``group`` argument
 _groups = {}
+#: (allreduce, native_failed) of harmpi.api, the operators' Python path: given
+#: by :func:`use_python_path` when harmpi.api loads (this module sits below
+#: the api and does not import it)
+_python_path = None
+
+
+def use_python_path(allreduce, failed) -> None:
+    """Where :func:`_fallback` goes: ``allreduce(t, comm=None)`` runs
+    harmpi.allreduce's Python path, ``failed(t, rc)`` raises an entry's
+    failure as harmpi.allreduce(t) raises it. harmpi.api calls this once."""
+    global _python_path
+    _python_path = (allreduce, failed)
 
 
 def built_against(path) -> str | None:
@@ -190,12 +202,12 @@ def _fallback(t, rc, group=""):
     -1 (no world context served yet, a tensor the kernel does not take, or a
     named group) runs harmpi.allreduce(t, comm=...), which makes the
     context, checks the tensor and raises what it raises."""
-    from . import api  # noqa: PLC0415 - the layer above; loaded with harmpi
+    allreduce, failed = _python_path
 
     if rc > 0:
-        api._native_failed(t, rc)  # raises
+        failed(t, rc)  # raises
     elif not group:
-        api.allreduce(t)
+        allreduce(t)
     else:
         comm = _groups.get(group)
         if comm is None:
@@ -203,7 +215,7 @@ def _fallback(t, rc, group=""):
                 f"torch.ops.harmpi.all_reduce: no communicator is named {group!r} on this rank; "
                 "bind it first with harmpi.native.name_group(name, comm) (known: "
                 f"{sorted(_groups) or 'none'})")
-        api.allreduce(t, comm=comm)
+        allreduce(t, comm=comm)
 
 
 def attach(ctx):

@@ -4,6 +4,7 @@ else, and changes nothing of the interpreter's: torch stays out of
 ``sys.excepthook`` stay Python's (also under mpirun, where the launcher
 variables are set), and torch's rendezvous table keeps torch's handlers."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -96,3 +97,86 @@ def test_the_runner_imports_torch_only_when_the_program_does(tmp_path, arg):
     proc = subprocess.run([sys.executable, "-m", "harmpi.run", str(tmp_path / "prog.py"), arg],
                           env=_singleton_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0 and f"ran {arg}" in proc.stdout, proc.stderr[-3000:]
+
+
+# -- no import cycle ---------------------------------------------------------------
+
+PACKAGE = os.path.join(REPO, "harmpi")
+
+
+def _module_name(path):
+    rel = os.path.relpath(path, REPO)[:-len(".py")].split(os.sep)
+    return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+
+
+def _modules():
+    """harmpi's module names -> file paths."""
+    found = {}
+    for root, _dirs, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                found[_module_name(path)] = path
+    return found
+
+
+def _imported(module, path, modules):
+    """The harmpi modules ``module`` imports anywhere in its file (inside
+    functions too), relative or absolute: ``from X import Y`` counts Y when
+    Y is a module, else X."""
+    is_package = path.endswith("__init__.py")
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[:len(here) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules else target)
+    return {m for m in found if m in modules and m != module}
+
+
+def _cycles(edges):
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            on_stack.difference_update(part)
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_in_harmpi():
+    modules = _modules()
+    edges = {m: _imported(m, p, modules) for m, p in modules.items()}
+    cycles = _cycles(edges)
+    assert not cycles, "import cycles (module -> what it imports within the cycle):\n" + "\n".join(
+        f"  {m} -> {sorted(edges[m] & set(c))}" for c in cycles for m in c)
+
+
+def test_the_cycle_finder_finds_cycles():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(edges) == [["a", "b", "c"]]

@@ -1,4 +1,4 @@
-"""harmpi.profrec / harmpi.profile / harmpi.report without MPI peers: the
+"""harmpi.profrec / harmpi.profiling / harmpi.report without MPI peers: the
 compiled record against plain arithmetic, histogram buckets, the ring's
 bound, the summary text, the trace and the PNG."""
 
@@ -6,7 +6,7 @@ import json
 import types
 
 from harmpi import control, kind, profrec, report
-from harmpi import profile as hprofile
+from harmpi import profiling as hprofile
 from harmpi.config import Config
 
 

@@ -12,6 +12,7 @@ flat_ring      any (ignores shared memory)        never: a benchmark baseline
 =============  =================================  =================================
 """
 
+from ..config import ALGORITHM_IDS, ALGORITHM_NAMES, ALGORITHMS
 from .allgather import HierAllgather
 from .flat_ring import FlatRingAllreduce
 from .har_bandwidth import HarBandwidthAllreduce
@@ -26,7 +27,6 @@ __all__ = ["ALLREDUCE", "HierAllgather", "ShmAllreduce", "ShmRsagAllreduce",
 
 ALLREDUCE = {cls.name: cls for cls in (ShmAllreduce, ShmRsagAllreduce, HarLatencyAllreduce,
                                        HarBandwidthAllreduce, LeaderAllreduce, FlatRingAllreduce)}
-#: small integers carried in the meta code, so ranks that forced different
-#: algorithms are told so instead of deadlocking
-ALGORITHM_IDS = {"auto": 0, **{name: i + 1 for i, name in enumerate(ALLREDUCE)}}
-ALGORITHM_NAMES = {i: name for name, i in ALGORITHM_IDS.items()}
+if tuple(ALLREDUCE) != ALGORITHMS:  # the ids (config.ALGORITHM_IDS) follow config's order
+    raise ImportError(f"harmpi.algorithms.ALLREDUCE lists {tuple(ALLREDUCE)}, "
+                      f"harmpi.config.ALGORITHMS {ALGORITHMS}: one order for both")

@@ -8,6 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import dtypes, kind, node
+from ..config import ALGORITHM_NAMES
 from ..errors import HarmpiMismatchError
 from ..kind import POISON_TAG
 
@@ -42,7 +43,6 @@ class Call:
         fields = kind.decode(self.code if code is None else code)
         if not fields:
             return "failed"
-        from . import ALGORITHM_NAMES  # noqa: PLC0415 - avoid an import cycle
         fmt = fields["fmt"]
         name = dtypes.FORMATS[fmt].name if fmt < len(dtypes.FORMATS) else fmt
         return f"{name}, algorithm {ALGORITHM_NAMES.get(fields['algo'], fields['algo'])}"

@@ -178,7 +178,7 @@ def test_clock_offsets_across_hosts_within_their_bound(world, monkeypatch):
     CLOCK_MONOTONIC 1000*h s ahead: every rank gets its host's offset to
     rank 0's clock within the bound it states (half the best round trip),
     and the ranks of a host share one estimate."""
-    from harmpi import profile as hprofile
+    from harmpi import profiling as hprofile
 
     rank = world.Get_rank()
     host = rank // 2
