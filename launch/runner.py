@@ -19,11 +19,19 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def run_mpirun(argv: Sequence[str], env: Mapping[str, str]) -> int:
     """Run ``argv`` with ``env``; return its exit status (128+N if killed by signal N)."""
-    proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True)
+    # The handlers go in before mpirun starts: a signal in between used to
+    # find no handler (KeyboardInterrupt here, mpirun left running in its own
+    # session). One that comes before mpirun exists is sent to it at once.
+    # mpirun itself starts with the default actions (a handler does not pass
+    # through exec), also where this launcher was started with SIGINT ignored.
+    started = []
+    pending = []
 
     def forward(signum: int, _frame: object) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signum)
+        if not started:
+            pending.append(signum)
+        elif started[0].poll() is None:
+            started[0].send_signal(signum)
 
     previous = {}
     for sig in FORWARDED_SIGNALS:
@@ -32,6 +40,10 @@ def run_mpirun(argv: Sequence[str], env: Mapping[str, str]) -> int:
         except ValueError:  # not the main thread: signals stay with the caller
             break
     try:
+        proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True)
+        started.append(proc)
+        for signum in pending:
+            proc.send_signal(signum)
         while True:
             try:
                 rc = proc.wait()

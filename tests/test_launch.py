@@ -712,8 +712,11 @@ def _subprocess_env():
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_is_forwarded_to_mpirun(tmp_path):
-    """SIGINT to the launcher reaches mpirun (a fake here), and its status is returned."""
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN])
+def test_ctrl_c_is_forwarded_to_mpirun(tmp_path, inherited):
+    """SIGINT to the launcher reaches mpirun (a fake here), and its status is
+    returned; also for a launcher started with SIGINT ignored (a background
+    job of a shell), whose mpirun must not inherit the ignored action."""
     marker = tmp_path / "got"
     fake = tmp_path / "mpirun"
     fake.write_text(f"""#!/bin/sh
@@ -726,6 +729,7 @@ while true; do sleep 0.05; done
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch", "--mpirun", str(fake), "-np", "1", "--", "true"],
         cwd=REPO, env=_subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, inherited),
     )
     deadline = time.monotonic() + 30
     while not Path(f"{marker}.run").exists():

@@ -96,8 +96,11 @@ SCRIPT = textwrap.dedent("""
 def _start(tmp_path, how):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT.format(repo=str(REPO)))
+    # the job gets SIGINT's default action even where the test suite itself
+    # was started with SIGINT ignored (a background job of a shell: `make test &`)
     proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pids = [int(x) for x in proc.stdout.readline().split()]
     assert len(pids) == 2, proc.stderr.read()
     return proc, pids
