@@ -150,7 +150,8 @@ COMMANDS: dict[str, Run | NotRun] = {
         Run((r"^Plan for -np 4$", r"^  4 ranks on this host; per host: 4 ranks, "),
             np=0, work_s=1),
     "harmpi-launch -np 4 --virtual-nodes 2 --oversubscribe --dry-run -- python bench.py":
-        Run((r"^export HARMPI_RANKS_PER_NODE=2$", r"mpirun -np 4 .*python -m harmpi\.run bench\.py$"),
+        Run((r"^export HARMPI_RANKS_PER_NODE=2$",
+             r"mpirun -np 4 .*python -m harmpi\.run bench\.py$"),
             np=0, work_s=1),
     # Benchmarks
     "mpirun -np 2 python -m mpi4py -m bench.osu_allreduce --impl "
