@@ -53,7 +53,7 @@ from numba.core import event
 
 __all__ = ["RECORD", "LOCK", "KERNEL_MODULES", "cache_dir", "source_key", "estimate", "message",
            "compile_once", "compile_all", "install", "drop_stale", "dependencies", "file_stamps",
-           "changed_files"]
+           "changed_files", "read_record"]
 
 log = logging.getLogger("harmpi")
 
@@ -194,7 +194,7 @@ def source_key(package_dir: Path = PACKAGE_DIR) -> str:
     return digest.hexdigest()
 
 
-def _read(path: Path) -> dict:
+def read_record(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -270,11 +270,11 @@ def compile_once(compile_all: Callable[[], None], package_dir: Path = PACKAGE_DI
     directory = cache_dir() if directory is None else directory
     key = source_key(package_dir)
     record_path = directory / RECORD
-    if _read(record_path).get("key") == key:
+    if read_record(record_path).get("key") == key:
         return "warm"
     directory.mkdir(parents=True, exist_ok=True)
     with _host_lock(directory / LOCK) as waited:
-        record = _read(record_path)
+        record = read_record(record_path)
         if record.get("key") == key:
             return "waited" if waited else "warm"
         stamps = file_stamps(package_dir)

@@ -20,7 +20,7 @@ from numba.extending import intrinsic
 
 __all__ = ["FIELDS", "CONTROL", "RECORD", "ARRAY", "new", "offset", "control_at", "STATUS_NAMES",
            "OK", "TIMEOUT", "MISMATCH", "POISONED", "RAIL_TIMEOUT", "RAIL_FAILED", "RAISED",
-           "ABANDONED", "BUSY", "INTERRUPTED", "RAIL_LATE", "WRONG_THREAD"]
+           "ABANDONED", "BUSY", "INTERRUPTED", "RAIL_LATE", "WRONG_THREAD", "voidptr"]
 
 #: (field, meaning); every field is an int64
 FIELDS = (
@@ -127,7 +127,7 @@ def new() -> np.ndarray:
 
 
 @intrinsic
-def _voidptr(typingctx, addr):
+def voidptr(typingctx, addr):
     sig = types.voidptr(types.intp)
 
     def codegen(context, builder, signature, args):
@@ -139,4 +139,4 @@ def _voidptr(typingctx, addr):
 @numba.njit(cache=True, nogil=True)
 def control_at(addr):
     """The control block at ``addr`` (for C callers, which pass an address)."""
-    return numba.carray(_voidptr(addr), (1,), CONTROL)
+    return numba.carray(voidptr(addr), (1,), CONTROL)

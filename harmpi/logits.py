@@ -122,7 +122,7 @@ from numba import types
 from . import dtypes, kind, node
 from .args import context, describe, shape_digest
 from .context import AUTO_CODE
-from .control import _voidptr
+from .control import voidptr as _voidptr
 from .errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError
 
 __all__ = ["ROUTES", "gather_logits", "gather_uneven", "reset_widths", "allgather_dim",

@@ -76,7 +76,10 @@ __all__ = ["init_control", "stage", "stage_meta", "publish_wait", "publish_wait_
            "gather_step", "ONE_NODE_STEP", "ONE_NODE_CFUNC", "SOLO_STEP", "GATHER_STEP",
            "STREAM_MIN_NBYTES", "NEVER_RSAG", "enter", "leave", "abandon",
            "interrupted", "peers_abandoned", "begin", "one_node_start", "one_node_finish",
-           "ONE_NODE_START", "ONE_NODE_FINISH", "thread_self", "foreign_thread"]
+           "ONE_NODE_START", "ONE_NODE_FINISH", "thread_self", "foreign_thread",
+           # the steps other kernels build on (harmpi.algorithms)
+           "memcpy", "parity_slot_addr", "step_parity", "publish_copy", "stage_at",
+           "stage_post", "stage_check", "format_itemsize"]
 
 _LINE = FLAG_LINE_NBYTES
 _WORD = 8
@@ -89,7 +92,7 @@ _BF16, _F16, _F32 = dtypes.BF16, dtypes.F16, dtypes.F32
 _HOOK_OFFSET = control.HOOK_OFFSET
 _WAIT_OFFSET = control.WAIT_OFFSET
 _BUSY_OFFSET = control.offset("busy")
-_voidptr = control._voidptr
+_voidptr = control.voidptr
 
 
 def init_control(ctl, arena, spin_count: int, timeout_s: float, auto_code: int,
@@ -135,7 +138,7 @@ def init_control(ctl, arena, spin_count: int, timeout_s: float, auto_code: int,
 
 
 @intrinsic
-def _memcpy(typingctx, dst_addr, src_addr, nbytes):
+def memcpy(typingctx, dst_addr, src_addr, nbytes):
     """llvm.memcpy between raw addresses (numba's slice assignment is an
     element loop that LLVM does not turn into a vector copy)."""
     sig = types.void(types.intp, types.intp, types.int64)
@@ -261,13 +264,13 @@ def _streams(c, nbytes):
 
 
 @numba.njit(cache=True, nogil=True)
-def _publish_copy(c, dst_addr, src_addr, nbytes):
+def publish_copy(c, dst_addr, src_addr, nbytes):
     """Copy data that other local ranks will read next: streaming or plain
     stores, as ``c.mode`` says (see _stream_copy and copytune)."""
     if _streams(c, nbytes):
         _stream_copy(dst_addr, src_addr, nbytes)
     elif nbytes > 0:
-        _memcpy(dst_addr, src_addr, nbytes)
+        memcpy(dst_addr, src_addr, nbytes)
 
 
 # -- dtype dispatch resolved at compile time --------------------------------
@@ -350,7 +353,7 @@ def _slots2d(c, parity, w):
 
 
 @numba.njit(cache=True, nogil=True)
-def _parity(c):
+def step_parity(c):
     """Slot parity of the step in progress (stage() has counted it)."""
     return (c.steps - 1) & 1
 
@@ -515,7 +518,7 @@ def _read_stamps(c, epoch):
 
 
 @numba.njit(cache=True, nogil=True)
-def _itemsize(fmt):
+def format_itemsize(fmt):
     if fmt == _BF16 or fmt == _F16:
         return 2
     return 4 if fmt == _F32 else 8
@@ -613,8 +616,8 @@ def publish_wait(ctl):
 
 
 @numba.njit(cache=True, nogil=True)
-def _stage_post(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos):
-    """The first half of _stage_at: fill my slot, post the meta, publish."""
+def stage_post(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos):
+    """The first half of stage_at: fill my slot, post the meta, publish."""
     c = ctl[0]
     parity = c.steps & 1
     c.steps += 1
@@ -623,8 +626,8 @@ def _stage_post(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos):
     mine = slots[me].ctypes.data + pos
     if m > 0:
         isz = w.itemsize
-        _publish_copy(c, mine, x_addr, skip_lo * isz)
-        _publish_copy(c, mine + skip_hi * isz, x_addr + skip_hi * isz, (m - skip_hi) * isz)
+        publish_copy(c, mine, x_addr, skip_lo * isz)
+        publish_copy(c, mine + skip_hi * isz, x_addr + skip_hi * isz, (m - skip_hi) * isz)
     code = kind.with_ring(code, pos)
     meta = c.flags + me * _LINE + (W_META + 2 * parity) * _WORD
     store_release(meta, total_nbytes)
@@ -633,13 +636,13 @@ def _stage_post(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos):
 
 
 @numba.njit(cache=True, nogil=True)
-def _stage_check(ctl, total_nbytes, code, pos):
-    """The second half of _stage_at: wait for every local rank, compare metas."""
+def stage_check(ctl, total_nbytes, code, pos):
+    """The second half of stage_at: wait for every local rank, compare metas."""
     status = _await(ctl)
     if status != OK:
         return status
     c = ctl[0]
-    parity = _parity(c)
+    parity = step_parity(c)
     code = kind.with_ring(code, pos)
     for j in range(c.local_size):
         peer_meta = c.flags + j * _LINE + (W_META + 2 * parity) * _WORD
@@ -657,15 +660,15 @@ def _stage_check(ctl, total_nbytes, code, pos):
 
 
 @numba.njit(cache=True, nogil=True)
-def _stage_at(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos):
+def stage_at(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos):
     """stage(), except that x[:m] goes to slot(p, me) from byte ``pos`` (a
     multiple of 64, the same on every rank: it is posted in the kind word and
     checked with it) and x[skip_lo:skip_hi] is not copied (a share only this
     rank reads, straight from x)."""
-    status = _stage_post(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos)
+    status = stage_post(ctl, x_addr, m, skip_lo, skip_hi, total_nbytes, code, w, pos)
     if status != OK:
         return status
-    return _stage_check(ctl, total_nbytes, code, pos)
+    return stage_check(ctl, total_nbytes, code, pos)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -687,14 +690,14 @@ def _ring_pos(c, nbytes):
 def stage(ctl, x_addr, m, total_nbytes, code, w):
     """Start a step: slot(p, me) = x[:m], post meta, publish, wait for all,
     check metas. Returns OK / TIMEOUT / MISMATCH."""
-    return _stage_at(ctl, x_addr, m, 0, 0, total_nbytes, code, w, 0)
+    return stage_at(ctl, x_addr, m, 0, 0, total_nbytes, code, w, 0)
 
 
 @numba.njit(_sigs(_i64, _ctl, _i64, _i64, _i64, "W"), cache=True, nogil=True)
 def stage_meta(ctl, m, total_nbytes, code, w):
     """stage() of an m-element step without the copy: the caller fills
     slot(p, me) itself before the step's next flag round."""
-    return _stage_at(ctl, 0, m, 0, m, total_nbytes, code, w, 0)
+    return stage_at(ctl, 0, m, 0, m, total_nbytes, code, w, 0)
 
 
 @numba.njit(_sigs(types.void, _ctl, types.intp, _i64, _i64, _i64, "W"), cache=True, nogil=True)
@@ -703,7 +706,7 @@ def sum_slots(ctl, out_addr, lo, hi, fmt, w):
     if hi <= lo:
         return
     c = ctl[0]
-    slots = _slots2d(c, _parity(c), w)
+    slots = _slots2d(c, step_parity(c), w)
     out = numba.carray(_voidptr(out_addr), (hi - lo,), w.dtype)
     _sum_rows(slots, lo, hi, out, 0, fmt)
     for j in range(c.local_size):
@@ -717,7 +720,7 @@ def sum_own_part(ctl, lo, hi, fmt, w):
     if hi <= lo:
         return
     c = ctl[0]
-    slots = _slots2d(c, _parity(c), w)
+    slots = _slots2d(c, step_parity(c), w)
     _sum_rows(slots, lo, hi, slots[c.local_rank], lo, fmt)
 
 
@@ -727,13 +730,13 @@ def gather_parts(ctl, out_addr, m, w):
     if m <= 0:
         return
     c = ctl[0]
-    slots = _slots2d(c, _parity(c), w)
+    slots = _slots2d(c, step_parity(c), w)
     L = c.local_size
     isz = w.itemsize
     for j in range(L):
         lo, hi = part_bounds(m, L, j, isz)
         if hi > lo:
-            _memcpy(out_addr + lo * isz, slots[j, lo:hi].ctypes.data, (hi - lo) * isz)
+            memcpy(out_addr + lo * isz, slots[j, lo:hi].ctypes.data, (hi - lo) * isz)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -746,7 +749,7 @@ def _reduce_scatter_allgather(ctl, x_addr, m, fmt, w):
     me = c.local_rank
     isz = w.itemsize
     lo, hi = part_bounds(m, L, me, isz)
-    slots = _slots2d(c, _parity(c), w)
+    slots = _slots2d(c, step_parity(c), w)
     x = numba.carray(_voidptr(x_addr), (m,), w.dtype)
     if hi > lo:
         # one pass writes the share to my slot (for the others) and to x.
@@ -763,7 +766,7 @@ def _reduce_scatter_allgather(ctl, x_addr, m, fmt, w):
         if j != me:
             jlo, jhi = part_bounds(m, L, j, isz)
             if jhi > jlo:
-                _memcpy(x_addr + jlo * isz, slots[j, jlo:jhi].ctypes.data, (jhi - jlo) * isz)
+                memcpy(x_addr + jlo * isz, slots[j, jlo:jhi].ctypes.data, (jhi - jlo) * isz)
                 _done_reading(c, slots[j, jlo:jhi].ctypes.data, (jhi - jlo) * isz)
     return OK
 
@@ -775,7 +778,7 @@ def _shm_chunk(ctl, addr, m, total, code, fmt, small, w):
     isz = w.itemsize
     if small:
         pos = _ring_pos(c, m * isz)
-        status = _stage_at(ctl, addr, m, 0, 0, total, code, w, pos)
+        status = stage_at(ctl, addr, m, 0, 0, total, code, w, pos)
         if status != OK:
             return status
         lo = pos // isz
@@ -784,7 +787,7 @@ def _shm_chunk(ctl, addr, m, total, code, fmt, small, w):
         return OK
     # my own share is read straight from x: do not copy it
     lo, hi = part_bounds(m, c.local_size, c.local_rank, isz)
-    status = _stage_at(ctl, addr, m, lo, hi, total, code, w, 0)
+    status = stage_at(ctl, addr, m, lo, hi, total, code, w, 0)
     if status != OK:
         return status
     return _reduce_scatter_allgather(ctl, addr, m, fmt, w)
@@ -841,7 +844,7 @@ def publish_wait_status(ctl, status):
     the current step; returns POISONED on every rank if any rank posted
     non-zero (peer in err_peer, its status in err_a)."""
     c = ctl[0]
-    word = (W_STATUS + _parity(c)) * _WORD
+    word = (W_STATUS + step_parity(c)) * _WORD
     store_release(c.flags + c.local_rank * _LINE + word, status)
     rc = publish_wait(ctl)
     if rc != OK:
@@ -871,32 +874,32 @@ def copy_slot(ctl, j, out_addr, lo, hi, w):
     """out[0:hi-lo] = slot(p, j)[lo:hi] for the current step."""
     if hi <= lo:
         return
-    slots = _slots2d(ctl[0], _parity(ctl[0]), w)
-    _memcpy(out_addr, slots[j, lo:hi].ctypes.data, (hi - lo) * w.itemsize)
+    slots = _slots2d(ctl[0], step_parity(ctl[0]), w)
+    memcpy(out_addr, slots[j, lo:hi].ctypes.data, (hi - lo) * w.itemsize)
 
 
 @numba.njit(cache=True, nogil=True)
-def _slot_addr(c, parity, j):
+def parity_slot_addr(c, parity, j):
     return c.slots + (parity * c.local_size + j) * c.slot_nbytes
 
 
 @numba.njit(_i64(_ctl, _i64), cache=True, nogil=True)
 def slot_addr(ctl, j):
     """Address of slot(p, j) of the current step."""
-    return _slot_addr(ctl[0], _parity(ctl[0]), j)
+    return parity_slot_addr(ctl[0], step_parity(ctl[0]), j)
 
 
 @numba.njit(_i64(_ctl, _i64), cache=True, nogil=True)
 def next_slot_addr(ctl, j):
     """Address of slot(p, j) of the step that the next ``stage`` will start."""
-    return _slot_addr(ctl[0], ctl[0].steps & 1, j)
+    return parity_slot_addr(ctl[0], ctl[0].steps & 1, j)
 
 
 @numba.njit(types.void(types.intp, types.intp, _i64), cache=True, nogil=True)
 def copy_bytes(dst_addr, src_addr, nbytes):
     if nbytes <= 0:
         return
-    _memcpy(dst_addr, src_addr, nbytes)
+    memcpy(dst_addr, src_addr, nbytes)
 
 
 @numba.njit(_sigs(types.void, _ctl, types.intp, _i64, _i64, _i64, "W"), cache=True, nogil=True)
@@ -909,12 +912,12 @@ def copy_blocks(ctl, out_addr, n, start, m, w):
     c = ctl[0]
     L, G = c.local_size, c.gather_nodes
     table = numba.carray(_voidptr(c.gather_table), (L, G), np.int64)
-    slots = _slots2d(c, _parity(c), w)
+    slots = _slots2d(c, step_parity(c), w)
     isz = w.itemsize
     for lr in range(L):
         for g in range(G):
             o = (table[lr, g] * n + start) * isz
-            _memcpy(out_addr + o, slots[lr, g * m:].ctypes.data, m * isz)
+            memcpy(out_addr + o, slots[lr, g * m:].ctypes.data, m * isz)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -929,8 +932,8 @@ def _gather_node(ctl, x_addr, out_addr, n, code, w):
     start = 0
     while True:
         m = min(chunk, n - start)
-        copy_bytes(_slot_addr(c, c.steps & 1, c.local_rank), x_addr + start * isz, m * isz)
-        rc = _stage_at(ctl, 0, 0, 0, 0, n * isz, code, w, 0)
+        copy_bytes(parity_slot_addr(c, c.steps & 1, c.local_rank), x_addr + start * isz, m * isz)
+        rc = stage_at(ctl, 0, 0, 0, 0, n * isz, code, w, 0)
         if rc != OK:
             return rc
         copy_blocks(ctl, out_addr, n, start, m, w)
@@ -1008,7 +1011,7 @@ def gather_step(ctl, x_addr, out_addr, n, fmt, digest):
     if rc != OK:
         return rc
     if ctl[0].profile != 0:
-        begin(ctl, n * _itemsize(fmt), kind.allgather_code(fmt, digest))
+        begin(ctl, n * format_itemsize(fmt), kind.allgather_code(fmt, digest))
     rc = _gather(ctl, x_addr, out_addr, n, fmt, digest)
     leave(ctl)
     return rc
@@ -1023,7 +1026,7 @@ def add_publish_sum(ctl, x_addr, r_addr, m, status, fmt, w):
     sum of the slots. Returns publish_wait_status's code."""
     c = ctl[0]
     if status == 0 and r_addr != 0 and m > 0:
-        mine = _slot_addr(c, _parity(c), c.local_rank)
+        mine = parity_slot_addr(c, step_parity(c), c.local_rank)
         if _streams(c, m * w.itemsize):
             # sum into the private receive buffer, then stream it to the slot
             add_into(r_addr, x_addr, m, fmt, w)
@@ -1065,7 +1068,7 @@ def one_node_step(ctl, x_addr, n, fmt):
     if rc != OK:
         return rc
     if ctl[0].profile != 0:
-        begin(ctl, n * _itemsize(fmt), ctl[0].auto_code | fmt)
+        begin(ctl, n * format_itemsize(fmt), ctl[0].auto_code | fmt)
     rc = _one_node(ctl, x_addr, n, fmt)
     leave(ctl)
     return rc
@@ -1082,7 +1085,7 @@ def _one_node_cfunc(ctl_addr, x_addr, n, fmt):
 # this rank's data goes into its slot and its flag is published, so the
 # peers can proceed, and the call returns while the caller computes.
 # one_node_finish then waits for the peers, checks the metas and sums. The
-# two halves are _stage_at split at its wait (the same steps, flag rounds
+# two halves are stage_at split at its wait (the same steps, flag rounds
 # and checks as one_node_step, so a rank taking the blocking path meets a
 # rank taking the split one). The context stays "busy" in between: another
 # entry on it is refused until the finish. A call of more than one slot
@@ -1107,11 +1110,11 @@ def _one_node_start(ctl, x_addr, n, fmt, w):
         pos = _ring_pos(c, total)
         c.split = SPLIT_SMALL
         c.split_pos = pos
-        return _stage_post(ctl, x_addr, n, 0, 0, total, code, w, pos)
+        return stage_post(ctl, x_addr, n, 0, 0, total, code, w, pos)
     lo, hi = part_bounds(n, c.local_size, c.local_rank, isz)
     c.split = SPLIT_RSAG
     c.split_pos = 0
-    return _stage_post(ctl, x_addr, n, lo, hi, total, code, w, 0)
+    return stage_post(ctl, x_addr, n, lo, hi, total, code, w, 0)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -1124,7 +1127,7 @@ def _one_node_finish(ctl, x_addr, n, fmt, w):
     isz = w.itemsize
     total = n * isz
     pos = c.split_pos
-    status = _stage_check(ctl, total, c.auto_code | fmt, pos)
+    status = stage_check(ctl, total, c.auto_code | fmt, pos)
     if status != OK:
         return status
     if split == SPLIT_SMALL:
@@ -1143,7 +1146,7 @@ def one_node_start(ctl, x_addr, n, fmt):
     if rc != OK:
         return rc
     if ctl[0].profile != 0:
-        begin(ctl, n * _itemsize(fmt), ctl[0].auto_code | fmt)
+        begin(ctl, n * format_itemsize(fmt), ctl[0].auto_code | fmt)
     if fmt == _BF16 or fmt == _F16:
         rc = _one_node_start(ctl, x_addr, n, fmt, np.empty(0, np.uint16))
     elif fmt == _F32:
@@ -1176,7 +1179,7 @@ def solo_step(ctl, x_addr, n, fmt):
     if foreign_thread(ctl):
         return WRONG_THREAD
     if ctl[0].profile != 0:
-        begin(ctl, n * _itemsize(fmt), ctl[0].auto_code | fmt)
+        begin(ctl, n * format_itemsize(fmt), ctl[0].auto_code | fmt)
         profrec.record(ctl)
     return OK
 

@@ -25,7 +25,7 @@ def main() -> int:
 
     # ``import harmpi`` (this module's package) has run compile_once already
     how = compilenote.outcome or compilenote.compile_once(compile_all)
-    record = compilenote._read(compilenote.cache_dir() / compilenote.RECORD)
+    record = compilenote.read_record(compilenote.cache_dir() / compilenote.RECORD)
     took = {"compiled": f"compiled in {record.get('compile_wall_s', 0):.0f} s",
             "waited": "compiled by another process (waited for it)",
             "loaded": "all loaded from the cache (sources changed, kernels did not)",

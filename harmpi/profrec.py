@@ -62,7 +62,7 @@ NBUCKETS = 48 * SUBBUCKETS
 NCOLL = 4
 _COLL_SHIFT = dict((f, shift) for f, shift, _ in kind.FIELDS)["coll"]
 _COLL_MASK = 0xF
-_voidptr = control._voidptr
+_voidptr = control.voidptr
 
 
 def layout(size: int, records: int) -> dict:

@@ -120,6 +120,14 @@ def _modules():
     return found
 
 
+def _from_target(node, here):
+    """The module a ``from ... import`` names (``here``: the importing
+    module's package, as a list of names)."""
+    if not node.level:
+        return node.module or ""
+    return ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+
+
 def _imported(module, path, modules):
     """The harmpi modules ``module`` imports anywhere in its file (inside
     functions too), relative or absolute: ``from X import Y`` counts Y when
@@ -131,11 +139,7 @@ def _imported(module, path, modules):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here[:len(here) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(node, here)
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 found.add(sub if sub in modules else target)
@@ -180,3 +184,44 @@ def test_no_import_cycle_in_harmpi():
 def test_the_cycle_finder_finds_cycles():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(edges) == [["a", "b", "c"]]
+
+
+def _private_uses(module, path, modules):
+    """``from harmpi.X import _name`` and ``X._name`` (X a harmpi module
+    imported as a name) in ``module``'s file: another module's private names."""
+    is_package = path.endswith("__init__.py")
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    tree = ast.parse(open(path).read(), path)
+    bound, found = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = _from_target(node, here)
+            for alias in node.names:
+                if f"{target}.{alias.name}" in modules:
+                    bound[alias.asname or alias.name] = f"{target}.{alias.name}"
+                elif target in modules and _private(alias.name):
+                    found.append(f"from {target} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in modules:
+                    bound[alias.asname] = alias.name
+    return found + _private_attributes(tree, bound)
+
+
+def _private_attributes(tree, bound):
+    """``X._name`` where X is a name ``bound`` to a harmpi module."""
+    return [f"{bound[node.value.id]}.{node.attr} (line {node.lineno})"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id in bound and _private(node.attr)]
+
+
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_uses_another_modules_private_names():
+    modules = _modules()
+    found = [f"{m}: {use}" for m, p in sorted(modules.items())
+             for use in _private_uses(m, p, modules)]
+    assert not found, "private names used across modules:\n  " + "\n  ".join(found)

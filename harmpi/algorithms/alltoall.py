@@ -63,9 +63,9 @@ from ..control import (
     RAIL_FAILED,
     RAIL_LATE,
     RAIL_TIMEOUT,
-    _voidptr,
     control_at,
 )
+from ..control import voidptr as _voidptr
 from ..errors import HarmpiMismatchError
 from ..kind import POISON_TAG, rail_tag
 from ..transports import sockio
@@ -77,10 +77,10 @@ _i64 = types.int64
 #: witness of the flag rounds (harmpi.node compiles them per storage type; with
 #: no data copied by the round itself, any of its types will do)
 _W = np.empty(0, np.uint16)
-_memcpy = node._memcpy
-_slot_addr = node._slot_addr
-_parity = node._parity
-_publish_copy = node._publish_copy
+_memcpy = node.memcpy
+_slot_addr = node.parity_slot_addr
+_parity = node.step_parity
+_publish_copy = node.publish_copy
 
 #: the per-call plan, an int64 array of plan_words(P): (field, words) in order.
 #: The caller fills send/expect (or asks for an even split); the step fills
@@ -218,7 +218,7 @@ def alltoall_start(ctl, x_addr, row_nb, plan, code):
         node.begin(ctl, total * row_nb, code)
     head, block = geometry(c.slot_nbytes, P)
     _fill(c, x_addr, row_nb, plan, P, me, 0, head, block, True)
-    rc = node._stage_at(ctl, 0, 0, 0, 0, row_nb, code, _W, 0)
+    rc = node.stage_at(ctl, 0, 0, 0, 0, row_nb, code, _W, 0)
     if rc != OK:
         node.leave(ctl)
         return rc
@@ -241,7 +241,7 @@ def alltoall_finish(ctl, x_addr, out_addr, row_nb, plan, code):
         for k in range(plan[5 * P]):
             if k > 0:
                 _fill(c, x_addr, row_nb, plan, P, me, k, head, block, False)
-                rc = node._stage_at(ctl, 0, 0, 0, 0, row_nb, code, _W, 0)
+                rc = node.stage_at(ctl, 0, 0, 0, 0, row_nb, code, _W, 0)
                 if rc != OK:
                     break
             if out_addr != 0:
@@ -422,7 +422,7 @@ def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, 
     if rc != OK:
         return rc
     _fill(c, x_addr, row_nb, plan, P, rank, k, head, block, k == 0)
-    rc = node._stage_at(ctl, 0, 0, 0, 0, row_nb, code, _W, 0)
+    rc = node.stage_at(ctl, 0, 0, 0, 0, row_nb, code, _W, 0)
     if rc != OK and rc != MISMATCH:
         return rc
     local_bad = rc == MISMATCH

@@ -59,7 +59,7 @@ __all__ = ["HarLatencyAllreduce", "HAR2_STEP", "HAR2_START", "HAR2_FINISH"]
 # nothing to do), then add + publish + sum. Its socket, buffers and sockio
 # rows are in the control block (rail_* fields).
 
-_voidptr = control._voidptr
+_voidptr = control.voidptr
 _RAIL_ROWS = 2
 
 
@@ -79,7 +79,7 @@ def _har2_post(ctl, ops, scratch, addr, m, total, code, tag, w):
     if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
         node.abandon(ctl, c.rail_peer)
         return RAIL_FAILED
-    return node._stage_post(ctl, 0, m, 0, m, total, code, w, 0)
+    return node.stage_post(ctl, 0, m, 0, m, total, code, w, 0)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -101,7 +101,7 @@ def _har2_complete(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w
     """Second half: wait for the node and the exchange, add, publish, sum."""
     c = ctl[0]
     nbytes = m * w.itemsize
-    rc = node._stage_check(ctl, total, code, 0)
+    rc = node.stage_check(ctl, total, code, 0)
     if rc != OK and rc != MISMATCH:
         return rc
     local_bad = rc == MISMATCH
@@ -184,7 +184,7 @@ def har2_step(ctl, x_addr, n, fmt):
     if rc != OK:
         return rc
     if ctl[0].profile != 0:
-        node.begin(ctl, n * node._itemsize(fmt), ctl[0].auto_code | fmt)
+        node.begin(ctl, n * node.format_itemsize(fmt), ctl[0].auto_code | fmt)
     rc = har2_run(ctl, x_addr, n, ctl[0].auto_code | fmt, fmt)
     node.leave(ctl)
     return rc
@@ -227,7 +227,7 @@ def har2_start(ctl, x_addr, n, fmt):
     if rc != OK:
         return rc
     if ctl[0].profile != 0:
-        node.begin(ctl, n * node._itemsize(fmt), ctl[0].auto_code | fmt)
+        node.begin(ctl, n * node.format_itemsize(fmt), ctl[0].auto_code | fmt)
     if fmt == dtypes.BF16 or fmt == dtypes.F16:
         rc = _har2_start(ctl, x_addr, n, fmt, np.empty(0, np.uint16))
     elif fmt == dtypes.F32:
