@@ -126,6 +126,9 @@ class Registry:
     def _make(self, comm, config, ident, name):
         ctx = Context(comm, config or Config.from_env(), self.sigfd)
         ctx.owner_name = name
+        # owned before another thread can find it (below): a thread that
+        # looked the context up before its owner was set ran its calls on it
+        ctx.ctl[0]["owner"] = ident
         self.contexts.append(ctx)
         try:
             owner.agree(comm, name, ctx.config.timeout_s)
@@ -137,7 +140,6 @@ class Registry:
                 self.world = ctx
             else:
                 comm.Set_attr(self.keyval, ctx)
-        ctx.ctl[0]["owner"] = ident
         if ctx is self.world:
             self.attach_native()
         ctx.held_sigint.deliver()  # a Ctrl-C held over the set-up's blocking calls
