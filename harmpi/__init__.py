@@ -40,6 +40,12 @@ from . import compilenote as _compilenote  # noqa: E402
 
 _compilenote.install()
 
+# numba loaded llvmlite, whose C library handle breaks vLLM's start-up scan of
+# every module (harmpi.llvmcompat); fixed only where vLLM is installed
+from . import llvmcompat as _llvmcompat  # noqa: E402
+
+_llvmcompat.install()
+
 # (callable modules, see allreduce.py; failfast.install(): the opt-in excepthook)
 from . import allgather, allreduce, alltoall, failfast, profile  # noqa: E402, F401
 from .api import barrier, finalize, gather_logits, info, init  # noqa: E402

@@ -345,7 +345,11 @@ class Context:
     def _alltoall_entry(self):
         if self.topo.node_count == 1:
             return None
-        return HierAlltoall(self) if self.topo.uniform else MpiAlltoall(self)
+        # on three or more nodes a disagreeing pair is seen by its two nodes
+        # only; MPI_Ialltoallv's path checks every pair on every rank
+        if self.topo.uniform and self.topo.node_count == 2:
+            return HierAlltoall(self)
+        return MpiAlltoall(self)
 
     def run_python(self, fn, *args):
         """Run a Python algorithm as an entry: refused like a compiled entry

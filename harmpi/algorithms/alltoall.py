@@ -28,7 +28,10 @@ steps later, after its readers passed the next step's wait (harmpi.node).
 Cost: one flag round per C bytes of the longest segment; every byte is
 copied twice (into my slot, out of the sender's slot), my own rows once.
 
-Several nodes (G nodes of L ranks; Python around compiled copies): rank
+Two nodes (G = 2 nodes of L ranks; compiled over tcp, else Python around
+compiled copies; three or more nodes, or nodes of different sizes, take
+MpiAlltoall: a polled MPI_Ialltoallv after a check of every pair on every
+rank, since here a pair that disagrees is seen by its two nodes only): rank
 (g, l)'s rail peers are ranks (g', l). Per step:
   1. as above: header and blocks into my slot, one flag round;
   2. for each other node g', pack one message for (g', l): a header
@@ -682,8 +685,11 @@ class MpiAlltoall:
 
     def __init__(self, ctx):
         self.ctx = ctx
-        ctx.log_once(f"alltoall: nodes hold {list(ctx.topo.node_sizes)} ranks (uneven), so "
-                     "rails do not span every node; using MPI_Ialltoallv on the communicator")
+        sizes = list(ctx.topo.node_sizes)
+        why = (f"nodes hold {sizes} ranks (uneven), so rails do not span every node"
+               if not ctx.topo.uniform else f"{len(sizes)} nodes (a pair that disagrees must "
+               "fail on every node, which one rail exchange cannot tell)")
+        ctx.log_once(f"alltoall: {why}; using MPI_Ialltoallv on the communicator")
 
     def run(self, call, row_nb, plan, make_out):
         from mpi4py import MPI  # noqa: PLC0415
