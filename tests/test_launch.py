@@ -731,13 +731,19 @@ while true; do sleep 0.05; done
         cwd=REPO, env=_subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         preexec_fn=lambda: signal.signal(signal.SIGINT, inherited),
     )
-    deadline = time.monotonic() + 30
-    while not Path(f"{marker}.run").exists():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "fake mpirun never started"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    try:
+        deadline = time.monotonic() + 30
+        while not Path(f"{marker}.run").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "fake mpirun never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        # a failed run leaves no loop behind: the launcher, and the fake
+        # mpirun in its own session
+        proc.kill()
+        subprocess.run(["pkill", "-KILL", "-f", str(fake)], check=False)
     assert proc.returncode == 7, (out, err)
     assert marker.read_text().strip() == "INT"
 
