@@ -64,14 +64,13 @@ from ..control import (
     OK,
     POISONED,
     RAIL_FAILED,
-    RAIL_LATE,
-    RAIL_TIMEOUT,
     control_at,
 )
 from ..control import voidptr as _voidptr
 from ..errors import HarmpiMismatchError
 from ..kind import POISON_TAG, rail_tag
 from ..transports import sockio
+from .har_latency import rail_complete, rail_views
 
 __all__ = ["PLAN_FIELDS", "plan_words", "geometry", "ALLTOALL_STEP", "ALLTOALL_START", "warm_up",
            "ALLTOALL_FINISH", "ALLTOALL_CFUNC", "HierAlltoall", "new_plan", "pair_mismatch"]
@@ -109,7 +108,7 @@ def geometry(slot_nbytes, P):
     return head, block
 
 
-def pair_mismatch(plan, P, sender_counts=None):
+def pair_mismatch(plan, P):
     """(sender, receiver) of the first pair whose count differs from the
     receiver's expectation, from the plan's bad_pair word, or None."""
     bad = int(plan[5 * P + 1])
@@ -392,15 +391,7 @@ def _scan_headers(c, counts, ranks, g, P, L, me, recv):
 # step one call does the node round, the exchange and the status round, and
 # one more the copies, instead of ~100 us of Python.
 
-_RAIL_ROWS = 2
-
-
-@numba.njit(cache=True, nogil=True)
-def _rail_views(c):
-    ops = numba.carray(_voidptr(c.rail_ops), (_RAIL_ROWS, sockio.OP_WORDS), np.int64)
-    pollfds = numba.carray(_voidptr(c.rail_pollfds), (_RAIL_ROWS, 2), np.int32)
-    scratch = numba.carray(_voidptr(c.rail_scratch), (c.rail_scratch_len,), np.int64)
-    return ops, pollfds, scratch
+_RAIL_ROWS = 2  # (har_latency's rows: row 0 receives, row 1 sends)
 
 
 _ROUND_SIG = _i64(_ctl, types.intp, _i64, types.int64[::1], _i64, _i64, types.int64[:, ::1],
@@ -435,7 +426,7 @@ def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, 
     if k == 0 and not local_bad:
         state[0], state[1] = _scan_headers(c, counts, ranks, g, P, L, rank, recv)
     more = 1 if (not local_bad and state[0] * row_nb > (k + 1) * block) else 0
-    ops, pollfds, scratch = _rail_views(c)
+    ops, pollfds, scratch = rail_views(c)
     nb = 0
     send_tag = POISON_TAG
     if not local_bad:
@@ -448,16 +439,9 @@ def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, 
     if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
         node.abandon(ctl, c.rail_peer)
         return RAIL_FAILED
-    io = sockio.progress(ops, _RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
-                         node.hook_addr(ctl))
-    if io == sockio.IO_INTERRUPTED:
-        return node.interrupted(ctl)
-    if io != sockio.IO_OK:
-        node.abandon(ctl, c.rail_peer)
-        return RAIL_TIMEOUT if io == sockio.IO_TIMEOUT else RAIL_FAILED
-    if sockio.realtime_ns() > ops[0, sockio.OP_HDR_DL]:
-        node.abandon(ctl, c.rail_peer)  # the peer gave up on this step by now
-        return RAIL_LATE
+    rc = rail_complete(ctl, ops, pollfds, scratch)
+    if rc != OK:
+        return rc
     got_nb, got_tag = ops[0, sockio.OP_HDR_N], ops[0, sockio.OP_HDR_TAG]
     msg_head = (8 * (2 * L + 1) + 63) // 64 * 64
     status = 0

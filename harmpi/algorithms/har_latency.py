@@ -48,7 +48,8 @@ from ..errors import HarmpiTimeoutError
 from ..transports import TcpTransport, sockio
 from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
 
-__all__ = ["HarLatencyAllreduce", "HAR2_STEP", "HAR2_START", "HAR2_FINISH"]
+__all__ = ["HarLatencyAllreduce", "HAR2_STEP", "HAR2_START", "HAR2_FINISH", "rail_complete",
+           "rail_views"]
 
 # -- two nodes over the tcp transport: the whole step in one compiled call ----
 #
@@ -83,6 +84,27 @@ def _har2_post(ctl, ops, scratch, addr, m, total, code, tag, w):
 
 
 @numba.njit(cache=True, nogil=True)
+def rail_complete(ctl, ops, pollfds, scratch):
+    """Wait for the posted exchange with the rail peer (row 0 receives, row 1
+    sends; sleeping in poll(2) past the spin budget): OK, or the status of
+    a step this rank gives up on (its rail peer is told by the abandon)."""
+    c = ctl[0]
+    io = sockio.progress(ops, _RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
+                         node.hook_addr(ctl))
+    if io == sockio.IO_INTERRUPTED:
+        return node.interrupted(ctl)
+    if io != sockio.IO_OK:
+        node.abandon(ctl, c.rail_peer)
+        return RAIL_TIMEOUT if io == sockio.IO_TIMEOUT else RAIL_FAILED
+    if sockio.realtime_ns() > ops[0, sockio.OP_HDR_DL]:
+        # the peer's message is older than its deadline: it gave up on this
+        # step (or is about to), so this rank must not complete it
+        node.abandon(ctl, c.rail_peer)
+        return RAIL_LATE
+    return OK
+
+
+@numba.njit(cache=True, nogil=True)
 def _peer_arrived(c, give_up_rt):
     """Profiling, first step of a collective: the rail peer sent its part at
     its give-up time minus the timeout (its realtime clock, which is
@@ -107,18 +129,9 @@ def _har2_complete(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w
     local_bad = rc == MISMATCH
     if local_bad:  # keep the node's verdict while the step ends poisoned
         c.saved_peer, c.saved_a, c.saved_b = c.err_peer, c.err_a, c.err_b
-    io = sockio.progress(ops, _RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
-                         node.hook_addr(ctl))
-    if io == sockio.IO_INTERRUPTED:
-        return node.interrupted(ctl)
-    if io != sockio.IO_OK:
-        node.abandon(ctl, c.rail_peer)
-        return RAIL_TIMEOUT if io == sockio.IO_TIMEOUT else RAIL_FAILED
-    if sockio.realtime_ns() > ops[0, sockio.OP_HDR_DL]:
-        # the peer's message is older than its deadline: it gave up on this
-        # step (or is about to), so this rank must not complete it
-        node.abandon(ctl, c.rail_peer)
-        return RAIL_LATE
+    rc = rail_complete(ctl, ops, pollfds, scratch)
+    if rc != OK:
+        return rc
     rail_bad = ops[0, sockio.OP_HDR_N] != nbytes or ops[0, sockio.OP_HDR_TAG] != tag
     if c.profile != 0 and c.epoch == c.coll_epoch + 1:
         _peer_arrived(c, ops[0, sockio.OP_HDR_DL])
@@ -191,7 +204,7 @@ def har2_step(ctl, x_addr, n, fmt):
 
 
 @numba.njit(cache=True, nogil=True)
-def _rail_views(c):
+def rail_views(c):
     ops = numba.carray(_voidptr(c.rail_ops), (_RAIL_ROWS, sockio.OP_WORDS), np.int64)
     pollfds = numba.carray(_voidptr(c.rail_pollfds), (_RAIL_ROWS, 2), np.int32)
     scratch = numba.carray(_voidptr(c.rail_scratch), (c.rail_scratch_len,), np.int64)
@@ -203,7 +216,7 @@ def _har2_start(ctl, x_addr, n, fmt, w):
     c = ctl[0]
     total = n * w.itemsize
     code = c.auto_code | fmt
-    ops, _pollfds, scratch = _rail_views(c)
+    ops, _pollfds, scratch = rail_views(c)
     return _har2_post(ctl, ops, scratch, x_addr, n, total, code, kind.rail_tag(total, code), w)
 
 
@@ -212,7 +225,7 @@ def _har2_finish(ctl, x_addr, n, fmt, w):
     c = ctl[0]
     total = n * w.itemsize
     code = c.auto_code | fmt
-    ops, pollfds, scratch = _rail_views(c)
+    ops, pollfds, scratch = rail_views(c)
     return _har2_complete(ctl, ops, pollfds, scratch, x_addr, n, total, code,
                           kind.rail_tag(total, code), fmt, w)
 
