@@ -21,7 +21,11 @@ export PYTHONDONTWRITEBYTECODE :=
 export PATH := $(VENV)/bin:$(PATH)
 
 MPIRUN = $(shell test -x $(VENV)/bin/mpirun && echo $(VENV)/bin/mpirun || command -v mpirun)
+# a job's cap: at least MPI_TEST_TIMEOUT, and MPI_TEST_SECONDS_PER_RANK per rank
+# (every rank runs the whole file list on the same 2 cores, so the work -
+# and on a busy machine the time - grows with the rank count)
 MPI_TEST_TIMEOUT ?= 300
+MPI_TEST_SECONDS_PER_RANK ?= 150
 NPS ?= 1 2 3 4
 # more ranks than cores is the point of some tests: oversubscribe, do not bind
 MPI_FLAGS ?= --map-by :OVERSUBSCRIBE --bind-to none
@@ -196,8 +200,9 @@ mpi-test: setup
 	  if [ $$3 != - ]; then envs="$$envs HARMPI_TRANSPORT=$$3"; xs="$$xs -x HARMPI_TRANSPORT"; fi; \
 	  if [ $$4 != - ]; then envs="$$envs $$4"; xs="$$xs -x $${4%%=*}"; fi; \
 	  if [ $$5 = all ]; then files=tests/mpi; else files="$(MPI_CORE_TESTS)"; fi; \
-	  echo "== mpirun -np $$np $$envs ($$5 tests)"; s0=$$(date +%s); \
-	  env $$envs timeout -k 10 $(MPI_TEST_TIMEOUT) $(MPIRUN) -np $$np $(MPI_FLAGS) $$xs \
+	  cap=$$(( np * $(MPI_TEST_SECONDS_PER_RANK) )); [ $$cap -ge $(MPI_TEST_TIMEOUT) ] || cap=$(MPI_TEST_TIMEOUT); \
+	  echo "== mpirun -np $$np $$envs ($$5 tests, cap $$cap s)"; s0=$$(date +%s); \
+	  env $$envs timeout -k 10 $$cap $(MPIRUN) -np $$np $(MPI_FLAGS) $$xs \
 	    $(MPI_PYTEST) $$files || failed="$$failed $$cfg"; \
 	  echo "== took $$(( $$(date +%s) - s0 )) s: mpirun -np $$np $$envs ($$5 tests)"; \
 	done; \
