@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(300)
 
 ABSENT_RANK = """
     import datetime, os, sys, time, torch, torch.distributed as dist, harmpi
-    from harmpi.distributed import _mpi_rendezvous
+    from harmpi.distributed.rendezvous import mpi_rendezvous
     from mpi4py import MPI
     MPI.COMM_WORLD.Barrier()   # start-up (seconds apart under load) stays out of the 2 s deadline
     dist.init_process_group("harmpi", init_method="mpi://")
@@ -57,7 +57,7 @@ ABSENT_RANK = """
         # (MPI_Comm_create_group) and the rendezvous over MPI (its collectives)
         setups = {{
             "new_group": lambda: dist.new_group(list(range(n))),
-            "rendezvous": lambda: next(_mpi_rendezvous(
+            "rendezvous": lambda: next(mpi_rendezvous(
                 "env://", timeout=datetime.timedelta(seconds={timeout_s}))),
         }}
         for name, call in setups.items():

@@ -1,0 +1,694 @@
+"""The collectives of backend "harmpi": :class:`ProcessGroupHarmpi`, the
+``dist.ProcessGroup`` torch uses as the group itself (its state, MPI
+channel and lifetime: :class:`harmpi.distributed.channel.GroupChannel`).
+
+What each call does (``t``: a CPU tensor of bf16, f16, f32 or f64):
+
+=========================  ==================================================
+all_reduce SUM             harmpi's all-reduce, in place (the hot path: the
+                           native entry on the default group, the group's
+                           context's compiled entry called directly on
+                           the others; nothing is cached per call)
+all_reduce AVG             the sum, then divided by the group size (bf16/f16:
+                           two roundings)
+all_reduce MAX / MIN       allgather, then max/min over ranks (exact)
+all_gather(_single)        harmpi's hierarchical allgather (exact); outputs of
+                           uneven sizes along the last dimension: gather_logits'
+                           route (harmpi.logits)
+reduce_scatter_single      all-reduce of a copy, then this rank's block
+broadcast, scatter         MPI_Bcast / MPI_Scatter of the bytes (exact, any dtype)
+barrier                    harmpi's barrier
+sparse all_reduce SUM      as gloo: every rank's coalesced indices and values
+                           gathered (MPI_Iallgatherv), summed, coalesced
+=========================  ==================================================
+
+The rest of what gloo serves on CPU (integer and bool reductions, gather,
+reduce, all_to_all, point to point, monitored_barrier, other dtypes) goes
+over private duplicates of the group's communicator with MPI's
+non-blocking calls, the ranks agreeing on sizes and dtypes first. What
+none of these serve raises ``HarmpiArgumentError`` naming what is
+supported, before any data moves.
+
+Deadlines. Every wait is bounded: the ``timeout=`` given to
+``init_process_group`` or ``new_group`` (as gloo honours it), else
+HARMPI_TIMEOUT_S (torch passes its 30-minute default when none is given,
+and that value means "not given" here). The MPI rendezvous and a group's
+creation (the members meet on the group's store before
+MPI_Comm_create_group) are bounded by the same deadline.
+
+Async. ``async_op=True`` all-reduce (SUM or AVG) is split in two compiled
+halves where the context's default all-reduce has them (Context.split): on
+one node (harmpi.node.one_node_start / one_node_finish) the call copies
+this rank's tensor into its slot, publishes it and returns; on two nodes
+over tcp up to har_latency_max (har_latency.har2_start / har2_finish) it
+also posts the rail exchange, so the network carries the tensor while the
+caller computes. ``wait()`` (or ``get_future()``) waits for the peers and
+sums. The peers need nothing more from this rank in between, so the
+caller's compute overlaps every rank's arrival and the exchange. A group holds at most one started
+collective: any later call on the group completes it first, in order, as
+MPI orders collectives on one communicator. Other async calls complete
+before they return (their work object is already done). While a torch
+group's all-reduce is started, ``harmpi.allreduce`` on the same
+communicator is refused with a clear error; ``wait()`` first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from .. import api
+from ..context import AUTO_CODE
+from ..errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError, HarmpiTimeoutError
+from ..registry import STATE
+from ..torch import describe
+from .channel import GroupChannel
+from .tables import (
+    AVG,
+    BOOL_OPS,
+    DTYPES,
+    FLOAT_REDUCE,
+    FLOATS,
+    INT_OPS,
+    MONITOR_TAG,
+    RED,
+    STRIDED,
+    SUM,
+    SYNC_SUM,
+    op_name,
+    reduce_opts,
+)
+from .tensors import (
+    bytes_of,
+    contiguous_cpu,
+    copy_back,
+    cpu_tensor,
+    float_tensor,
+    is_async,
+    mpi_buffer,
+    one_tensor,
+    split_bytes,
+    user_tag,
+)
+from .waits import cancel, unfinished, wait_requests
+from .work import DONE, DoneWork, MpiWork, SplitWork
+
+__all__ = ["ProcessGroupHarmpi"]
+
+
+class ProcessGroupHarmpi(GroupChannel):
+    """One torch process group over one MPI communicator (see the module docstring)."""
+
+    # -- all-reduce --------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        # the hot path, dist.all_reduce(t) as a synchronous SUM: as few
+        # Python steps as possible before the context's compiled entry
+        if self._pending is None:
+            native = self._native_sum
+            if native is not None:
+                # the default group: C++ reads opts and runs the world entry
+                # (harmpi/_native.cpp; -1 when no world context is served or
+                # the tensor is not one it takes, -2 for anything but a
+                # synchronous SUM): reading opts.reduceOp from Python alone
+                # costs ~0.35 us
+                rc = native(tensors, SYNC_SUM if opts is None else opts)
+                if rc == 0:
+                    return DONE
+                if rc > 0:
+                    api.native_failed(tensors[0], rc)
+            elif len(tensors) == 1 and (opts is None or (not opts.asyncOp
+                                                         and opts.reduceOp == SUM)):
+                # any other group: its context's entry, called here
+                t = tensors[0]
+                if t.dtype in FLOATS and t.is_cpu and t.layout is STRIDED:
+                    self._sum(t)
+                    return DONE
+        else:
+            self._settle()
+        return self._allreduce(tensors, opts)
+
+    def _allreduce(self, tensors, opts):
+        """all_reduce past the hot path: a pending collective settled, or a
+        call the hot path does not take (async, sparse, another op or dtype)."""
+        if len(tensors) != 1:
+            one_tensor(tensors, "all_reduce")
+        t = tensors[0]
+        if opts is None:
+            opts = SYNC_SUM
+        if t.layout != STRIDED:
+            return self._allreduce_sparse(t, opts)
+        if opts.asyncOp:
+            return self._allreduce_async(t, opts)
+        if opts.reduceOp == SUM:
+            native = STATE.native
+            if native is not None and self._default:
+                rc = native(t)
+                if rc == 0:
+                    return DONE
+                if rc > 0:
+                    api.native_failed(t, rc)
+            if t.dtype in FLOATS and t.device.type == "cpu":
+                api.allreduce(t, comm=self._harmpi_comm)
+                return DONE
+        return self._allreduce_other(t, opts.reduceOp, False)
+
+    def _sum(self, t):
+        """harmpi's all-reduce of the float CPU tensor ``t`` on this group's
+        context: what harmpi.allreduce(t, comm=...) does on its Python path
+        (the same checks and errors, the same entry), without looking the
+        context up again. A context that broke or was freed since the group
+        was made leaves the call to harmpi.allreduce, which raises (or, for
+        the world after harmpi.finalize(), makes a new context)."""
+        ctx = self._ctx
+        if ctx.broken is not None:
+            api.allreduce(t, comm=self._harmpi_comm)
+            return
+        addr, n, fmt = describe(t, True)
+        try:
+            rc = ctx.entry(ctx.ctl, addr, n, fmt)
+            if rc:
+                ctx.raise_status(rc, addr, n, fmt, AUTO_CODE | fmt, "allreduce")
+        except KeyboardInterrupt:
+            ctx.interrupted()
+            raise
+
+    def _allreduce_async(self, t, opts):
+        op = opts.reduceOp
+        split = self._split
+        if split is not None and (op == SUM or op == AVG) and t.dtype in FLOATS \
+                and t.numel() * t.element_size() <= split[2]:
+            return self._start(t, None if op == SUM else self.size())
+        if op == SUM and t.dtype in FLOATS and t.device.type == "cpu":
+            api.allreduce(t, comm=self._harmpi_comm)
+            return DoneWork([t])
+        return self._allreduce_other(t, op, True)
+
+    def _allreduce_other(self, t, op, async_op):
+        """all_reduce beyond harmpi's sums: exact, the same bits on every rank."""
+        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        if t.device.type != "cpu":
+            raise HarmpiArgumentError(f"harmpi backend: all_reduce: tensor is on {t.device}; "
+                                      "harmpi works on CPU tensors")
+        if kind == RED.PREMUL_SUM:
+            raise HarmpiArgumentError("harmpi backend: all_reduce with PREMUL_SUM is not "
+                                      "supported (gloo lacks it too); scale, then SUM")
+        if t.dtype in FLOATS:
+            return self._allreduce_float(t, kind, async_op)
+        entry = DTYPES.get(t.dtype)
+        ops = BOOL_OPS if t.dtype == torch.bool else INT_OPS
+        mpi_op = ops.get(kind) if entry is not None and entry[1] is not None else None
+        if mpi_op is None:
+            raise HarmpiArgumentError(
+                f"harmpi backend: all_reduce with {op_name(kind)} of {t.dtype} is not "
+                "supported; integer and bool tensors take SUM, PRODUCT, MIN, MAX, BAND, BOR "
+                "and BXOR, floats SUM, AVG, PRODUCT, MIN and MAX")
+        self._agree("all_reduce", t.dtype, t.numel() * t.element_size(), int(kind))
+        buf = t if t.is_contiguous() else t.contiguous()
+        req = self._mpi.Iallreduce(MPI.IN_PLACE, [buf.numpy(), entry[1]], mpi_op)
+        return self._run([req], copy_back(buf, t), [t], "all_reduce", async_op)
+
+    def _allreduce_float(self, t, kind, async_op):
+        if kind == RED.AVG:
+            api.allreduce(t, comm=self._harmpi_comm)
+            t.div_(self.size())
+            return DoneWork([t]) if async_op else DONE
+        reduce = FLOAT_REDUCE.get(kind)
+        if reduce is None:
+            raise HarmpiArgumentError(
+                f"harmpi backend: all_reduce with {op_name(kind)} of {t.dtype} is not "
+                f"supported; floats take SUM, AVG, PRODUCT, MIN and MAX")
+        # gathered in harmpi (exact), reduced in rank order: the same bits everywhere
+        self._agree("all_reduce", t.dtype, t.numel() * t.element_size(), int(kind))
+        if t.numel():
+            gathered = api.allgather(t.reshape(1, -1).contiguous(), comm=self._harmpi_comm)
+            t.copy_(reduce(gathered).view(t.shape))
+        return DoneWork([t]) if async_op else DONE
+
+    def _allreduce_sparse(self, t, opts):
+        """A sparse COO SUM, as gloo computes it: every rank's coalesced indices
+        and values gathered (MPI_Iallgatherv, under the deadline), summed,
+        coalesced; the result replaces ``t`` (the same on every rank)."""
+        kind = opts.reduceOp.op if isinstance(opts.reduceOp, dist.ReduceOp) else opts.reduceOp
+        problem = None
+        if t.layout != torch.sparse_coo:
+            problem = f"{t.layout} tensors are not supported (sparse COO ones are, as in gloo)"
+        elif kind != RED.SUM:
+            problem = f"sparse tensors take SUM only (as in gloo), not {op_name(kind)}"
+        elif t.device.type != "cpu":
+            problem = f"tensor is on {t.device}; harmpi works on CPU tensors"
+        sparse = t.coalesce() if problem is None else None
+        sparse_dim = sparse.sparse_dim() if sparse is not None else 0
+        what = "all_reduce (sparse)"
+        self._agree(what, t.dtype, t.numel() * t.element_size(), sparse_dim * 64 + t.dim(),
+                    problem)
+        n, shape = self.size(), tuple(t.shape)
+        mine = np.array([sparse._nnz(), *shape], np.int64)
+        table = np.empty((n, len(mine)), np.int64)
+        self._wait([self._mpi.Iallgather(mine, table)], what)
+        differ = np.flatnonzero((table[:, 1:] != table[0, 1:]).any(axis=1))
+        if differ.size:
+            raise HarmpiMismatchError(
+                f"{self._who()}: harmpi backend {what}: ranks disagree on the shape: "
+                + "; ".join(f"world rank {self._world_rank(r)} passes {tuple(table[r, 1:])}"
+                            for r in (0, *differ)) + "; no data moved")
+        nnz = table[:, 0]
+        dense_shape = shape[sparse_dim:]
+        row_bytes = math.prod(dense_shape) * t.element_size()
+        indices = torch.empty((int(nnz.sum()), sparse_dim), dtype=torch.int64)
+        values = torch.empty((int(nnz.sum()), *dense_shape), dtype=t.dtype)
+        reqs = []
+        for mine_t, whole, per_row in ((sparse.indices().t().contiguous(), indices, sparse_dim * 8),
+                                       (sparse.values().contiguous(), values, row_bytes)):
+            counts = (nnz * per_row).tolist()
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+            reqs.append(self._mpi.Iallgatherv(
+                bytes_of(mine_t) if mine_t.numel() else bytearray(0),
+                [bytes_of(whole) if whole.numel() else bytearray(0), (counts, displs),
+                 MPI.BYTE]))
+        self._wait(reqs, what)
+        total = torch.sparse_coo_tensor(indices.t(), values, shape).coalesce()
+        t.copy_(total)
+        return DoneWork([t])
+
+    def _start(self, t, scale):
+        """First half of an async all-reduce on one node (module docstring)."""
+        addr, n, fmt = describe(float_tensor(t, "all_reduce"), True)
+        ctx = self._ctx
+        if ctx.broken is not None:
+            raise HarmpiError(f"harmpi context is unusable: {ctx.broken}")
+        start, finish, _ = self._split
+        rc = start(ctx.ctl, addr, n, fmt)
+        if rc:
+            ctx.raise_status(rc, addr, n, fmt, AUTO_CODE | fmt, "allreduce (async)")
+        work = SplitWork(self, finish, t, addr, n, fmt, scale)
+        self._pending = work
+        ctx.split_pending = work
+        return work
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """One all_reduce per tensor, in order (any op and dtype all_reduce takes)."""
+        self._settle()
+        for t in tensors:
+            self.allreduce([t], reduce_opts(opts))
+        return DoneWork(tensors)
+
+    # -- gathers -------------------------------------------------------------------
+
+    def allgather(self, output_lists, input_tensors, opts=None):
+        self._settle()
+        outs = one_tensor(output_lists, "all_gather")
+        t = one_tensor(input_tensors, "all_gather")
+        if len(outs) != self.size():
+            raise HarmpiArgumentError(f"harmpi backend: all_gather needs {self.size()} output "
+                                      f"tensors, got {len(outs)}")
+        if any(o.shape != t.shape for o in outs):
+            return self._gather_uneven(t, outs)
+        if t.dtype in FLOATS:
+            gathered = api.allgather(t.contiguous(), comm=self._harmpi_comm)
+            for o, part in zip(outs, gathered.view(self.size(), *t.shape)):
+                o.copy_(part)
+            return DoneWork(output_lists)
+        cpu_tensor(t, "all_gather")
+        gathered = torch.empty((self.size(),) + tuple(t.shape), dtype=t.dtype)
+        self._agree("all_gather", t.dtype, t.numel() * t.element_size())
+        req = self._mpi.Iallgather(bytes_of(t.contiguous()), bytes_of(gathered))
+
+        def finish(_statuses):
+            for o, part in zip(outs, gathered):
+                o.copy_(part)
+
+        return self._run([req], finish, output_lists, "all_gather", is_async(opts))
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """all_gather of each input in turn: output_lists[r][k] gets rank r's input k."""
+        self._settle()
+        if len(output_lists) != self.size() or \
+                any(len(outs) != len(input_tensors) for outs in output_lists):
+            raise HarmpiArgumentError(
+                f"harmpi backend: all_gather_coalesced needs {self.size()} output lists of "
+                f"{len(input_tensors)} tensors")
+        for k, t in enumerate(input_tensors):
+            self.allgather([[outs[k] for outs in output_lists]], [t])
+        return DoneWork(output_lists)
+
+    def _gather_uneven(self, t, outs):
+        from .. import logits  # noqa: PLC0415 - only for uneven vocabulary shards
+
+        logits.gather_uneven(t, outs, self._harmpi_comm)
+        return DoneWork([outs])
+
+    def all_gather_single(self, output, input, opts=None):
+        self._settle()
+        contiguous_cpu(output, "all_gather_into_tensor")
+        if input.numel() * self.size() != output.numel():
+            raise HarmpiArgumentError(
+                f"harmpi backend: all_gather_into_tensor: output has {output.numel()} elements, "
+                f"expected {self.size()} x {input.numel()}")
+        if input.dtype in FLOATS:
+            if output.dtype != input.dtype:
+                raise HarmpiArgumentError("harmpi backend: all_gather_into_tensor: output and "
+                                          "input dtypes differ")
+            api.allgather(input.contiguous(), comm=self._harmpi_comm, out=output)
+            return DoneWork([output])
+        cpu_tensor(input, "all_gather_into_tensor")
+        if output.dtype != input.dtype:
+            raise HarmpiArgumentError("harmpi backend: all_gather_into_tensor: output and "
+                                      "input dtypes differ")
+        self._agree("all_gather_into_tensor", input.dtype, input.numel() * input.element_size())
+        req = self._mpi.Iallgather(bytes_of(input.contiguous()), bytes_of(output))
+        return self._run([req], None, [output], "all_gather_into_tensor", is_async(opts))
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            self.all_gather_single(o, i, opts)
+        return DoneWork(outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # -- reduce-scatter ----------------------------------------------------------------
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        self._settle()
+        cpu_tensor(input, "reduce_scatter_tensor")
+        contiguous_cpu(output, "reduce_scatter_tensor")
+        n = output.numel()
+        if input.numel() != n * self.size() or output.dtype != input.dtype:
+            raise HarmpiArgumentError(
+                f"harmpi backend: reduce_scatter_tensor: input must have {self.size()} x "
+                f"{n} elements of the output's dtype (got {input.numel()}, {input.dtype})")
+        full = input.contiguous().clone()
+        scratch = [full]
+        self.allreduce(scratch, reduce_opts(opts))
+        r = self.rank()
+        output.view(-1).copy_(full.view(-1)[r * n:(r + 1) * n])
+        return DoneWork([output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        out = one_tensor(output_tensors, "reduce_scatter")
+        inputs = one_tensor(input_lists, "reduce_scatter")
+        if len(inputs) != self.size():
+            raise HarmpiArgumentError(f"harmpi backend: reduce_scatter needs {self.size()} "
+                                      f"input tensors, got {len(inputs)}")
+        flat = torch.cat([i.reshape(-1) for i in inputs])
+        result = torch.empty(flat.numel() // self.size(), dtype=flat.dtype)
+        self.reduce_scatter_single(result, flat, opts)
+        out.copy_(result.view(out.shape))
+        return DoneWork([out])
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            self.reduce_scatter_single(o, i, opts)
+        return DoneWork(outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- rooted collectives ----------------------------------------------------------------
+
+    def broadcast(self, tensors, opts=None):
+        self._settle()
+        t = cpu_tensor(one_tensor(tensors, "broadcast"), "broadcast")
+        root = opts.rootRank if opts is not None else 0
+        self._agree("broadcast", t.dtype, t.numel() * t.element_size(), root)
+        buf = t if t.is_contiguous() else t.contiguous()
+        req = self._mpi.Ibcast(bytes_of(buf), root=root)
+        return self._run([req], copy_back(buf, t), tensors, "broadcast", is_async(opts))
+
+    def scatter(self, output_tensors, input_lists, opts=None):
+        self._settle()
+        out = cpu_tensor(one_tensor(output_tensors, "scatter"), "scatter")
+        root = opts.rootRank if opts is not None else 0
+        nbytes = out.numel() * out.element_size()
+        send, problem = None, None
+        if self.rank() == root:
+            inputs = one_tensor(input_lists, "scatter")
+            if len(inputs) != self.size() or any(i.numel() != out.numel() or
+                                                 i.dtype != out.dtype for i in inputs):
+                problem = f"the root needs {self.size()} input tensors of {out.numel()} " \
+                          f"elements of {out.dtype}, like its output"
+            elif nbytes:
+                send = bytes_of(torch.stack([i.reshape(-1) for i in inputs]))
+        self._agree("scatter", out.dtype, nbytes, root, problem)
+        buf = out if out.is_contiguous() else out.contiguous()
+        recv = bytes_of(buf)
+        if self.rank() == root and not nbytes:
+            send = recv
+        req = self._mpi.Iscatter(send, recv, root=root)
+        return self._run([req], copy_back(buf, out), output_tensors, "scatter", is_async(opts))
+
+    def gather(self, output_lists, input_tensors, opts=None):
+        self._settle()
+        t = cpu_tensor(one_tensor(input_tensors, "gather"), "gather")
+        root = opts.rootRank if opts is not None else 0
+        outs, recv, problem = None, None, None
+        if self.rank() == root:
+            outs = one_tensor(output_lists, "gather")
+            if len(outs) != self.size() or any(o.numel() != t.numel() or o.dtype != t.dtype
+                                               for o in outs):
+                problem = f"the root needs {self.size()} output tensors of {t.numel()} " \
+                          f"elements of {t.dtype}, like its input"
+            else:
+                whole = torch.empty((self.size(), t.numel()), dtype=t.dtype)
+                recv = bytes_of(whole)
+        self._agree("gather", t.dtype, t.numel() * t.element_size(), root, problem)
+        send = bytes_of(t.contiguous())
+        req = self._mpi.Igather(send, recv, root=root)
+
+        def finish(_statuses):
+            if outs is not None:
+                for o, part in zip(outs, whole):
+                    o.copy_(part.view(o.shape))
+
+        return self._run([req], finish, output_lists, "gather", is_async(opts))
+
+    def reduce(self, tensors, opts=None):
+        """Every rank reduces (harmpi's all-reduce for float sums); the root
+        keeps the result, the others' tensors are left as they were."""
+        self._settle()
+        t = cpu_tensor(one_tensor(tensors, "reduce"), "reduce")
+        root = opts.rootRank if opts is not None else 0
+        target = t if self.rank() == root else t.clone()
+        self.allreduce([target], reduce_opts(opts))
+        return DoneWork(tensors)
+
+    # -- all-to-all -----------------------------------------------------------------------
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """One tensor to and from each rank (sizes may differ between pairs)."""
+        self._settle()
+        n = self.size()
+        if len(output_tensors) != n or len(input_tensors) != n:
+            raise HarmpiArgumentError(f"harmpi backend: all_to_all needs {n} input and {n} "
+                                      f"output tensors, got {len(input_tensors)} and "
+                                      f"{len(output_tensors)}")
+        dtype = input_tensors[0].dtype if input_tensors else torch.float32
+        if any(x.dtype != dtype or x.device.type != "cpu"
+               for x in list(input_tensors) + list(output_tensors)):
+            raise HarmpiArgumentError("harmpi backend: all_to_all: every tensor must be a CPU "
+                                      "tensor of one dtype")
+        size = dtype.itemsize
+        send_counts = [x.numel() * size for x in input_tensors]
+        recv_counts = [x.numel() * size for x in output_tensors]
+        sendbuf = torch.cat([x.reshape(-1) for x in input_tensors]) if n else None
+        recvbuf = torch.empty(sum(recv_counts) // size, dtype=dtype)
+
+        def finish(_statuses):
+            offset = 0
+            for o in output_tensors:
+                k = o.numel()
+                o.copy_(recvbuf[offset:offset + k].view(o.shape))
+                offset += k
+
+        return self._alltoallv("all_to_all", sendbuf, recvbuf, send_counts, recv_counts,
+                               finish, output_tensors, is_async(opts))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        """Rows of ``input`` (dim 0) to each rank: split evenly, or by the split sizes."""
+        if self._pending is not None:
+            self._settle()
+        n = self._size
+        cpu_tensor(output, "all_to_all_single")
+        cpu_tensor(input, "all_to_all_single")
+        if output.dtype != input.dtype:
+            raise HarmpiArgumentError("harmpi backend: all_to_all_single: output and input "
+                                      "dtypes differ")
+        send_counts = split_bytes(input, input_split_sizes, n, "input")
+        recv_counts = split_bytes(output, output_split_sizes, n, "output")
+        src = input.contiguous()
+        dst = output if output.is_contiguous() else output.contiguous()
+        finish = copy_back(dst, output)
+        if input.dtype in FLOATS:
+            # harmpi's own all-to-all: rows through the node's slots, every
+            # pair's count checked against its receiver's split size
+            if not input_split_sizes and not output_split_sizes:
+                api.alltoall(src, comm=self._harmpi_comm, out=dst)  # even: no count lists
+            else:
+                rows = list(input_split_sizes) or [input.size(0) // n] * n
+                want = list(output_split_sizes) or [output.size(0) // n] * n
+                api.alltoall(src, rows, comm=self._harmpi_comm, out=dst, recv_counts=want)
+            if finish is not None:
+                finish(None)
+            return DoneWork([output])
+        if not input_split_sizes and not output_split_sizes:
+            # even splits: one header agreement covers every pair
+            nbytes = input.numel() * input.element_size()
+            problem = None if nbytes == output.numel() * output.element_size() else \
+                "input and output sizes differ (even splits)"
+            self._agree("all_to_all_single", input.dtype, nbytes, 0, problem)
+            req = self._mpi.Ialltoall(mpi_buffer(src), mpi_buffer(dst))
+            return self._run([req], finish, [output], "all_to_all_single", is_async(opts),
+                             keep=(src, dst))
+        return self._alltoallv("all_to_all_single", src, dst, send_counts, recv_counts,
+                               finish, [output], is_async(opts))
+
+    alltoall_base = all_to_all_single
+
+    def _alltoallv(self, what, src, dst, send_counts, recv_counts, finish, result, async_op):
+        """Uneven all-to-all: the ranks agree on the call and dtype, then on
+        every pair's byte count (what i sends to j is what j expects from i)."""
+        n = self.size()
+        # (the totals may differ between ranks: the pairs are checked below)
+        self._agree(what, src.dtype if src is not None else None)
+        mine = np.array(send_counts + recv_counts, np.int64)
+        table = np.empty((n, 2 * n), np.int64)
+        self._wait([self._mpi.Iallgather(mine, table)], what)
+        sent, expected = table[:, :n], table[:, n:]
+        if not np.array_equal(sent, expected.T):
+            i, j = (int(v) for v in np.argwhere(sent != expected.T)[0])
+            raise HarmpiMismatchError(
+                f"{self._who()}: harmpi backend {what}: split sizes disagree: world rank "
+                f"{self._world_rank(i)} sends {sent[i, j]} bytes to world rank "
+                f"{self._world_rank(j)}, which expects {expected[j, i]}; no data moved")
+        sdispl = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64)
+        rdispl = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64)
+        empty = bytearray(0)
+        sbuf = mpi_buffer(src) if src is not None else empty
+        rbuf = mpi_buffer(dst)
+        req = self._mpi.Ialltoallv([sbuf, (send_counts, sdispl.tolist()), MPI.BYTE],
+                                   [rbuf, (recv_counts, rdispl.tolist()), MPI.BYTE])
+        return self._run([req], finish, result, what, async_op, keep=(src, dst))
+
+    # -- point to point ----------------------------------------------------------------------
+
+    def send(self, tensors, dst, tag=0):
+        t = cpu_tensor(one_tensor(tensors, "send"), "send")
+        self._check_usable()
+        buf = t.contiguous()
+        req = self._p2p.Isend(bytes_of(buf), dest=dst, tag=user_tag(tag))
+        return MpiWork(self, [req], None, [buf], f"send to group rank {dst} (tag {tag})",
+                        peer=dst)
+
+    def recv(self, tensors, src, tag=0):
+        return self._recv(tensors, src, tag, f"recv from group rank {src} (tag {tag})")
+
+    def recv_anysource(self, tensors, tag=0):
+        return self._recv(tensors, MPI.ANY_SOURCE, tag, f"recv from any rank (tag {tag})")
+
+    def _recv(self, tensors, src, tag, what):
+        t = cpu_tensor(one_tensor(tensors, "recv"), "recv")
+        self._check_usable()
+        buf = t if t.is_contiguous() else t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        req = self._p2p.Irecv(bytes_of(buf), source=src, tag=user_tag(tag))
+        copy = copy_back(buf, t)
+
+        def finish(statuses):
+            got = statuses[0].Get_count(MPI.BYTE)
+            if got != nbytes:
+                raise HarmpiMismatchError(
+                    f"{self._who()}: harmpi backend {what}: world rank "
+                    f"{self._world_rank(statuses[0].Get_source())} sent {got} bytes, this "
+                    f"rank's tensor holds {nbytes}")
+            if copy is not None:
+                copy(statuses)
+
+        return MpiWork(self, [req], finish, tensors, what,
+                        peer=src if src != MPI.ANY_SOURCE else -1)
+
+    # -- barriers ----------------------------------------------------------------------------
+
+    def barrier(self, opts=None):
+        self._settle()
+        try:
+            api.barrier(comm=self._harmpi_comm)
+        except HarmpiTimeoutError as exc:
+            # the words torch's callers (and its own tests) look for
+            raise HarmpiTimeoutError(
+                f"{self._who()}: harmpi backend barrier: timeout after "
+                f"{self._ctx.config.timeout_s:g} s: {exc}", culprit=exc.culprit) from exc
+        return DoneWork()
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        """Gloo's monitored barrier: group rank 0 hears from every rank within
+        ``timeout`` (default: the group's deadline) and names the ranks that did
+        not come (the first, or all with ``wait_all_ranks``), then releases them.
+        The errors say what gloo's say ("Rank 1 failed to pass monitoredBarrier
+        in 100 ms", "Rank 0 timed out in monitoredBarrier after 0 ms"), group
+        ranks as gloo counts them, world ranks after. (torch's
+        dist.monitored_barrier accepts gloo groups only; call this method on the
+        group: ``group.monitored_barrier(timedelta, wait_all_ranks)``.)"""
+        self._settle()
+        self._check_usable()
+        timeout_s = timeout.total_seconds() if timeout is not None else self._timeout_s
+        ms = round(timeout_s * 1000)
+        n, me = self.size(), self.rank()
+        token = np.zeros(1, np.int64)
+        if me != 0:
+            reqs = [self._mpi.Isend(token, dest=0, tag=MONITOR_TAG),
+                    self._mpi.Irecv(np.empty(1, np.int64), source=0, tag=MONITOR_TAG)]
+
+            def unreleased(pending):
+                if not unfinished(pending):
+                    return
+                cancel(pending)
+                raise HarmpiTimeoutError(
+                    f"Rank {me} successfully reached monitoredBarrier, but received errors "
+                    f"while waiting for send/recv from rank 0 (harmpi backend, {self._who()}: "
+                    f"group rank 0, world rank {self._world_rank(0)}, did not release it "
+                    f"within {ms} ms). Please check rank 0 logs for faulty rank.",
+                    culprit=self._world_rank(0))
+
+            with self._interruptible("monitored_barrier", reqs, token):
+                wait_requests(reqs, timeout_s, unreleased)
+            return DoneWork()
+        inbox = np.empty((max(n - 1, 1), 1), np.int64)
+        reqs = [self._mpi.Irecv(inbox[r - 1], source=r, tag=MONITOR_TAG) for r in range(1, n)]
+
+        def missing(pending):
+            late = [i + 1 for i in unfinished(pending)]
+            if not late:
+                return
+            cancel(pending)
+            heard = [r for r in range(1, n) if r not in late]
+            if timeout_s <= 0:
+                raise HarmpiTimeoutError(
+                    f"Rank {me} timed out in monitoredBarrier after {ms} ms (harmpi backend, "
+                    f"{self._who()}). " + (f"Successfully processed ranks: "
+                                           f"{', '.join(map(str, heard))}" if heard else
+                                           "No ranks successfully processed in monitoredBarrier."),
+                    culprit=self._world_rank(late[0]))
+            named = late if wait_all_ranks else late[:1]
+            ranks = ", ".join(map(str, named))
+            world = ", ".join(str(self._world_rank(r)) for r in named)
+            raise HarmpiTimeoutError(
+                f"[Rank {me}]: Rank{'s' if len(named) > 1 else ''} {ranks} failed to pass "
+                f"monitoredBarrier in {ms} ms (harmpi backend, {self._who()}: world "
+                f"rank{'s' if len(named) > 1 else ''} {world})",
+                culprit=self._world_rank(late[0]))
+
+        with self._interruptible("monitored_barrier", reqs, inbox):
+            wait_requests(reqs, timeout_s, missing)
+        sends = [self._mpi.Isend(token, dest=r, tag=MONITOR_TAG) for r in range(1, n)]
+        with self._interruptible("monitored_barrier", sends, token):
+            wait_requests(sends, timeout_s, lambda pending: self._timed_out(
+                pending, "monitored_barrier (releasing the ranks)", None))
+        return DoneWork()
