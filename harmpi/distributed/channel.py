@@ -370,6 +370,8 @@ def _world_ranks(comm):
 
 
 def _native_sum():
+    """harmpi._C.allreduce_sum (the default group's hot path), or None when
+    the native module is not built."""
     from .. import native  # noqa: PLC0415 - imports harmpi._C (torch's C++ side)
 
     mod = native.load()
