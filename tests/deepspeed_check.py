@@ -1,4 +1,4 @@
-"""bench.impls' deepspeed adapter, checked under MPI.
+"""bench.deepspeed_op's adapter, checked under MPI.
 
     mpirun -np 2 python -m mpi4py -m tests.deepspeed_check          # runs it
     HARMPI_RANKS_PER_NODE=1 mpirun -np 2 python -m mpi4py -m tests.deepspeed_check refused
@@ -23,8 +23,9 @@ import torch
 from mpi4py import MPI
 
 from bench import harness
+from bench.deepspeed_op import DeepSpeedImpl, cpu_flags
 from bench.harness import ALLREDUCE, DTYPES
-from bench.impls import DeepSpeedImpl, ImplUnavailable, cpu_flags, make_impls
+from bench.impls import ImplUnavailable, make_impls
 
 #: elements per rank: a few, the decode size (10 KB of bf16), and more than 1 MiB of bf16
 COUNTS = (7, 5120, 600_000)

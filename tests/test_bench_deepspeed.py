@@ -1,4 +1,4 @@
-"""The deepspeed adapter of bench.impls: its pure decisions, then runs under mpirun.
+"""The deepspeed adapter (bench.deepspeed_op): its pure decisions, then runs under mpirun.
 
 The mpirun runs need DeepSpeed (``pip install 'harmpi[deepspeed]'``, which
 ``make setup`` installs) and its shm op built (``make setup`` builds it
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from test_bench import _mpirun as _bench_mpirun
 
+from bench.deepspeed_op import cpu_flags, deepspeed_refusal, deepspeed_wire
 from bench.demo import default_impls, summary_lines
 from bench.harness import DTYPES
-from bench.impls import cpu_flags, deepspeed_refusal, deepspeed_wire, parse_impls
+from bench.impls import parse_impls
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
