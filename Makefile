@@ -288,6 +288,14 @@ torch-suite-gloo: setup
 demo: setup
 	$(PY) -m bench.demo
 
+# The soak (tests/stress/soak.py; not part of make test, minutes): 10^6 mixed
+# harmpi calls at 2 ranks, checked, with latency and RSS drift per window;
+# options go in SOAK_ARGS, e.g. make soak SOAK_ARGS="--calls 20000 --window 5000"
+.PHONY: soak
+SOAK_ARGS ?=
+soak: setup
+	timeout -k 10 3600 $(MPIRUN) -np 2 $(PY) -m mpi4py -m tests.stress.soak $(SOAK_ARGS)
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SYSTEM_STAMP) .pytest_cache build *.egg-info harmpi/_C.*.so
 	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -17,8 +17,6 @@ Modules:
     A Qwen2.5-shaped tensor-parallel decode loop, one run per backend.
 ``demo``
     ``make demo``: the mpirun jobs behind the README's results.
-``soak``
-    A million mixed, periodically checked harmpi calls; latency and RSS drift.
 
 Run them under MPI, for example::
 

@@ -173,9 +173,9 @@ COMMANDS: dict[str, Run | NotRun] = {
     "python -m bench.demo":
         NotRun("what make demo runs (minutes); its parts: tests/test_demo_units.py, "
                "tests/test_output_width.py"),
-    "mpirun -np 2 python -m mpi4py -m bench.soak":
-        NotRun("a soak: 10^6 calls by design; tests/test_bench.py::test_soak_under_mpirun "
-               "runs bench.soak under mpirun with 3000"),
+    "mpirun -np 2 python -m mpi4py -m tests.stress.soak":
+        NotRun("a soak: 10^6 calls by design; tests/test_soak.py::test_soak_under_mpirun "
+               "runs tests.stress.soak under mpirun with 3000"),
 }
 
 
