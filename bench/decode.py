@@ -5,9 +5,9 @@
     mpirun -np 2 python -m mpi4py -m bench.decode --comm harmpi,torch:harmpi,gloo,mpi
     mpirun -np 2 python -m mpi4py -m bench.decode --tp-api --comm torch:harmpi,gloo
 
-The model is Qwen2.5's decoder layer with random bf16 weights: RMSNorm,
-rotary attention with grouped KV heads (q/k/v bias, no o bias) and a KV
-cache, SwiGLU MLP.  It is sharded Megatron-style over the ranks:
+The model (``bench.model``) is Qwen2.5's decoder layer with random bf16
+weights: RMSNorm, rotary attention with grouped KV heads (q/k/v bias, no o
+bias) and a KV cache, SwiGLU MLP.  It is sharded Megatron-style over the ranks:
 
 * QKV and gate/up are column-parallel (each rank owns whole heads and a slice
   of the FFN), O and down are row-parallel, so every layer ends its
@@ -89,659 +89,31 @@ import click
 import numpy as np
 
 from bench import harness
+from bench.decode_results import (
+    collective_latency_ns,
+    divergence_note,
+    first_divergence,
+    format_decode_table,
+    logits_gap_ulps,
+    round_steps,
+    summarize_backend,
+    top2_margin_ulps,
+)
 from bench.harness import DTYPES
 from bench.impls import close_impls, harmpi_info_of, make_impls, parse_impls, torch_backend
 from bench.load import host_load
+from bench.model import DTensorDecoder, ModelConfig, TPDecoder, shard_layout
+from bench.threads import Threads, set_threads
 
 __all__ = [
-    "ModelConfig",
-    "ShardLayout",
-    "shard_layout",
-    "unit_seed",
-    "threads_per_rank",
-    "first_divergence",
-    "round_steps",
-    "summarize_backend",
-    "collective_latency_ns",
-    "format_decode_table",
     "COMM_KINDS",
+    "run",
     "main",
 ]
 
 #: --comm names: harmpi's API, torch.distributed on a harmpi or a gloo process group
 #: (gloo is short for torch:gloo), mpi4py
 COMM_KINDS = ("harmpi", "torch:harmpi", "gloo", "torch:gloo", "mpi")
-FFN_UNIT = 64  # FFN rows (gate/up) / columns (down) generated per seed
-VOCAB_UNIT = 256  # LM-head rows generated per seed
-
-
-# --------------------------------------------------------------------------
-# Configuration and sharding (pure)
-# --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Qwen2.5-style decoder dimensions."""
-
-    hidden: int = 1280
-    layers: int = 8
-    heads: int = 16
-    kv_heads: int = 4
-    ffn: int = 3584
-    vocab: int = 32768
-    rope_theta: float = 1_000_000.0
-    rms_eps: float = 1e-6
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def check(self, tp: int, even_kv: bool = False) -> None:
-        """Raise ValueError unless the model can be sharded over ``tp`` ranks
-        (``even_kv``: with every KV head on one rank, as torch's ColwiseParallel
-        shards k/v, for --tp-api)."""
-        problems = []
-        if self.hidden % self.heads:
-            problems.append(f"hidden {self.hidden} is not a multiple of heads {self.heads}")
-        if self.head_dim % 2:
-            problems.append(f"head_dim {self.head_dim} must be even for rotary embeddings")
-        if self.heads % self.kv_heads:
-            problems.append(f"heads {self.heads} is not a multiple of kv-heads {self.kv_heads}")
-        if self.heads % tp:
-            problems.append(f"heads {self.heads} is not a multiple of the {tp} ranks")
-        else:
-            local, group = self.heads // tp, self.heads // max(1, self.kv_heads)
-            if local % group and group % local:
-                problems.append(
-                    f"each rank's {local} q heads must cover whole KV groups of {group} "
-                    "(or lie inside one)"
-                )
-        if even_kv and self.kv_heads % tp:
-            problems.append(f"--tp-api shards k/v evenly: kv-heads {self.kv_heads} must be a "
-                            f"multiple of the {tp} ranks")
-        if self.ffn % (FFN_UNIT * tp):
-            problems.append(f"ffn {self.ffn} is not a multiple of {FFN_UNIT} x {tp} ranks")
-        if self.vocab % (VOCAB_UNIT * tp):
-            problems.append(f"vocab {self.vocab} is not a multiple of {VOCAB_UNIT} x {tp} ranks")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    def params(self) -> int:
-        """Parameters of the whole model (embedding + layers + LM head)."""
-        hd = self.head_dim
-        q_o = self.hidden * (self.heads * hd) * 2
-        k_v = self.hidden * (self.kv_heads * hd) * 2
-        qkv_bias = (self.heads + 2 * self.kv_heads) * hd
-        mlp = 3 * self.hidden * self.ffn
-        layer = q_o + k_v + qkv_bias + mlp + 2 * self.hidden  # + two RMSNorm weights
-        return self.vocab * self.hidden * 2 + self.layers * layer + self.hidden
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardLayout:
-    """Which heads, FFN units and vocabulary rows one rank owns."""
-
-    tp: int
-    rank: int
-    q_heads: tuple[int, ...]
-    kv_heads: tuple[int, ...]
-    ffn_units: tuple[int, ...]
-    vocab_units: tuple[int, ...]
-
-    @property
-    def vocab_start(self) -> int:
-        return self.vocab_units[0] * VOCAB_UNIT
-
-
-def shard_layout(cfg: ModelConfig, tp: int, rank: int) -> ShardLayout:
-    """Megatron-style contiguous blocks: rank r owns block r of heads, FFN and vocabulary.
-
-    KV heads are the groups its q heads read (replicated when ranks
-    outnumber KV heads).
-    """
-    cfg.check(tp)
-    local_heads = cfg.heads // tp
-    q_heads = tuple(range(rank * local_heads, (rank + 1) * local_heads))
-    group = cfg.heads // cfg.kv_heads
-    kv_heads = tuple(sorted({h // group for h in q_heads}))
-    ffn_per_rank = cfg.ffn // FFN_UNIT // tp
-    vocab_per_rank = cfg.vocab // VOCAB_UNIT // tp
-    return ShardLayout(
-        tp=tp,
-        rank=rank,
-        q_heads=q_heads,
-        kv_heads=kv_heads,
-        ffn_units=tuple(range(rank * ffn_per_rank, (rank + 1) * ffn_per_rank)),
-        vocab_units=tuple(range(rank * vocab_per_rank, (rank + 1) * vocab_per_rank)),
-    )
-
-
-def unit_seed(seed: int, *parts) -> int:
-    """A 63-bit seed naming one unit of weights, e.g. (seed, layer, 'q', head)."""
-    text = repr((seed,) + tuple(parts)).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
-
-
-def threads_per_rank(host_cpus: int, local_ranks: int, allowed_cpus: int,
-                     override: int | None = None) -> int:
-    """Compute threads for one rank: the host's CPUs shared among the ranks on it.
-
-    At least 1, and no more than the CPUs the rank is bound to.
-    """
-    if override is not None:
-        return max(1, override)
-    return max(1, min(host_cpus // max(1, local_ranks), allowed_cpus))
-
-
-def round_steps(steps: int, rounds: int) -> list[int]:
-    """Split ``steps`` timed steps over at most ``rounds`` rounds, as evenly as
-    possible (no empty round)."""
-    rounds = max(1, min(rounds, steps))
-    return [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
-
-
-def first_divergence(a: np.ndarray, b: np.ndarray) -> int | None:
-    """First generated position (column) where two [batch, steps] token arrays
-    differ, or None."""
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape:
-        return 0
-    differ = (a != b).any(axis=0)
-    return int(np.argmax(differ)) if differ.any() else None
-
-
-#: a greedy token whose top two logits are this many bf16 ulps apart or fewer
-#: is a near tie: reductions summing bf16 in another order may flip it
-NEAR_TIE_ULPS = 16
-
-
-def top2_margin_ulps(logits: np.ndarray) -> float:
-    """[batch, vocab] logits -> the smallest gap between the top two logits of
-    a row, in bf16 ulps of that row's top logit (ulp = 2^(exponent - 7))."""
-    logits = np.asarray(logits, dtype=np.float64)
-    top2 = -np.sort(-logits, axis=-1)[:, :2]
-    exponent = np.floor(np.log2(np.maximum(np.abs(top2[:, 0]), 2.0**-126)))
-    return float(((top2[:, 0] - top2[:, 1]) / 2.0 ** (exponent - 7)).min())
-
-
-def logits_gap_ulps(reference: np.ndarray, other: np.ndarray) -> float:
-    """Largest |difference| of two [batch, vocab] logit arrays, in bf16 ulps of
-    the reference's largest |logit| (ulp = 2^(exponent - 7))."""
-    reference = np.asarray(reference, dtype=np.float64)
-    scale = max(float(np.abs(reference).max()), 2.0**-126)
-    ulp = 2.0 ** (np.floor(np.log2(scale)) - 7)
-    return float(np.abs(reference - np.asarray(other, dtype=np.float64)).max() / ulp)
-
-
-def divergence_note(position: int | None, margin_ulps: float | None) -> str:
-    """Why two backends' greedy tokens differ from ``position`` on (or that they do not)."""
-    if position is None:
-        return "yes"
-    text = f"no (first divergence at generated token {position}"
-    if margin_ulps is None:
-        return text + ")"
-    if margin_ulps <= NEAR_TIE_ULPS:
-        return (text + f": there the reference's top two logits were {margin_ulps:.1f} bf16 "
-                f"ulps apart, a near tie (<= {NEAR_TIE_ULPS}) that bf16 sums in another order "
-                "flip; the tokens after it follow another path, not a wrong result)")
-    return (text + f": CHECK, the reference's top two logits were {margin_ulps:.1f} bf16 ulps "
-            f"apart there, more than summation order explains (> {NEAR_TIE_ULPS}))")
-
-
-def collective_latency_ns(enter_ns: np.ndarray, exit_ns: np.ndarray) -> np.ndarray:
-    """Each rank's time in each collective after the last rank arrived.
-
-    ``enter_ns``/``exit_ns`` [ranks, steps, calls] are clock readings around
-    every collective call on every rank (one host: one monotonic clock).
-    Whatever a rank spends inside a call before the last rank arrives is
-    waiting for that rank (load imbalance, or a peer that is not scheduled
-    when ranks outnumber cores); what it spends after is the collective's own
-    latency.  Returns the latter, >= 0, summed over the calls of each step:
-    [ranks, steps].
-    """
-    enter_ns = np.asarray(enter_ns, dtype=np.int64)
-    exit_ns = np.asarray(exit_ns, dtype=np.int64)
-    last_arrival = enter_ns.max(axis=0, keepdims=True)
-    own = np.maximum(exit_ns - np.maximum(enter_ns, last_arrival), 0)
-    return own.sum(axis=2)
-
-
-def round_tokens_per_s(step_ns: np.ndarray, per_round: Sequence[int], batch: int) -> list[float]:
-    """tok/s of each round: batch / the median of its rank-averaged step times."""
-    mean_ns = np.asarray(step_ns, dtype=np.float64).mean(axis=0)
-    bounds = np.cumsum([0, *per_round])
-    return [float(batch * 1e9 / np.median(mean_ns[a:b])) for a, b in zip(bounds, bounds[1:])]
-
-
-def summarize_backend(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int,
-                      latency_ns: np.ndarray | None = None,
-                      per_round: Sequence[int] | None = None) -> dict:
-    """Per-rank step and communication times [ranks, steps] -> the reported numbers.
-
-    ms_per_token: median over steps of the rank-averaged step time (each step
-    yields one token per sequence); tokens_per_s = batch / that;
-    tokens_per_s_rounds: min, median and max of the rounds' tok/s
-    (``per_round``: the steps of each round, in order; default one round).
-    The split of a step is in means, so its columns add up:
-    compute_ms_per_token + comm_ms_per_token = mean_ms_per_token (mean over
-    steps and ranks), and comm_share = comm_ms_per_token / mean_ms_per_token.
-    comm_share_min: the smallest per-rank share (the rank that waits least).
-    comm_latency_*: the same for the time after the last rank arrived
-    (see :func:`collective_latency_ns`), None when not measured.
-    compute_ms_per_token differs between backends when their waiting slows
-    the compute (busy-polling a core that shares a physical core or a CPU
-    quota with the computing one).
-    """
-    step_ns = np.asarray(step_ns, dtype=np.float64)
-    comm_ns = np.asarray(comm_ns, dtype=np.float64)
-    step_ms = np.median(step_ns.mean(axis=0)) / 1e6
-    mean_ms = step_ns.mean() / 1e6
-    comm_ms = comm_ns.mean() / 1e6
-    rounds = round_tokens_per_s(step_ns, per_round or [step_ns.shape[1]], batch)
-    summary = {
-        "ms_per_token": float(step_ms),
-        "tokens_per_s": float(batch * 1e3 / step_ms),
-        "tokens_per_s_rounds": {"min": min(rounds), "median": float(np.median(rounds)),
-                                "max": max(rounds), "each": rounds},
-        "mean_ms_per_token": float(mean_ms),
-        "compute_ms_per_token": float(mean_ms - comm_ms),
-        "comm_ms_per_token": float(comm_ms),
-        "comm_share": float(comm_ms / mean_ms),
-        "comm_share_min": float((comm_ns.sum(axis=1) / step_ns.sum(axis=1)).min()),
-        "comm_latency_share": None,
-        "comm_latency_ms_per_token": None,
-    }
-    if latency_ns is not None:
-        latency_ms = np.asarray(latency_ns, dtype=np.float64).mean() / 1e6
-        summary["comm_latency_ms_per_token"] = float(latency_ms)
-        summary["comm_latency_share"] = float(latency_ms / mean_ms)
-    return summary
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:.1f}%"
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _decode_table_100(rows: Sequence[dict]) -> list[str]:
-    """format_decode_table within 100 columns."""
-    lines = [
-        f"{'#':<13}{' median step '.center(28, '-'):>30}"
-        f"{' mean step: compute + coll. '.center(32, '-'):>34}"
-        f"{' after last '.center(14, '-'):>15}",
-        f"{'# comm':<13}{'tok/s':>8}{'rounds':>14}{'ms/tok':>8}"
-        f"{'compute':>9}{'collect.':>9}{'share':>7}{'min rank':>9}"
-        f"{'ms/tok':>8}{'share':>7}{'agree':>6}",
-    ]
-    for row in rows:
-        agree = {None: "-", True: "yes", False: "NO"}[row.get("tokens_identical_across_ranks")]
-        lines.append(
-            f"{row['comm']:<13}{row['tokens_per_s']:>8.1f}{_spread(row):>14}"
-            f"{row['ms_per_token']:>8.2f}{_ms(row.get('compute_ms_per_token')):>9}"
-            f"{_ms(row['comm_ms_per_token']):>9}{_pct(row['comm_share']):>7}"
-            f"{_pct(row['comm_share_min']):>9}"
-            f"{_ms(row.get('comm_latency_ms_per_token')):>8}"
-            f"{_pct(row.get('comm_latency_share')):>7}{agree:>6}"
-        )
-    return lines
-
-
-def _spread(row: dict) -> str:
-    spread = row.get("tokens_per_s_rounds")
-    return "-" if not spread else f"{spread['min']:.1f}-{spread['max']:.1f}"
-
-
-def format_decode_table(rows: Sequence[dict], wide: bool = False) -> list[str]:
-    """The result table (rank 0 prints it): tok/s and its rounds' range from
-    median steps; the split of the mean step (compute + collectives = mean).
-    100 columns; ``wide`` adds the mean step and the prefill time (both are
-    in the JSON too) with longer labels."""
-    if not wide:
-        return _decode_table_100(rows)
-    lines = [
-        f"{'#':<14}{' median step '.center(30, '-'):>32}"
-        f"{' mean step = compute + collectives '.center(44, '-'):>46}"
-        f"{' after last arrival '.center(22, '-'):>22}",
-        f"{'# comm':<14}{'tok/s':>8}{'rounds min-max':>15}{'ms/token':>9}"
-        f"{'mean ms':>9}{'compute':>9}{'collect.':>10}{'share':>8}{'min rank':>10}"
-        f"{'ms/token':>12}{'share':>10}{'prefill ms':>12}{'ranks agree':>13}",
-    ]
-    for row in rows:
-        agree = {None: "-", True: "yes", False: "NO"}[row.get("tokens_identical_across_ranks")]
-        lines.append(
-            f"{row['comm']:<14}{row['tokens_per_s']:>8.1f}{_spread(row):>15}"
-            f"{row['ms_per_token']:>9.2f}{_ms(row.get('mean_ms_per_token')):>9}"
-            f"{_ms(row.get('compute_ms_per_token')):>9}"
-            f"{_ms(row['comm_ms_per_token']):>10}{_pct(row['comm_share']):>8}"
-            f"{_pct(row['comm_share_min']):>10}"
-            f"{_ms(row.get('comm_latency_ms_per_token')):>12}"
-            f"{_pct(row.get('comm_latency_share')):>10}"
-            f"{row['prefill_ms']:>12.1f}{agree:>13}"
-        )
-    return lines
-
-
-# --------------------------------------------------------------------------
-# The model (torch)
-# --------------------------------------------------------------------------
-
-
-def _randn(torch, seed: int, shape, std: float):
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(shape, generator=generator, dtype=torch.float32) * std).to(torch.bfloat16)
-
-
-class _Layer:
-    __slots__ = ("ln1", "w_qkv", "b_qkv", "w_o", "ln2", "w_gate_up", "w_down", "k_cache", "v_cache")
-
-
-class TPDecoder:
-    """One rank's shard of the model, with its KV cache.
-
-    ``forward(tokens, start, comm)`` runs [batch, S] token ids at positions
-    start..start+S-1 and returns the greedy next token of every sequence,
-    identical on every rank.
-    """
-
-    def __init__(self, cfg: ModelConfig, layout: ShardLayout, seed: int, batch: int,
-                 max_len: int):
-        import torch
-
-        self.torch = torch
-        self.cfg, self.layout, self.seed = cfg, layout, seed
-        self.batch, self.max_len = batch, max_len
-        self.n_q, self.n_kv = len(layout.q_heads), len(layout.kv_heads)
-        self.layers = [self._make_layer(i) for i in range(cfg.layers)]
-        self.ln_f = self._norm_weight("ln_f")
-        self.w_lm = self._blocks(("lm_head",), layout.vocab_units, (VOCAB_UNIT, cfg.hidden),
-                                 cfg.hidden**-0.5)
-        self._embedding: dict[int, object] = {}
-        hd = cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-        angles = torch.cat([freqs, freqs], dim=-1)
-        self.cos = angles.cos().to(torch.bfloat16)
-        self.sin = angles.sin().to(torch.bfloat16)
-
-    def _blocks(self, name: tuple, units, shape, std: float, dim: int = 0):
-        """One random block per unit, seeded by (seed, *name, unit), concatenated along ``dim``."""
-        torch = self.torch
-        blocks = [_randn(torch, unit_seed(self.seed, *name, unit), shape, std) for unit in units]
-        return torch.cat(blocks, dim=dim).contiguous()
-
-    def _norm_weight(self, *name):
-        torch = self.torch
-        noise = _randn(torch, unit_seed(self.seed, *name), (self.cfg.hidden,), 0.05)
-        return (1.0 + noise.float()).to(torch.bfloat16)
-
-    def _make_layer(self, i: int) -> _Layer:
-        torch, cfg, layout = self.torch, self.cfg, self.layout
-        hd, hidden = cfg.head_dim, cfg.hidden
-        in_std, ffn_std = hidden**-0.5, cfg.ffn**-0.5
-        o_std = (cfg.heads * hd) ** -0.5
-        layer = _Layer()
-        q = self._blocks((i, "q"), layout.q_heads, (hd, hidden), in_std)
-        k = self._blocks((i, "k"), layout.kv_heads, (hd, hidden), in_std)
-        v = self._blocks((i, "v"), layout.kv_heads, (hd, hidden), in_std)
-        layer.w_qkv = torch.cat([q, k, v]).contiguous()
-        bq = self._blocks((i, "bq"), layout.q_heads, (hd,), 0.1)
-        bk = self._blocks((i, "bk"), layout.kv_heads, (hd,), 0.1)
-        bv = self._blocks((i, "bv"), layout.kv_heads, (hd,), 0.1)
-        layer.b_qkv = torch.cat([bq, bk, bv]).contiguous()
-        layer.w_o = self._blocks((i, "o"), layout.q_heads, (hidden, hd), o_std, dim=1)
-        gate = self._blocks((i, "gate"), layout.ffn_units, (FFN_UNIT, hidden), in_std)
-        up = self._blocks((i, "up"), layout.ffn_units, (FFN_UNIT, hidden), in_std)
-        layer.w_gate_up = torch.cat([gate, up]).contiguous()
-        layer.w_down = self._blocks((i, "down"), layout.ffn_units, (hidden, FFN_UNIT), ffn_std,
-                                    dim=1)
-        layer.ln1 = self._norm_weight(i, "ln1")
-        layer.ln2 = self._norm_weight(i, "ln2")
-        cache_shape = (self.batch, self.n_kv, self.max_len, hd)
-        layer.k_cache = torch.zeros(cache_shape, dtype=torch.bfloat16)
-        layer.v_cache = torch.zeros(cache_shape, dtype=torch.bfloat16)
-        return layer
-
-    def no_autograd(self):
-        """The context the model runs in: torch.inference_mode()."""
-        return self.torch.inference_mode()
-
-    def shard_bytes(self) -> int:
-        tensors = [self.w_lm] + [
-            t
-            for layer in self.layers
-            for t in (layer.w_qkv, layer.b_qkv, layer.w_o, layer.w_gate_up, layer.w_down)
-        ]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def embed(self, tokens):
-        """[B, S] ids -> [B, S, hidden] bf16; row t is generated from (seed, 'embed', t)."""
-        torch = self.torch
-        rows = []
-        for token in tokens.reshape(-1).tolist():
-            row = self._embedding.get(token)
-            if row is None:
-                row = _randn(torch, unit_seed(self.seed, "embed", token), (self.cfg.hidden,), 1.0)
-                self._embedding[token] = row
-            rows.append(row)
-        return torch.stack(rows).view(tokens.shape[0], tokens.shape[1], self.cfg.hidden)
-
-    def _rms(self, x, weight):
-        torch = self.torch
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_eps)
-        return weight * xf.to(torch.bfloat16)
-
-    @staticmethod
-    def _rope(x, cos, sin):
-        half = x.shape[-1] // 2
-        rotated = x.new_empty(x.shape)
-        rotated[..., :half] = -x[..., half:]
-        rotated[..., half:] = x[..., :half]
-        return x * cos + rotated * sin
-
-    def forward(self, tokens, start: int, comm):
-        torch = self.torch
-        F = torch.nn.functional
-        hd = self.cfg.head_dim
-        batch, length = tokens.shape
-        end = start + length
-        if end > self.max_len:
-            raise ValueError(f"position {end} beyond the KV cache ({self.max_len})")
-        cos, sin = self.cos[start:end], self.sin[start:end]
-        gqa = self.n_q != self.n_kv
-        x = self.embed(tokens)
-        if length > 1 and start > 0:
-            mask = torch.ones(length, end, dtype=torch.bool).tril(diagonal=start)
-        else:
-            mask = None
-        for i, layer in enumerate(self.layers):
-            a = self._rms(x, layer.ln1)
-            q, k, v = self._qkv(i, a)
-            q = self._rope(q.view(batch, length, self.n_q, hd).transpose(1, 2), cos, sin)
-            k = self._rope(k.view(batch, length, self.n_kv, hd).transpose(1, 2), cos, sin)
-            layer.k_cache[:, :, start:end] = k
-            layer.v_cache[:, :, start:end] = v.view(batch, length, self.n_kv, hd).transpose(1, 2)
-            keys, values = layer.k_cache[:, :, :end], layer.v_cache[:, :, :end]
-            attn = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=(length > 1 and start == 0),
-                enable_gqa=gqa,
-            )
-            x = x + self._attn_out(i, attn.transpose(1, 2).reshape(batch, length, -1), comm)
-            x = x + self._mlp(i, self._rms(x, layer.ln2), comm)
-        last = self._rms(x[:, -1], self.ln_f)
-        self.last_logits = self._logits(last, comm)  # read after the timed step (_decode)
-        return self.last_logits.argmax(dim=-1)
-
-    # The tensor-parallel layers: hand-written here, torch's parallelize_module
-    # in DTensorDecoder.  Each returns this rank's local tensor.
-
-    def _qkv(self, i: int, a):
-        """Column-parallel QKV: this rank's q, k, v heads, [B, S, heads x head_dim] each."""
-        layer, hd = self.layers[i], self.cfg.head_dim
-        qkv = self.torch.nn.functional.linear(a, layer.w_qkv, layer.b_qkv)
-        return qkv.split([self.n_q * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
-
-    def _attn_out(self, i: int, attn, comm):
-        """Row-parallel O: partial sums over this rank's heads, all-reduced."""
-        o = self.torch.nn.functional.linear(attn, self.layers[i].w_o)
-        comm.allreduce(o)
-        return o
-
-    def _mlp(self, i: int, m, comm):
-        """Column-parallel gate/up, row-parallel down (partial sums over the FFN slice),
-        all-reduced."""
-        F = self.torch.nn.functional
-        layer = self.layers[i]
-        gate, up = F.linear(m, layer.w_gate_up).chunk(2, dim=-1)
-        d = F.linear(F.silu(gate) * up, layer.w_down)
-        comm.allreduce(d)
-        return d
-
-    def _logits(self, last, comm):
-        """Vocab-parallel LM head: [B, vocab], every rank's slice gathered in rank order."""
-        batch = last.shape[0]
-        logits = self.torch.nn.functional.linear(last, self.w_lm)  # [B, vocab / tp]
-        gathered = comm.allgather(logits)  # [tp * B, vocab / tp], rank blocks in order
-        tp = self.layout.tp
-        return gathered.view(tp, batch, -1).permute(1, 0, 2).reshape(batch, -1)
-
-
-#: torch's tensor-parallel plan of the layers (HF Qwen2's names): the hand-written
-#: path's column- and row-parallel layers, the LM head gathered to every rank
-_TP_PLAN = {
-    "layers.*.q_proj": "colwise", "layers.*.k_proj": "colwise", "layers.*.v_proj": "colwise",
-    "layers.*.o_proj": "rowwise",
-    "layers.*.gate_proj": "colwise", "layers.*.up_proj": "colwise",
-    "layers.*.down_proj": "rowwise",
-    "lm_head": "colwise_gathered",
-}
-
-
-class DTensorDecoder(TPDecoder):
-    """The same model with its tensor-parallel layers built by torch (``--tp-api``).
-
-    ``parallelize_module`` applies ``_TP_PLAN`` (ColwiseParallel for q/k/v
-    and gate/up, RowwiseParallel for o and down, ColwiseParallel with a
-    Replicate output for the LM head) on ``DeviceMesh.from_group(group,
-    "cpu")``, so the collectives are DTensor's: an all-reduce per row-parallel
-    output and an all-gather of the logits, issued by torch on ``group``'s
-    backend.  The weights are the local shards of ``base`` (same tensors, no
-    copy), wrapped with ``DTensor.from_local`` before parallelize_module,
-    which keeps a parameter that is already a DTensor with the plan's
-    placement: nothing is re-sharded, so the model is the hand-written one's
-    weight for weight.  Everything else (norms, rotary, KV cache, attention)
-    is ``TPDecoder.forward`` on local tensors.
-
-    Time inside the collectives is taken by forward hooks around torch's
-    output hook of o, down and the LM head (it waits for the collective, so
-    what it measures ends when the result is ready).
-    """
-
-    def __init__(self, base: TPDecoder, group):
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        self.__dict__.update(base.__dict__)  # the same weights, caches and tables
-        torch, hd = self.torch, self.cfg.head_dim
-        self.cfg.check(self.layout.tp, even_kv=True)
-        self.mesh = DeviceMesh.from_group(group, "cpu")
-        layers = torch.nn.ModuleList()
-        for layer in self.layers:
-            q, k, v = layer.w_qkv.split([self.n_q * hd, self.n_kv * hd, self.n_kv * hd])
-            bq, bk, bv = layer.b_qkv.split([self.n_q * hd, self.n_kv * hd, self.n_kv * hd])
-            gate, up = layer.w_gate_up.chunk(2)
-            layers.append(torch.nn.ModuleDict({
-                "q_proj": self._linear(q, 0, bq), "k_proj": self._linear(k, 0, bk),
-                "v_proj": self._linear(v, 0, bv), "o_proj": self._linear(layer.w_o, 1),
-                "gate_proj": self._linear(gate, 0), "up_proj": self._linear(up, 0),
-                "down_proj": self._linear(layer.w_down, 1),
-            }))
-        root = torch.nn.ModuleDict({"layers": layers, "lm_head": self._linear(self.w_lm, 0)})
-        timed = [root["lm_head"]] + [m for lay in layers for m in (lay["o_proj"],
-                                                                    lay["down_proj"])]
-        self._t0_ns = 0
-        self._timer = None
-        for module in timed:  # runs before torch's output hook (registered later)
-            module.register_forward_hook(self._collective_starts)
-        parallelize_module(root, self.mesh, _tp_styles())
-        for module in timed:  # runs after it
-            module.register_forward_hook(self._collective_ends)
-        self.tp_layers, self.lm_head = layers, root["lm_head"]
-
-    def _linear(self, weight, dim: int, bias=None):
-        """An nn.Linear holding this rank's shard (split along ``dim``) as a DTensor."""
-        torch = self.torch
-        from torch.distributed.tensor import DTensor, Shard
-
-        def param(local, placement):
-            tensor = DTensor.from_local(local, self.mesh, [placement], run_check=False)
-            return torch.nn.Parameter(tensor, requires_grad=False)
-
-        out_features, in_features = weight.shape
-        scale = [1, 1]
-        scale[dim] = self.layout.tp
-        linear = torch.nn.Linear(in_features * scale[1], out_features * scale[0],
-                                 bias=bias is not None, device="meta", dtype=weight.dtype)
-        linear.weight = param(weight, Shard(dim))
-        if bias is not None:
-            linear.bias = param(bias, Shard(0))
-        return linear
-
-    def no_autograd(self):
-        """torch.no_grad(): under inference_mode DTensor sends aten.linear (a
-        CompositeImplicitAutograd op) through its slow path, a caught exception and
-        a decomposition per call (torch 2.13, distributed/tensor/_dispatch.py), which
-        made a step 1.5-2.4x slower than under no_grad (default model, same job,
-        three runs on the 2-vCPU VM)."""
-        return self.torch.no_grad()
-
-    def _collective_starts(self, module, inputs, output):
-        self._t0_ns = time.perf_counter_ns()
-
-    def _collective_ends(self, module, inputs, output):
-        from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-        if isinstance(output, AsyncCollectiveTensor):
-            output = output.wait()  # the next op would wait for it anyway
-        self._timer.record(self._t0_ns, time.perf_counter_ns())
-        return output
-
-    def forward(self, tokens, start: int, comm):
-        """As TPDecoder.forward; ``comm`` only times (its ``record``), torch communicates."""
-        self._timer = comm
-        return super().forward(tokens, start, comm)
-
-    def _qkv(self, i: int, a):
-        layer = self.tp_layers[i]
-        return layer["q_proj"](a), layer["k_proj"](a), layer["v_proj"](a)
-
-    def _attn_out(self, i: int, attn, comm):
-        return self.tp_layers[i]["o_proj"](attn)
-
-    def _mlp(self, i: int, m, comm):
-        layer = self.tp_layers[i]
-        F = self.torch.nn.functional
-        return layer["down_proj"](F.silu(layer["gate_proj"](m)) * layer["up_proj"](m))
-
-    def _logits(self, last, comm):
-        return self.lm_head(last)
-
-
-def _tp_styles() -> dict:
-    """_TP_PLAN as torch ParallelStyle objects."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    styles = {
-        "colwise": ColwiseParallel,
-        "rowwise": RowwiseParallel,
-        "colwise_gathered": lambda: ColwiseParallel(output_layouts=Replicate()),
-    }
-    return {name: styles[kind]() for name, kind in _TP_PLAN.items()}
 
 
 # --------------------------------------------------------------------------
@@ -835,16 +207,6 @@ class _Plan:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Threads:
-    """torch threads of this rank and what the count was derived from."""
-
-    count: int
-    host_cpus: int | None
-    local_ranks: int
-    allowed_cpus: int
-
-
 class _Round(NamedTuple):
     """One backend's decode from the prompt, on one rank."""
 
@@ -911,33 +273,6 @@ def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, ba
     return _Round(tokens, step_ns, comm_ns, comm.enter_ns, comm.exit_ns, prefill_ns,
                   np.array(margins), prefill_logits)
 
-
-def _host_info(comm):
-    from mpi4py import MPI
-
-    host_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    local_ranks = host_comm.Get_size()
-    host_comm.Free()
-    return local_ranks
-
-
-def _set_threads(comm, override: int | None) -> _Threads:
-    """Give torch this rank's share of the host's CPUs (collective)."""
-    local_ranks = _host_info(comm)
-    allowed = len(os.sched_getaffinity(0))
-    count = threads_per_rank(os.cpu_count() or 1, local_ranks, allowed, override)
-    # Before torch starts its OpenMP pool; a value the user exported wins.
-    os.environ.setdefault("OMP_NUM_THREADS", str(count))
-    import torch
-
-    torch.set_num_threads(count)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:  # already set, or parallel work already started
-        pass
-    return _Threads(count, os.cpu_count(), local_ranks, allowed)
-
-
 def _build_model(plan: _Plan, comm) -> tuple[TPDecoder, float]:
     """This rank's shard and the slowest rank's build time in s (collective)."""
     from mpi4py import MPI
@@ -982,7 +317,7 @@ def _model_lines(plan: _Plan, shard_nbytes: int, build_s: float) -> list[str]:
     ]
 
 
-def _threads_line(threads: _Threads, interop_threads: int) -> str:
+def _threads_line(threads: Threads, interop_threads: int) -> str:
     omp = os.environ.get("OMP_NUM_THREADS", "unset")
     gomp = os.environ.get("GOMP_SPINCOUNT")
     return (
@@ -1214,7 +549,7 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
     comm = MPI.COMM_WORLD if comm is None else comm
     plan = _Plan(cfg, comm.Get_size(), batch, prompt_len, steps, warmup_steps, rounds, seed,
                  tp_api)
-    threads_used = _set_threads(comm, threads)
+    threads_used = set_threads(comm, threads)
     model, build_s = _build_model(plan, comm)
     prompt = _prompt(plan)
     impls = make_impls(comms, comm)
@@ -1230,7 +565,7 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
         close_impls(impls)
 
 
-def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: _Threads,
+def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: Threads,
                   build_s: float, json_path: str | None, profile: bool = False,
                   load: int = 0, wide: bool = False) -> bool:
     """Print the header, run the rounds, report (rank 0).  True if every

@@ -11,11 +11,8 @@ import numpy as np
 import pytest
 
 from bench import harness
-from bench.decode import (
-    COMM_KINDS,
-    FFN_UNIT,
-    VOCAB_UNIT,
-    ModelConfig,
+from bench.decode import COMM_KINDS
+from bench.decode_results import (
     collective_latency_ns,
     divergence_note,
     first_divergence,
@@ -23,15 +20,14 @@ from bench.decode import (
     logits_gap_ulps,
     round_steps,
     round_tokens_per_s,
-    shard_layout,
     summarize_backend,
-    threads_per_rank,
     top2_margin_ulps,
-    unit_seed,
 )
 from bench.demo import mpirun_argv, mpirun_env, mpirun_path, summary_lines
 from bench.harness import ALLGATHER, ALLREDUCE, DTYPES, Row
 from bench.impls import HarmpiImpl, Impl, MpiImpl, TorchImpl, parse_impls, torch_backend
+from bench.model import FFN_UNIT, VOCAB_UNIT, ModelConfig, shard_layout, unit_seed
+from bench.threads import threads_per_rank
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -457,7 +453,7 @@ def test_round_spread_of_tokens_per_s():
 def test_model_weights_do_not_depend_on_the_rank_count():
     import torch
 
-    from bench.decode import TPDecoder
+    from bench.model import TPDecoder
 
     cfg = ModelConfig(hidden=64, layers=1, heads=4, kv_heads=2, ffn=FFN_UNIT * 4,
                       vocab=VOCAB_UNIT * 4)
@@ -475,7 +471,7 @@ def test_model_weights_do_not_depend_on_the_rank_count():
 def test_single_rank_decode_is_deterministic():
     import torch
 
-    from bench.decode import TPDecoder
+    from bench.model import TPDecoder
 
     class NoComm:
         def allreduce(self, tensor):

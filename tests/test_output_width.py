@@ -18,7 +18,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import harness  # noqa: E402
-from bench.decode import _method_lines, _report_lines, format_decode_table  # noqa: E402
+from bench.decode import _method_lines, _report_lines  # noqa: E402
+from bench.decode_results import format_decode_table  # noqa: E402
 from bench.demo import mpirun_argv, mpirun_env, mpirun_path  # noqa: E402
 from bench.harness import Row  # noqa: E402
 
