@@ -16,20 +16,17 @@ pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 if HAVE_TORCH:
     import torch
 
-    from bench.moe_decode import (
-        FFN_UNIT,
+    from bench.model import FFN_UNIT
+    from bench.moe_decode import decode_round, format_table, parse_comms, summarize
+    from bench.moe_model import (
         MoEConfig,
         MoEDecoder,
         combine_pairs,
-        decode_round,
         dispatch_plan,
         ep_shard,
         expert_weights,
-        format_table,
-        parse_comms,
         route,
         run_experts,
-        summarize,
         tp_shard,
     )
 
