@@ -7,12 +7,15 @@ OpenMP threads, keeps workers spinning when cores allow, forwards HARMPI_*
 settings, and gives every rank torchrun's variables (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). ``harmpi-launch
 info`` shows the topology and the plan. The planning is a pure function, :func:`build_command`.
+Jobs started without the launcher (tests, bench/demo, the Makefile) take Open
+MPI's settings and ``mpirun`` from it too (launch/mpienv.py, which is also the
+Makefile's ``python -m launch.mpienv --exports``).
 """
 
 from .errors import LaunchError, MpiNotFoundError, TooManyRanksError
 from .hosts import Host, parse_hostfile, parse_hosts
-from .mpi import MpiInfo, find_mpi, parse_mpi_version
-from .plan import Layout, PlanInputs, build_command, plan_layout
+from .mpi import MpiInfo, find_mpi, find_mpirun, parse_mpi_version
+from .plan import Layout, PlanInputs, build_command, openmpi_defaults, plan_layout
 from .topology import Cpu, HostTopology, detect_topology, read_sysfs_topology
 
 __all__ = [
@@ -28,6 +31,8 @@ __all__ = [
     "build_command",
     "detect_topology",
     "find_mpi",
+    "find_mpirun",
+    "openmpi_defaults",
     "parse_hostfile",
     "parse_hosts",
     "parse_mpi_version",

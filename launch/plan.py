@@ -73,6 +73,7 @@ __all__ = [
     "SPIN_ENV",
     "TRANSPORTS",
     "build_command",
+    "openmpi_defaults",
     "plan_layout",
     "rank_command",
     "with_runner",
@@ -400,16 +401,33 @@ def _openmpi_map_by(inputs: PlanInputs, lay: Layout, modern: bool) -> str:
     return spec
 
 
-def _openmpi_defaults(inputs: PlanInputs, topo: HostTopology, base_env: Mapping[str, str],
-                      env: dict[str, str]) -> None:
-    """MCA and root settings mpirun itself reads (ranks inherit them); never the user's."""
+def openmpi_defaults(*, run_as_root: bool, rdma: bool,
+                     yield_when_idle: bool = False) -> dict[str, str]:
+    """The Open MPI settings harmpi's jobs start with (pure); mpirun reads them
+    from its environment and its ranks inherit them.
+
+    The one place that states them: :func:`build_command` adds them for the
+    launcher, :func:`launch.mpienv.mpi_env` for jobs started by hand (the
+    tests, bench/demo, the Makefile). ``yield_when_idle`` (a rank waiting in
+    MPI gives up its core) is for jobs with more ranks than cores, as the
+    tests run them; the launcher leaves it to Open MPI.
+    """
     defaults = {}
-    if inputs.run_as_root:
+    if run_as_root:  # mpirun refuses to start as root without both
         defaults["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
         defaults["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     defaults["OMPI_MCA_osc"] = "^ucx"  # the wheel's UCX osc warns without UCX devices
-    if not topo.rdma_devices:
+    if not rdma:
         defaults["OMPI_MCA_pml"] = "ob1"  # no RDMA hardware: UCX pml only warns
+    if yield_when_idle:
+        defaults["OMPI_MCA_mpi_yield_when_idle"] = "1"
+    return defaults
+
+
+def _openmpi_defaults(inputs: PlanInputs, topo: HostTopology, base_env: Mapping[str, str],
+                      env: dict[str, str]) -> None:
+    """MCA and root settings mpirun itself reads (ranks inherit them); never the user's."""
+    defaults = openmpi_defaults(run_as_root=inputs.run_as_root, rdma=bool(topo.rdma_devices))
     for name, value in defaults.items():
         if name not in base_env:
             env[name] = value

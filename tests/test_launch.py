@@ -33,6 +33,8 @@ from launch import (  # noqa: E402
     PlanInputs,
     build_command,
     find_mpi,
+    find_mpirun,
+    openmpi_defaults,
     parse_hostfile,
     parse_hosts,
     parse_mpi_version,
@@ -40,6 +42,7 @@ from launch import (  # noqa: E402
     read_sysfs_topology,
 )
 from launch.mpi import candidate_launchers, probe_launcher  # noqa: E402
+from launch.mpienv import mpi_env  # noqa: E402
 from launch.plan import RANKENV, RUNNER  # noqa: E402
 from launch.runner import run_mpirun  # noqa: E402
 from launch.topology import build_topology, detect_topology, parse_cpulist, parse_lscpu  # noqa: E402
@@ -251,6 +254,51 @@ def test_find_mpi_on_this_machine():
     except MpiNotFoundError:
         pytest.skip("no MPI installed here")
     assert info.flavour in ("openmpi", "mpich", "intel") and os.path.isfile(info.path)
+
+
+def _executables(directory, names):
+    directory.mkdir()
+    for name in names:
+        (directory / name).write_text("#!/bin/sh\n")
+        (directory / name).chmod(0o755)
+    return directory
+
+
+def test_find_mpirun_beside_python_then_on_path(tmp_path):
+    venv_bin = _executables(tmp_path / "venv", ["mpirun"])
+    path_bin = _executables(tmp_path / "usr", ["mpiexec", "mpirun"])
+    only_mpiexec = _executables(tmp_path / "hydra", ["mpiexec"])
+    assert find_mpirun(str(venv_bin), str(path_bin)) == str(venv_bin / "mpirun")
+    assert find_mpirun(str(tmp_path / "none"), str(path_bin)) == str(path_bin / "mpirun")
+    with pytest.raises(MpiNotFoundError, match=f"no mpirun in {only_mpiexec} or on PATH"):
+        find_mpirun(str(only_mpiexec), str(only_mpiexec))
+
+
+def test_openmpi_defaults_are_one_table():
+    assert openmpi_defaults(run_as_root=True, rdma=False, yield_when_idle=True) == {
+        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMPI_MCA_osc": "^ucx", "OMPI_MCA_pml": "ob1", "OMPI_MCA_mpi_yield_when_idle": "1"}
+    assert openmpi_defaults(run_as_root=False, rdma=True) == {"OMPI_MCA_osc": "^ucx"}
+
+
+def test_mpi_env_keeps_callers_values_and_adds_extra():
+    env = mpi_env({"OMPI_MCA_pml": "ucx", "PATH": "/bin"}, {"HARMPI_RANKS_PER_NODE": "2"})
+    assert env["OMPI_MCA_pml"] == "ucx" and env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
+    assert env["HARMPI_RANKS_PER_NODE"] == "2" and env["PATH"] == "/bin"
+    assert env["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    assert "OMPI_MCA_mpi_yield_when_idle" not in mpi_env({}, yield_when_idle=False)
+    assert mpi_env({}, {"OMPI_MCA_osc": "rdma"})["OMPI_MCA_osc"] == "rdma"
+
+
+def test_mpienv_exports_what_the_environment_lacks():
+    """What the Makefile exports (launch/mpienv.py, run by the system Python)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_")}
+    env["OMPI_MCA_pml"] = "ucx"
+    proc = subprocess.run([sys.executable, "-m", "launch.mpienv", "--exports"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
+                                   "OMPI_MCA_osc=^ucx", "OMPI_MCA_mpi_yield_when_idle=1"]
 
 
 # --- hosts -----------------------------------------------------------------
