@@ -10,13 +10,17 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.harmpi-installed
 DEB_PACKAGES := iproute2 util-linux procps g++
 
-# Open MPI: allow root (CI runs as root) and keep
-# the pip wheel from probing UCX hardware that is not there.
-export OMPI_ALLOW_RUN_AS_ROOT := 1
-export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
-export OMPI_MCA_osc ?= ^ucx
-export OMPI_MCA_pml ?= ob1
-export OMPI_MCA_mpi_yield_when_idle ?= 1
+# Open MPI's settings for every mpirun here (root allowed: CI runs as root;
+# no UCX probing of hardware that is not there; waiting ranks yield, as the
+# tests run more ranks than cores) come from the launcher, the one place that
+# states them (launch/mpienv.py): it prints those the environment lacks. The
+# system Python runs it, as setup needs them before the venv exists (it
+# uses only the standard library).
+MPI_SETTINGS := $(shell $(PYTHON) -m launch.mpienv --exports)
+ifneq ($(.SHELLSTATUS),0)
+$(error `$(PYTHON) -m launch.mpienv --exports` failed: no Open MPI settings for mpirun)
+endif
+$(foreach setting,$(MPI_SETTINGS),$(eval export $(setting)))
 export PYTHONDONTWRITEBYTECODE :=
 export PATH := $(VENV)/bin:$(PATH)
 
