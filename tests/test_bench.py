@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support.jobs import run_module
 
 from bench import harness
 from bench.decode import COMM_KINDS
@@ -23,13 +23,12 @@ from bench.decode_results import (
     summarize_backend,
     top2_margin_ulps,
 )
-from bench.demo import mpirun_argv, mpirun_env, mpirun_path, summary_lines
+from bench.demo import mpirun_argv, summary_lines
 from bench.harness import ALLGATHER, ALLREDUCE, DTYPES, Row
 from bench.impls import HarmpiImpl, Impl, MpiImpl, TorchImpl, parse_impls, torch_backend
 from bench.model import FFN_UNIT, VOCAB_UNIT, ModelConfig, shard_layout, unit_seed
 from bench.threads import threads_per_rank
 
-REPO = Path(__file__).resolve().parents[1]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # finds the package without importing it (numba takes seconds)
 _HARMPI_SPEC = importlib.util.find_spec("harmpi")
@@ -509,12 +508,6 @@ def test_mpirun_argv_oversubscribes_only_when_needed():
     assert argv[:4] == ["mpirun", "-np", "4", "--oversubscribe"]
 
 
-def test_mpirun_env_keeps_callers_values():
-    env = mpirun_env({"HARMPI_RANKS_PER_NODE": "2"}, base={"OMPI_MCA_pml": "ucx", "PATH": "/bin"})
-    assert env["OMPI_MCA_pml"] == "ucx" and env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
-    assert env["HARMPI_RANKS_PER_NODE"] == "2" and env["PATH"] == "/bin"
-
-
 def test_summary_lines_from_json_documents():
     rows = [{"impl": impl, "size": size, "avg_us": us} for impl, size, us in
             [("harmpi", 10240, 4.0), ("mpi", 10240, 8.0), ("gloo", 10240, 1600.0),
@@ -547,16 +540,6 @@ def test_summary_lines_from_json_documents():
 # --------------------------------------------------------------------------
 
 
-def _mpirun(n_ranks, module, args, env=None, timeout_s=150):
-    try:
-        mpirun = mpirun_path()
-    except FileNotFoundError:
-        pytest.skip("no mpirun")
-    argv = mpirun_argv(n_ranks, module, args, mpirun=mpirun)
-    return subprocess.run(argv, env=mpirun_env(env), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s)
-
-
 def _impls():
     return ("harmpi,torch:harmpi,mpi,gloo,gloo:unbound" if HAVE_HARMPI
             else "mpi,gloo,gloo:unbound")
@@ -566,9 +549,9 @@ def _impls():
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_osu_allreduce_under_mpirun(tmp_path):
     json_path = tmp_path / "ar.json"
-    proc = _mpirun(2, "bench.osu_allreduce",
-                   ["-m", "1024:4096", "-i", "5", "-x", "2", "-c", "-f", "--impl", _impls(),
-                    "--json", str(json_path)])
+    proc = run_module(2, "bench.osu_allreduce",
+                      ["-m", "1024:4096", "-i", "5", "-x", "2", "-c", "-f", "--impl", _impls(),
+                       "--json", str(json_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     title = f"Allreduce Latency Test v{_version()}"
@@ -601,8 +584,8 @@ def test_osu_allreduce_under_mpirun(tmp_path):
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_osu_allgather_under_mpirun():
-    proc = _mpirun(2, "bench.osu_allgather",
-                   ["-m", "2:64", "-i", "3", "-x", "1", "-c", "--impl", _impls()])
+    proc = run_module(2, "bench.osu_allgather",
+                      ["-m", "2:64", "-i", "3", "-x", "1", "-c", "--impl", _impls()])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Allgather Latency Test" in proc.stdout
     table = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
@@ -617,7 +600,7 @@ def test_osu_allgather_under_mpirun():
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_adapters_on_tensors_under_mpirun():
     # allreduce(tensor) / allgather(tensor), the calls the decode benchmark makes
-    proc = _mpirun(2, "tests.bench_adapters_check", [_impls()])
+    proc = run_module(2, "tests.support.bench_adapters_check", [_impls()])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"adapters ok: {_impls()}" in proc.stdout
 
@@ -634,7 +617,7 @@ def _decode_args(comms, json_path):
 def test_decode_under_mpirun(tmp_path):
     json_path = tmp_path / "decode.json"
     comms = "harmpi,torch:harmpi,gloo,mpi" if HAVE_HARMPI else "gloo,mpi"
-    proc = _mpirun(2, "bench.decode", _decode_args(comms, json_path))
+    proc = run_module(2, "bench.decode", _decode_args(comms, json_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Threads per rank:" in proc.stdout
     doc = json.loads(json_path.read_text())
@@ -661,8 +644,8 @@ def test_decode_tp_api_under_mpirun(tmp_path):
     # the two backends must give the same tokens exactly (not just logits
     # within a bf16 bound).
     json_path = tmp_path / "decode.json"
-    proc = _mpirun(2, "bench.decode", ["--tp-api"] + _decode_args("torch:harmpi,torch:gloo",
-                                                                  json_path))
+    proc = run_module(2, "bench.decode",
+                      ["--tp-api"] + _decode_args("torch:harmpi,torch:gloo", json_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "parallelize_module" in proc.stdout
     doc = json.loads(json_path.read_text())
@@ -678,7 +661,7 @@ def test_decode_tp_api_under_mpirun(tmp_path):
     # hand-written model's tokens (observed exact here, also for the default
     # model over 96 tokens)
     hand_path = tmp_path / "hand.json"
-    proc = _mpirun(2, "bench.decode", _decode_args("torch:harmpi", hand_path))
+    proc = run_module(2, "bench.decode", _decode_args("torch:harmpi", hand_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     hand = json.loads(hand_path.read_text())["rows"][0]
     assert hand["tp_api"] is False and hand["tokens_sha"] == rows["torch:harmpi"]["tokens_sha"]
@@ -687,7 +670,7 @@ def test_decode_tp_api_under_mpirun(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_decode_tp_api_refuses_other_comms():
-    proc = _mpirun(1, "bench.decode", ["--tp-api", "--comm", "harmpi,gloo"], timeout_s=60)
+    proc = run_module(1, "bench.decode", ["--tp-api", "--comm", "harmpi,gloo"], timeout_s=60)
     assert proc.returncode != 0
     assert "torch.distributed comms only" in proc.stderr and "not harmpi" in proc.stderr
 
@@ -794,7 +777,8 @@ def test_wait_cost_under_mpirun():
     """bench.wait_cost: every policy gets a row with a CPU share and a
     wake-up, and a waiting rank asleep (auto, sleep) uses far less of a
     core than one spinning (the late rank is 0.5 s late)."""
-    result = _mpirun(2, "bench.wait_cost", ["--late-s", "0.5", "--repeats", "2"], timeout_s=300)
+    result = run_module(2, "bench.wait_cost", ["--late-s", "0.5", "--repeats", "2"],
+                        timeout_s=300)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()
             if line.split()[:1] and line.split()[0] in ("spin", "auto", "sleep")}

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 
 import pytest
-from test_bench import _mpirun as _bench_mpirun
+from support.jobs import run_module
 
 from bench.deepspeed_op import cpu_flags, deepspeed_refusal, deepspeed_wire
 from bench.demo import default_impls, summary_lines
 from bench.harness import DTYPES
 from bench.impls import parse_impls
 
-REPO = Path(__file__).resolve().parents[1]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
@@ -105,14 +103,14 @@ def test_demo_summary_has_a_deepspeed_column():
 
 
 def _mpirun(n_ranks, module, args, env=None):
-    """test_bench's mpirun helper, with room for the op's first build and for
-    a loaded machine: DeepSpeed's shm op spins without ever yielding, so its
-    jobs slow down with every process beside them (its runs timed out at
+    """:func:`support.jobs.run_module`, with room for the op's first build and
+    for a loaded machine: DeepSpeed's shm op spins without ever yielding, so
+    its jobs slow down with every process beside them (its runs timed out at
     240 s on a busy machine). 240 s times the runnable processes per CPU when
     the job starts, between 240 and 600 s."""
     per_cpu = os.getloadavg()[0] / (os.cpu_count() or 1)
-    return _bench_mpirun(n_ranks, module, args, env=env,
-                         timeout_s=min(600.0, 240.0 * max(1.0, per_cpu)))
+    return run_module(n_ranks, module, args, env=env,
+                      timeout_s=min(600.0, 240.0 * max(1.0, per_cpu)))
 
 
 def _skip_if_unavailable(stdout: str) -> None:
@@ -125,7 +123,7 @@ def _skip_if_unavailable(stdout: str) -> None:
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed not installed "
                     "(pip install 'harmpi[deepspeed]'; make setup installs it)")
 def test_deepspeed_adapter_under_mpirun():
-    proc = _mpirun(2, "tests.deepspeed_check", [])
+    proc = _mpirun(2, "tests.support.deepspeed_check", [])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _skip_if_unavailable(proc.stdout)
     assert "deepspeed ok: deepspeed: torch.ops.deepspeed.inference_all_reduce_" in proc.stdout
@@ -138,7 +136,8 @@ def test_deepspeed_adapter_under_mpirun():
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_deepspeed_refused_under_virtual_nodes():
     # refused before anything is built: runs without deepspeed installed too
-    proc = _mpirun(2, "tests.deepspeed_check", ["refused"], env={"HARMPI_RANKS_PER_NODE": "1"})
+    proc = _mpirun(2, "tests.support.deepspeed_check", ["refused"],
+                   env={"HARMPI_RANKS_PER_NODE": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "deepspeed refused: DeepSpeed's shm op has no notion of nodes" in proc.stdout
 

@@ -224,7 +224,8 @@ def test_osu_alltoall_uneven_counts_and_cases():
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("ranks_per_node", [None, 1], ids=["1x2", "2x1"])
 def test_moe_decode_under_mpirun(tmp_path, ranks_per_node):
-    from test_bench import HAVE_HARMPI, _mpirun
+    from support.jobs import run_module
+    from test_bench import HAVE_HARMPI
 
     env = {} if ranks_per_node is None else {"HARMPI_RANKS_PER_NODE": str(ranks_per_node)}
     json_path = tmp_path / "moe.json"
@@ -234,7 +235,7 @@ def test_moe_decode_under_mpirun(tmp_path, ranks_per_node):
             "2", "--experts", "4", "--expert-ffn", "128", "--vocab", "512", "--batch", "4",
             "--prompt-len", "4", "--steps", "6", "--rounds", "2", "--warmup", "1",
             "--json", str(json_path)]
-    proc = _mpirun(2, "bench.moe_decode", args, env=env, timeout_s=300)
+    proc = run_module(2, "bench.moe_decode", args, env=env, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert max(len(line) for line in lines) <= 100

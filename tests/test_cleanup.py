@@ -2,14 +2,13 @@
 no shared-memory segment, session directory or rank process is left."""
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from support.jobs import SHM_VARIABLES, job_argv, shm_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = textwrap.dedent("""
     import os, sys, torch, harmpi
     from mpi4py import MPI
@@ -26,34 +25,18 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _mpirun():
-    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    return here if os.path.exists(here) else shutil.which("mpirun")
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("mode", ["normal", "crash"])
-def test_no_segments_or_processes_left(tmp_path, mode):
-    mpirun = _mpirun()
-    if mpirun is None:
-        pytest.skip("no mpirun")
-    shm = tmp_path / "shm"
-    shm.mkdir()
+def test_no_segments_or_processes_left(tmp_path, mode, mpirun):
     session = tmp_path / "tmp"
     session.mkdir()
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, PYTHONPATH=REPO, TMPDIR=str(session),
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_osc="^ucx", OMPI_MCA_pml="ob1",
-               # put Open MPI's shared-memory backing files where we can look
-               OMPI_MCA_btl_sm_backing_directory=str(shm),
-               OMPI_MCA_osc_sm_backing_directory=str(shm))
-    proc = subprocess.run(
-        [mpirun, "-np", "2", "--map-by", ":OVERSUBSCRIBE", "--bind-to", "none",
-         "-x", "OMPI_MCA_btl_sm_backing_directory", "-x", "OMPI_MCA_osc_sm_backing_directory",
-         "-x", "PYTHONPATH", sys.executable, "-m", "mpi4py", str(script), str(shm), mode],
-        env=env, capture_output=True, text=True, timeout=150)
+    # Open MPI's shared-memory backing files go to tmp_path/shm, where we can look
+    env, shm = shm_env(tmp_path, {"TMPDIR": str(session)})
+    argv = job_argv(2, [sys.executable, "-m", "mpi4py", str(script), str(shm), mode],
+                    forward=[*SHM_VARIABLES, "PYTHONPATH"], mpirun=mpirun)
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=150)
     if mode == "normal":
         assert proc.returncode == 0, proc.stderr[-2000:]
     else:
@@ -67,16 +50,14 @@ def test_no_segments_or_processes_left(tmp_path, mode):
 
 
 @pytest.mark.timeout(330)
-def test_singleton_leaves_no_segment(tmp_path):
+def test_singleton_leaves_no_segment(tmp_path, mpi_env):
     """A script run without mpirun (an MPI singleton) must not leave Open
     MPI's shared-memory segment in /dev/shm (harmpi keeps that BTL off)."""
-    env = {k: v for k, v in os.environ.items()
+    env = {k: v for k, v in mpi_env.items()
            if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_", "OMPI_MCA_btl"))}
     # the sm BTL's segment would be made in this private directory (not in
     # /dev/shm, where jobs of tests running beside this one make theirs)
-    env.update(PYTHONPATH=REPO, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_osc="^ucx", OMPI_MCA_pml="ob1",
-               OMPI_MCA_btl_sm_backing_directory=str(tmp_path))
+    env.update(OMPI_MCA_btl_sm_backing_directory=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, "-c", "import torch, harmpi; x = torch.ones(8); harmpi.allreduce(x); "
                                "print(harmpi.info()['ranks'], float(x.sum()))"],

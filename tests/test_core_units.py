@@ -1,7 +1,6 @@
 """Unit tests without mpirun: config, flag waits, node steps on a private
 arena, tags, topology and the arena in a singleton MPI process."""
 
-import os
 import subprocess
 import sys
 import time
@@ -16,8 +15,6 @@ from harmpi.dtypes import F32, F64
 from harmpi.errors import HarmpiArgumentError
 from harmpi.kind import MAX_TAG, POISON_TAG, rail_tag
 from harmpi.sync import wait_flags_ge
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_config_defaults_and_env():
@@ -161,16 +158,14 @@ def test_tags_stay_in_mpi_range_and_differ():
         assert rail_tag(10240, other) != rail_tag(10240, base), name
 
 
-def test_singleton_process_arena_and_topology():
+def test_singleton_process_arena_and_topology(mpi_env):
     """Without mpirun MPI starts as a singleton: one node, one rank, no /dev/shm left."""
     code = ("import harmpi, numpy as np, torch\n"
             "x = torch.ones(10, dtype=torch.bfloat16); assert harmpi.allreduce(x) is x\n"
             "i = harmpi.info(); assert i['nodes'] == 1 and i['ranks'] == 1, i\n"
             "g = harmpi.allgather(np.arange(3.0)); assert g.tolist() == [0.0, 1.0, 2.0]\n"
             "harmpi.finalize(); print('ok')\n")
-    env = dict(os.environ, PYTHONPATH=REPO, OMPI_MCA_osc="^ucx", OMPI_MCA_pml="ob1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], env=mpi_env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 

@@ -17,7 +17,8 @@ import time
 import types
 
 import pytest
-from test_faults import REPO, _job, job_limit_s
+from support import REPO
+from support.jobs import job_limit_s, job_script
 
 from harmpi import Config, HarmpiArgumentError, failfast
 
@@ -49,7 +50,7 @@ RAISE = 'raise RuntimeError("rank 1 fails on purpose")'
 
 
 def _launch_argv(argv):
-    """``python -m launch`` running the job of :func:`test_faults._job`'s argv."""
+    """``python -m launch`` running the job of :func:`support.jobs.job_script`'s argv."""
     script = argv[argv.index(sys.executable) + 1:]
     forward = " ".join(f"-x {argv[i + 1]}" for i, a in enumerate(argv) if a == "-x")
     return [sys.executable, "-m", "launch", "-np", "2", "--oversubscribe", "--bind-to", "none",
@@ -66,10 +67,10 @@ INSTALL = "harmpi.failfast.install()"
 
 
 def _starter_job(tmp_path, body, starter, extra_env=None):
-    """:func:`test_faults._job` started by ``starter`` (see STARTERS)."""
+    """:func:`support.jobs.job_script` started by ``starter`` (see STARTERS)."""
     body = body.replace("{install}", INSTALL if starter in ("hook", "mpi4py") else "pass")
-    argv, env, shm = _job(tmp_path, body, mpi4py_main=starter == "mpi4py",
-                          runner=starter == "mpirun", extra_env=extra_env)
+    argv, env, shm = job_script(tmp_path, body, mpi4py_main=starter == "mpi4py",
+                                runner=starter == "mpirun", extra_env=extra_env)
     return (_launch_argv(argv) if starter == "launch" else argv), env, shm
 
 
@@ -157,7 +158,7 @@ def test_the_hook_leaves_sys_exit_alone(tmp_path):
     rank that exits ends alone and its sleeping peer is not ended early."""
     body = JOB.format(fail="sys.exit(3)", peer="sleep", install=INSTALL).replace(
         "time.sleep(120)", "time.sleep(3)")
-    argv, env, shm = _job(tmp_path, body)
+    argv, env, shm = job_script(tmp_path, body)
     proc = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=job_limit_s(BOUND_S))
     assert proc.returncode == 3 and "rank 0 exits" in proc.stdout, proc.stderr[-3000:]
@@ -221,7 +222,7 @@ def test_a_clean_exit_never_aborts(tmp_path):
         else:
             sys.exit(0)
     """
-    argv, env, shm = _job(tmp_path, body, runner=True)
+    argv, env, shm = job_script(tmp_path, body, runner=True)
     proc = subprocess.run(argv, env=env, capture_output=True, text=True,
                           timeout=job_limit_s(BOUND_S))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -3,7 +3,6 @@ bounded time, every rank says what happened, and nothing is left in the
 shared-memory backing directory. (Faults inside a live job: tests/mpi/test_faults.py.)"""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,104 +10,9 @@ import textwrap
 import time
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from support.jobs import job_limit_s, job_script, run_job, shm_env
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _mpirun():
-    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    return here if os.path.exists(here) else shutil.which("mpirun")
-
-
-def _env(tmp_path, extra=None):
-    shm = tmp_path / "shm"
-    shm.mkdir(exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=REPO, OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_osc="^ucx", OMPI_MCA_pml="ob1",
-               OMPI_MCA_btl_sm_backing_directory=str(shm),
-               OMPI_MCA_osc_sm_backing_directory=str(shm))
-    env.update(extra or {})
-    return env, shm
-
-
-def _job(tmp_path, body, np=2, mpi4py_main=False, extra_env=None, runner=False):
-    """(argv, env, shm dir) of an mpirun job running ``body`` on ``np`` ranks
-    (under ``python -m mpi4py`` or harmpi's runner ``python -m harmpi.run`` if asked)."""
-    mpirun = _mpirun()
-    if mpirun is None:
-        pytest.skip("no mpirun")
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(body))
-    env, shm = _env(tmp_path, extra_env)
-    names = ["OMPI_MCA_btl_sm_backing_directory", "OMPI_MCA_osc_sm_backing_directory",
-             "PYTHONPATH", *(extra_env or {})]
-    argv = [mpirun, "-np", str(np), "--map-by", ":OVERSUBSCRIBE", "--bind-to", "none"]
-    for name in names:
-        argv += ["-x", name]
-    starter = ["-m", "mpi4py"] if mpi4py_main else ["-m", "harmpi.run"] if runner else []
-    argv += [sys.executable, *starter, str(script), str(tmp_path)]
-    return argv, env, shm
-
-
-# Job-script text (four spaces in, as the job bodies): usage() gives this
-# rank's (RSS MB, open fds, mappings, files in the job's shm directory
-# ``shm``), what the create/destroy cycle jobs compare before and after.
-RESOURCE_USAGE = """\
-    def usage():
-        pages = int(open("/proc/self/statm").read().split()[1])
-        return (pages * os.sysconf("SC_PAGE_SIZE") >> 20, len(os.listdir("/proc/self/fd")),
-                sum(1 for _ in open("/proc/self/maps")), len(os.listdir(shm)))
-"""
-
-
-#: what a job's start-up (python, torch, harmpi and the numba cache in every
-#: rank) may take on a 2-core machine with nothing else running (~3x what
-#: it takes here): a fixed part and a part per rank
-STARTUP_S, STARTUP_PER_RANK_S = 20.0, 10.0
-
-
-def job_limit_s(work_s, np=2):
-    """Seconds a job of ``np`` ranks may run when its ranks wait ``work_s``
-    seconds in all (their sleeps and deadlines, or their loops at a quiet
-    machine's speed): its start-up, then twice its work, times the runnable
-    processes per CPU when it starts (at least 1: on a loaded machine every
-    part of the job slows down by about that much). A job that hangs (the
-    bugs these tests guard against wait forever, or until a deadline far
-    longer than the work) fails then, instead of after a fixed 300 s.
-    At most :data:`JOB_LIMIT_MAX_S`, under the pytest timeouts of the job
-    files (240 s and more), so that _run, not pytest, ends the job."""
-    busy = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
-    return min(JOB_LIMIT_MAX_S, (STARTUP_S + STARTUP_PER_RANK_S * np + 2.0 * work_s) * busy)
-
-
-JOB_LIMIT_MAX_S = 200.0
-
-
-def _text(data):
-    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
-
-
-def _run(tmp_path, body, work_s, **kw):
-    """Runs the job of :func:`_job`; fails if it outlives :func:`job_limit_s`
-    (the whole job is killed then) or leaves shared memory behind."""
-    argv, env, shm = _job(tmp_path, body, **kw)
-    limit_s = job_limit_s(work_s, kw.get("np", 2))
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)   # mpirun and the ranks it started
-        out, err = proc.communicate()
-        pytest.fail(f"the job still ran after {time.monotonic() - t0:.0f} s (limit "
-                    f"{limit_s:.0f} s: start-up, then twice its {work_s} s of work, times "
-                    f"the load per CPU)\n"
-                    f"stdout: {_text(out)[-2000:]}\nstderr: {_text(err)[-2000:]}")
-    assert os.listdir(shm) == [], "shared memory left behind"
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 LATE_RANK = """
@@ -134,14 +38,14 @@ UNCAUGHT = "harmpi.allreduce(torch.ones(10))"
 def test_the_job_ends_after_a_caught_timeout(tmp_path):
     """The timed-out rank goes on and exits normally, so does its peer: no
     rank may hang in an exit-time collective (it once did, in MPI_Win_free)."""
-    proc = _run(tmp_path, LATE_RANK.format(catch=CAUGHT), work_s=7)
+    proc = run_job(tmp_path, LATE_RANK.format(catch=CAUGHT), work_s=7)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "rank 0 caught:" in proc.stdout and "HARMPI_TIMEOUT_S" in proc.stdout
     assert "rank 0 exits" in proc.stdout and "rank 1 exits" in proc.stdout
 
 
 def test_the_job_ends_after_an_uncaught_timeout_under_plain_python(tmp_path):
-    proc = _run(tmp_path, LATE_RANK.format(catch=UNCAUGHT), work_s=7)
+    proc = run_job(tmp_path, LATE_RANK.format(catch=UNCAUGHT), work_s=7)
     assert proc.returncode != 0
     assert "HarmpiTimeoutError" in proc.stderr
 
@@ -157,7 +61,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
             os.kill(os.getpid(), signal.SIGKILL)
         harmpi.allreduce(torch.ones(10))
     """
-    proc = _run(tmp_path, body, work_s=5, mpi4py_main=True)
+    proc = run_job(tmp_path, body, work_s=5, mpi4py_main=True)
     assert proc.returncode != 0
 
 
@@ -190,7 +94,7 @@ SIGINT_JOB = """
 @pytest.mark.parametrize("virtual", [None, "1"], ids=["one-node", "two-nodes-tcp"])
 def test_ctrl_c_ends_a_wait_at_once_and_its_peer_fails(tmp_path, virtual):
     extra = {"HARMPI_RANKS_PER_NODE": virtual} if virtual else {}
-    argv, env, shm = _job(tmp_path, SIGINT_JOB, extra_env=extra)
+    argv, env, shm = job_script(tmp_path, SIGINT_JOB, extra_env=extra)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     pid_file = tmp_path / "pid"
@@ -230,7 +134,7 @@ def test_calls_after_mpi_finalize_raise(tmp_path):
                 assert "finalized" in str(exc), exc
         print("ok")
     """)
-    env, _ = _env(tmp_path)
+    env, _ = shm_env(tmp_path)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split() == ["ok"], (proc.stdout,
@@ -293,7 +197,7 @@ def test_ctrl_c_across_nodes_fails_the_step_on_every_node(tmp_path, layout):
     shape, transport = layout.split("-")
     np_ = 2 * int(shape[-1])
     extra = {"HARMPI_RANKS_PER_NODE": shape[-1], "HARMPI_TRANSPORT": transport}
-    proc = _run(tmp_path, INTERRUPT_ACROSS_NODES, work_s=15, np=np_, extra_env=extra)
+    proc = run_job(tmp_path, INTERRUPT_ACROSS_NODES, work_s=15, np=np_, extra_env=extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for name in ("all", "node1"):

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from test_faults import REPO, _job, job_limit_s
+from support import REPO
+from support.jobs import job_env, job_limit_s, job_script
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,8 +51,7 @@ print("registered", flush=True)
 
 
 def _singleton_env():
-    env = dict(os.environ, PYTHONPATH=REPO, OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_osc="^ucx", OMPI_MCA_pml="ob1")
+    env = job_env()
     for name in list(env):
         if name.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_")):
             del env[name]
@@ -70,7 +70,7 @@ def test_import_in_a_fresh_interpreter(code, says):
 
 def test_import_harmpi_under_mpirun_changes_nothing(tmp_path):
     """The launcher's variables are set (mpirun -np 2): still no torch, no hooks."""
-    argv, env, shm = _job(tmp_path, IMPORT_ONLY)
+    argv, env, shm = job_script(tmp_path, IMPORT_ONLY)
     proc = subprocess.run(argv, env=env, capture_output=True, text=True,
                           timeout=job_limit_s(10))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,24 +5,17 @@ exchange crosses a veth pair over TCP. Skips where namespaces can't be made."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import textwrap
 
 import pytest
-
-try:
-    from . import netns
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import netns
+from support import REPO, netns
 
 OK, REASON = netns.can_make_namespaces()
 pytestmark = [
     pytest.mark.timeout(300),
     pytest.mark.skipif(not OK, reason=f"two-host netns harness unavailable: {REASON}"),
 ]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent(
     """
@@ -71,7 +64,7 @@ SCRIPT = textwrap.dedent(
 def test_harmpi_on_two_hosts(tmp_path, transport):
     script = tmp_path / "two_hosts.py"
     script.write_text(SCRIPT)
-    env = {"PYTHONPATH": REPO, "HARMPI_TIMEOUT_S": "60", "HARMPI_TRANSPORT": transport}
+    env = {"PYTHONPATH": str(REPO), "HARMPI_TIMEOUT_S": "60", "HARMPI_TRANSPORT": transport}
     with netns.TwoHosts(ranks_per_host=2) as hosts:
         proc = hosts.mpirun([sys.executable, str(script)], np=4, timeout_s=240, env=env)
         names = hosts.names

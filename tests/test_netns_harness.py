@@ -1,4 +1,4 @@
-"""The two-host test harness (tests/netns.py): a real 2-node Open MPI job on
+"""The two-host test harness (tests/support/netns.py): a real 2-node Open MPI job on
 one machine through two network namespaces, and complete clean-up."""
 from __future__ import annotations
 
@@ -9,15 +9,7 @@ import sys
 import textwrap
 
 import pytest
-
-try:  # tests/ as a package, or as a plain directory on sys.path
-    from . import netns
-except ImportError:
-    try:
-        import netns
-    except ImportError:  # e.g. --import-mode=importlib
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import netns
+from support import netns
 
 OK, REASON = netns.can_make_namespaces()
 pytestmark = [

@@ -9,19 +9,15 @@ import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support import REPO
+from support.jobs import job_env, run_module
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench import harness  # noqa: E402
-from bench.decode import _method_lines, _report_lines  # noqa: E402
-from bench.decode_results import format_decode_table  # noqa: E402
-from bench.demo import mpirun_argv, mpirun_env, mpirun_path  # noqa: E402
-from bench.harness import Row  # noqa: E402
+from bench import harness
+from bench.decode import _method_lines, _report_lines
+from bench.decode_results import format_decode_table
+from bench.harness import Row
 
 WIDTH = 100
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -127,23 +123,14 @@ def test_profile_summary_fits():
 # --------------------------------------------------------------------------
 
 
-def _mpirun(module, args, timeout_s=400):
-    try:
-        mpirun = mpirun_path()
-    except FileNotFoundError:
-        pytest.skip("no mpirun")
-    return subprocess.run(mpirun_argv(2, module, args, mpirun=mpirun), env=mpirun_env(),
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
-
-
 @pytest.mark.timeout(450)
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_osu_allreduce_output_fits_at_2_ranks(tmp_path):
     impls = "harmpi,torch:harmpi,mpi,gloo,gloo:unbound"
     json_path = tmp_path / "ar.json"
-    proc = _mpirun("bench.osu_allreduce",
-                   ["-m", "1024:2048", "-i", "5", "-x", "2", "-c", "-f", "--stat", "median",
-                    "--impl", impls, "--load", "1", "--json", str(json_path)])
+    proc = run_module(2, "bench.osu_allreduce",
+                      ["-m", "1024:2048", "-i", "5", "-x", "2", "-c", "-f", "--stat", "median",
+                       "--impl", impls, "--load", "1", "--json", str(json_path)], timeout_s=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert _widest(lines) <= WIDTH, [line for line in lines if len(line) > WIDTH]
@@ -161,7 +148,7 @@ def test_osu_allreduce_output_fits_at_2_ranks(tmp_path):
 @pytest.mark.timeout(450)
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_osu_alltoall_through_the_launcher_is_tagged_fits_and_has_no_nul():
-    env = mpirun_env({"PYTHONPATH": str(REPO)})
+    env = job_env()
     proc = subprocess.run(
         [sys.executable, "-m", "launch", "-np", "2", "--bind-to", "none", "--",
          "python", "-m", "mpi4py", "-m", "bench.osu_alltoall", "--sizes", "4K", "--iters", "8",
@@ -181,11 +168,11 @@ def test_osu_alltoall_through_the_launcher_is_tagged_fits_and_has_no_nul():
 @pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 def test_decode_output_fits_at_2_ranks(tmp_path):
     comms = "harmpi,torch:harmpi,gloo,mpi"
-    proc = _mpirun("bench.decode",
-                   ["--comm", comms, "--hidden", "64", "--layers", "2", "--heads", "4",
-                    "--kv-heads", "2", "--ffn", "256", "--vocab", "1024", "--batch", "2",
-                    "--prompt-len", "4", "--tokens", "4", "--warmup", "1", "--profile",
-                    "--load", "1", "--json", str(tmp_path / "d.json")])
+    proc = run_module(2, "bench.decode",
+                      ["--comm", comms, "--hidden", "64", "--layers", "2", "--heads", "4",
+                       "--kv-heads", "2", "--ffn", "256", "--vocab", "1024", "--batch", "2",
+                       "--prompt-len", "4", "--tokens", "4", "--warmup", "1", "--profile",
+                       "--load", "1", "--json", str(tmp_path / "d.json")], timeout_s=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert _widest(lines) <= WIDTH, [line for line in lines if len(line) > WIDTH]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_faults import STARTUP_PER_RANK_S, STARTUP_S
+from support.jobs import STARTUP_PER_RANK_S, STARTUP_S
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -242,7 +242,7 @@ def reader_env() -> dict[str, str]:
 
 def time_limit_s(run: Run) -> float:
     """Start-up of ``run.np`` ranks, then twice its work, times the runnable
-    processes per CPU (tests/test_faults.job_limit_s, without its cap: a 4-rank
+    processes per CPU (tests/support/jobs.job_limit_s, without its cap: a 4-rank
     decode takes minutes when other jobs keep the 2 cores busy)."""
     busy = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     return (STARTUP_S + STARTUP_PER_RANK_S * run.np + 2.0 * run.work_s) * busy

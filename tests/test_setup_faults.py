@@ -6,7 +6,7 @@ transport (one job per layout holds several cases: a job's start-up is most
 of its cost)."""
 
 import pytest
-from test_faults import _run
+from support.jobs import run_job
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -96,7 +96,7 @@ def test_set_up_faults_fail_on_every_rank_within_the_deadline(tmp_path, layout):
     harmpi works afterwards."""
     env = LAYOUTS[layout]
     other = "mpi" if env.get("HARMPI_TRANSPORT") == "tcp" else "tcp"
-    proc = _run(tmp_path, SET_UP.format(other=other), work_s=20, np=4, extra_env=env)
+    proc = run_job(tmp_path, SET_UP.format(other=other), work_s=20, np=4, extra_env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for r in range(4):

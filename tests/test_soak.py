@@ -7,7 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from test_bench import HAVE_HARMPI, HAVE_TORCH, _mpirun
+from support.jobs import run_module
+from test_bench import HAVE_HARMPI, HAVE_TORCH
 
 from bench.harness import DTYPES
 
@@ -209,9 +210,9 @@ def test_soak_checker_counts_wrong_values_on_tensors_and_arrays():
 @pytest.mark.skipif(not (HAVE_TORCH and HAVE_HARMPI), reason="needs torch and harmpi")
 def test_soak_under_mpirun(tmp_path):
     json_path = tmp_path / "soak.json"
-    proc = _mpirun(2, "tests.stress.soak", ["--calls", "3000", "--window", "1000",
-                                            "--check-every", "250", "--warmup", "200",
-                                            "--json", str(json_path)])
+    proc = run_module(2, "tests.stress.soak", ["--calls", "3000", "--window", "1000",
+                                               "--check-every", "250", "--warmup", "200",
+                                               "--json", str(json_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("# harmpi soak test v")

@@ -4,7 +4,7 @@ some ranks saw, and communicators set up and freed again and again give
 everything back."""
 
 import pytest
-from test_faults import RESOURCE_USAGE, _run
+from support.jobs import RESOURCE_USAGE, run_job
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -77,7 +77,7 @@ def test_free_and_finalize_after_a_one_sided_failure_return_on_every_rank(tmp_pa
     context broken anywhere is left to MPI_Finalize on every rank, with a
     warning. A context healthy everywhere is still freed."""
     np_, extra = LAYOUTS[layout]
-    proc = _run(tmp_path, ONE_SIDED, work_s=30, np=np_, extra_env=extra)
+    proc = run_job(tmp_path, ONE_SIDED, work_s=30, np=np_, extra_env=extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert "no error" not in proc.stdout
@@ -152,7 +152,7 @@ def test_communicators_set_up_and_freed_keep_resources_flat(tmp_path, layout):
     extra = {} if layout == "one-node" else {"HARMPI_RANKS_PER_NODE": "1",
                                              "HARMPI_TRANSPORT": layout.split("-")[1]}
     body = CYCLES.format(usage=RESOURCE_USAGE, keep=False, warmup=200, cycles=500)
-    proc = _run(tmp_path, body, work_s=60, np=2, extra_env=extra)
+    proc = run_job(tmp_path, body, work_s=60, np=2, extra_env=extra)
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
     assert proc.stdout.count("flat") == 2, proc.stdout
 
@@ -192,6 +192,6 @@ def test_a_job_with_overlapping_groups_exits(tmp_path, end):
     f's and rank 2 f's before g's, each waiting for the other in the free's
     barrier, forever (make test's np 3 job hung at exit so, after torch
     process groups [0, 1] and [0, 2] stayed alive to the end)."""
-    proc = _run(tmp_path, OVERLAPPING.format(end=end), work_s=10, np=3)
+    proc = run_job(tmp_path, OVERLAPPING.format(end=end), work_s=10, np=3)
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
     assert proc.stdout.count("exits") == 3, proc.stdout

@@ -4,7 +4,7 @@ a disagreement inside an async all-reduce. (Collectives against gloo:
 tests/mpi/test_torch_backend.py.)"""
 
 import pytest
-from test_faults import _run
+from support.jobs import run_job
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(240)
@@ -26,7 +26,7 @@ GLOO_DEFAULT = """
 
 
 def test_harmpi_group_under_a_gloo_default_group(tmp_path):
-    proc = _run(tmp_path, GLOO_DEFAULT, work_s=30)
+    proc = run_job(tmp_path, GLOO_DEFAULT, work_s=30)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ok") == 2
 
@@ -43,7 +43,7 @@ WRONG_RANK = """
 
 
 def test_a_rank_that_contradicts_mpi_is_refused(tmp_path):
-    proc = _run(tmp_path, WRONG_RANK, work_s=30)
+    proc = run_job(tmp_path, WRONG_RANK, work_s=30)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("refused: init_process_group: rank=") == 2, proc.stdout
 
@@ -60,7 +60,7 @@ OLD_TORCH = """
 
 
 def test_an_unsupported_torch_is_refused_with_its_version(tmp_path):
-    proc = _run(tmp_path, OLD_TORCH, work_s=30)
+    proc = run_job(tmp_path, OLD_TORCH, work_s=30)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("harmpi backend needs torch >= 99.0") == 2, proc.stdout
 
@@ -86,7 +86,7 @@ ASYNC_MISMATCH = """
 @pytest.mark.parametrize("virtual", ["", "1"])
 def test_a_disagreement_inside_an_async_all_reduce_fails_every_rank(tmp_path, virtual):
     extra = {"HARMPI_RANKS_PER_NODE": virtual} if virtual else None
-    proc = _run(tmp_path, ASYNC_MISMATCH, work_s=30, extra_env=extra)
+    proc = run_job(tmp_path, ASYNC_MISMATCH, work_s=30, extra_env=extra)
     if virtual:
         # across nodes a disagreement in the rail exchange leaves the context
         # unusable: the second all-reduce fails on every rank instead

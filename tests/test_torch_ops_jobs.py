@@ -7,7 +7,7 @@ tests/mpi/test_torch_ops_full.py.)"""
 import re
 
 import pytest
-from test_faults import RESOURCE_USAGE, _run
+from support.jobs import RESOURCE_USAGE, run_job
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(300)
@@ -82,8 +82,8 @@ def test_a_rank_that_never_comes_is_named_within_the_deadline(tmp_path):
     at the deadline, naming it alone, on each op in turn (each on a group of
     its own: a timed-out group is unusable), data untouched."""
     np_, extra = 4, {"HARMPI_RANKS_PER_NODE": "2", "HARMPI_TIMEOUT_S": "2"}
-    proc = _run(tmp_path, ABSENT_RANK.format(timeout_s=2), work_s=20, np=np_,
-                extra_env=extra)
+    proc = run_job(tmp_path, ABSENT_RANK.format(timeout_s=2), work_s=20, np=np_,
+                   extra_env=extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(np_ - 1):
         for op in OPS:
@@ -138,7 +138,7 @@ def test_destroyed_groups_keep_fds_mappings_and_shm_flat(tmp_path, layout):
     ``keep=True``, groups not freed, the mappings grow by one a cycle)."""
     extra = {"HARMPI_RANKS_PER_NODE": "1"} if layout != "one node" else None
     body = DESTROY_CYCLES.format(usage=RESOURCE_USAGE, keep=False, cycles=100)
-    proc = _run(tmp_path, body, work_s=60, np=2, extra_env=extra)
+    proc = run_job(tmp_path, body, work_s=60, np=2, extra_env=extra)
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-3000:])
     assert proc.stdout.count("flat") == 2, proc.stdout
 
@@ -183,7 +183,7 @@ def test_an_interrupted_collective_leaves_its_group_unusable(tmp_path):
     broadcast returned the dropped call's value (7.0 for 8.0). Now rank 0's
     next call raises at once ("unusable"), and the root's next call raises
     at its deadline (4 s); no rank returns data."""
-    proc = _run(tmp_path, INTERRUPTED, work_s=15)
+    proc = run_job(tmp_path, INTERRUPTED, work_s=15)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "rank 0 first: KeyboardInterrupt" in out, out
@@ -221,7 +221,7 @@ def test_a_rank_late_to_new_group_fails_instead_of_blocking(tmp_path, np_):
     after the others gave up at their deadline. It used to go on into the
     blocking MPI_Comm_create_group alone and wait there forever; now it sees
     from the posted arrival times that it came too late and raises too."""
-    proc = _run(tmp_path, LATE_GROUP.format(), work_s=10, np=np_)
+    proc = run_job(tmp_path, LATE_GROUP.format(), work_s=10, np=np_)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(np_):
         assert f"rank {r} new_group: raised" in proc.stdout, proc.stdout

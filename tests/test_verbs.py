@@ -1,12 +1,12 @@
 """The verbs rail without an RDMA device: protocol pieces, selection, and the
-transport itself over the loopback stand-in NIC (tests/verbs_double.py)."""
+transport itself over the loopback stand-in NIC (tests/support/verbs_double.py)."""
 
 import ctypes
 
 import numpy as np
 import pytest
 from mpi4py import MPI
-from verbs_double import (
+from support.verbs_double import (
     REM_ACCESS_ERR,
     RETRY_EXC_ERR,
     RNR_RETRY_EXC_ERR,

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import pytest
-from verbs_double import run_ranks
+from support.verbs_double import run_ranks
 
 from harmpi import HarmpiTransportError
 from harmpi.kind import rail_tag

@@ -12,8 +12,10 @@ import re
 import subprocess
 
 import pytest
+from support import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from launch.mpienv import mpi_env
+
 VLLM_PY = os.path.join(REPO, ".venv-vllm", "bin", "python")
 pytestmark = pytest.mark.timeout(1500)
 
@@ -32,9 +34,9 @@ def test_tp2_generation_through_harmpi_equals_vllms_own(tmp_path):
     _need_venv()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HARMPI_", "OMPI_COMM_WORLD", "PMIX_"))}
-    env["PATH"] = os.path.dirname(VLLM_PY) + os.pathsep + env.get("PATH", "")
-    for k in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"):
-        env[k] = "1"
+    # Open MPI's settings as harmpi-launch gives them (root allowed, no UCX)
+    env = mpi_env(env, {"PATH": os.path.dirname(VLLM_PY) + os.pathsep + env.get("PATH", "")},
+                  yield_when_idle=False)
     out = tmp_path / "jobs.json"
     proc = subprocess.run(
         [VLLM_PY, os.path.join(REPO, "bench", "vllm_demo.py"), "--layouts", "1x2",

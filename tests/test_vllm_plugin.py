@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from test_faults import _run
+from support.jobs import run_job
 
 import harmpi_vllm
 from harmpi_vllm import VllmLaunchError, group
@@ -180,7 +180,7 @@ ONE_RANK = """
 def test_one_rank(tmp_path):
     """A one-rank job (vLLM makes no communicator for a group of one rank,
     but harmpi's group of the whole one-rank world must work)."""
-    proc = _run(tmp_path, ONE_RANK, work_s=30, np=1)
+    proc = run_job(tmp_path, ONE_RANK, work_s=30, np=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     if "no operator:" in proc.stdout:
         pytest.skip(proc.stdout.strip())
@@ -210,6 +210,6 @@ SMALLER = """
 
 
 def test_a_tp_group_smaller_than_the_world(tmp_path):
-    proc = _run(tmp_path, SMALLER, work_s=30, np=4)
+    proc = run_job(tmp_path, SMALLER, work_s=30, np=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(proc.stdout.split()) == sorted("ok 0 ok 1 ok 2 ok 3".split()), proc.stdout

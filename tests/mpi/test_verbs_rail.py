@@ -1,5 +1,5 @@
 """The real algorithms over the verbs transport class, driven by the
-tests' shared-memory loopback NIC (tests/verbs_double.py) instead of a
+tests' shared-memory loopback NIC (tests/support/verbs_double.py) instead of a
 device: every rank is its own (virtual) node, so every collective crosses
 the rail. The stand-in is injected here, by replacing the transport
 module's probe and opener for this file's contexts only; the library
@@ -25,7 +25,7 @@ import harmpi
 from harmpi import transports
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from verbs_double import LoopbackNic, loop_port  # noqa: E402
+from support.verbs_double import LoopbackNic, loop_port  # noqa: E402
 
 #: the library's own probe (the fixture below replaces it for this file's
 #: stand-in contexts)

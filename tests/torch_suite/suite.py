@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +31,16 @@ import time
 from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# run as a script: launch/ from the checkout, support/ from tests/
+for _path in (REPO, os.path.join(REPO, "tests")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from support.jobs import job_argv, job_env  # noqa: E402
+
+from launch.errors import MpiNotFoundError  # noqa: E402
+from launch.mpienv import find_mpirun  # noqa: E402
+
 RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py")
 
 #: the suite's collective and point-to-point methods, in the order they run:
@@ -142,12 +151,11 @@ class Result:
 def mpirun_argv(mpirun: str, layout: Layout, python: str, backend: str, methods_file: str,
                 results_dir: str, meet_timeout_s: float) -> list[str]:
     """The job's command line (pure)."""
-    argv = [mpirun, "-np", str(layout.np), "--map-by", ":OVERSUBSCRIBE", "--bind-to", "none"]
-    for name in ("TEMP_DIR", "HARMPI_TIMEOUT_S", "PYTHONPATH"):
-        argv += ["-x", name]
+    forward = ["TEMP_DIR", "HARMPI_TIMEOUT_S", "PYTHONPATH"]
     if layout.ranks_per_node is not None:
-        argv += ["-x", "HARMPI_RANKS_PER_NODE"]
-    return argv + [python, RANK_SCRIPT, backend, methods_file, results_dir, str(meet_timeout_s)]
+        forward.append("HARMPI_RANKS_PER_NODE")
+    return job_argv(layout.np, [python, RANK_SCRIPT, backend, methods_file, results_dir,
+                                str(meet_timeout_s)], forward=forward, mpirun=mpirun)
 
 
 def combine(lines: list[dict]) -> Result:
@@ -240,8 +248,8 @@ class Runner:
         temp = tempfile.mkdtemp(prefix="suite-", dir=self.workdir)
         for sub in ("barrier", "test_dir", "init_dir"):
             os.mkdir(os.path.join(temp, sub))
-        env = dict(os.environ, TEMP_DIR=temp, PYTHONPATH=REPO,
-                   HARMPI_TIMEOUT_S=os.environ.get("HARMPI_TIMEOUT_S", "10"))
+        env = job_env({"TEMP_DIR": temp,
+                       "HARMPI_TIMEOUT_S": os.environ.get("HARMPI_TIMEOUT_S", "10")})
         if layout.ranks_per_node is not None:
             env["HARMPI_RANKS_PER_NODE"] = str(layout.ranks_per_node)
         else:
@@ -298,11 +306,10 @@ class Runner:
 
 
 def _mpirun() -> str:
-    here = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    found = here if os.path.exists(here) else shutil.which("mpirun")
-    if found is None:
-        sys.exit("torch suite: no mpirun found next to this Python or on PATH")
-    return found
+    try:
+        return find_mpirun()
+    except MpiNotFoundError as exc:
+        sys.exit(f"torch suite: {exc}")
 
 
 def counts(results: dict[str, Result]) -> dict[str, int]:

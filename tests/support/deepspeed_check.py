@@ -1,7 +1,7 @@
 """bench.deepspeed_op's adapter, checked under MPI.
 
-    mpirun -np 2 python -m mpi4py -m tests.deepspeed_check          # runs it
-    HARMPI_RANKS_PER_NODE=1 mpirun -np 2 python -m mpi4py -m tests.deepspeed_check refused
+    mpirun -np 2 python -m mpi4py -m tests.support.deepspeed_check     # runs it
+    HARMPI_RANKS_PER_NODE=1 mpirun -np 2 python -m mpi4py -m tests.support.deepspeed_check refused
 
 tests/test_bench_deepspeed.py runs both.  Rank 0 prints one line:
 ``deepspeed ok: ...``, ``deepspeed unavailable: <reason>`` (not installed or

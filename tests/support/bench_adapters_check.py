@@ -1,6 +1,6 @@
 """The tensor calls of bench.impls' adapters, checked under MPI.
 
-    mpirun -np 2 python -m mpi4py -m tests.bench_adapters_check harmpi,mpi,gloo
+    mpirun -np 2 python -m mpi4py -m tests.support.bench_adapters_check harmpi,mpi,gloo
 
 tests/test_bench.py runs it; rank 0 prints ``adapters ok: <names>``.  Rank r
 contributes values derived from r, so every expected result has a closed
