@@ -392,7 +392,7 @@ def test_the_runner_runs_a_program_as_python_would(tmp_path, how):
     (tmp_path / "prog.py").write_text(RUN_SCRIPT)
     program = {"script": [str(tmp_path / "prog.py")], "module": ["-m", "prog"],
                "command": ["-c", RUN_SCRIPT]}[how]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, str(tmp_path)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]))
     for name in list(env):
         if name.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_")):
             del env[name]
