@@ -17,7 +17,7 @@ algo       12     4      forced algorithm id (0: auto)
 digest     16     24     allgather: crc of the shape; alltoall: of
                          the row shape (x.shape[1:])
 ring       40     23     single node: slot position of the step, in
-                         64-byte lines (see node._ring_pos)
+                         64-byte lines (see node.ring_pos)
 =========  =====  =====  ============================================
 
 Bit 63 stays clear, so a kind is never negative: ``POISON`` (-1) is what a

@@ -19,7 +19,7 @@ def _control(arena, stream_stores="auto"):
 
 @numba.njit
 def _stream(dst, dst_off, src, src_off, nbytes):
-    node._stream_copy(dst.ctypes.data + dst_off, src.ctypes.data + src_off, nbytes)
+    node.stream_copy(dst.ctypes.data + dst_off, src.ctypes.data + src_off, nbytes)
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 63, 64, 65, 127, 128, 1000, 1024, 1025, 4103])

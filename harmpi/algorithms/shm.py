@@ -14,7 +14,7 @@ double-buffered by step parity). Every rank holds the same ring position: all
 advance it by the same step sizes, and a mismatch, which every rank detects
 in the same step, sends all back to 0. The ring exists for speed only: a line
 written again soon after another core read it costs the writer an
-invalidation round trip (node._ring_pos).
+invalidation round trip (node.ring_pos).
 
 Cost (L ranks, m bytes): one copy of m, one flag round (~0.1-1 us when ranks
 own cores, a scheduler slice when oversubscribed), L*m bytes read for the

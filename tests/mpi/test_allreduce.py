@@ -201,7 +201,7 @@ def _ring(comm):
 
 
 def test_small_steps_walk_the_slot_and_ranks_agree_on_where(small_comm, topo):
-    """Small steps are placed one after another in the slot (node._ring_pos):
+    """Small steps are placed one after another in the slot (node.ring_pos):
     the position wraps, every rank holds the same one, sums stay exact, and a
     mismatch (different sizes, so different advances) brings all back to 0."""
     r, n_ranks = small_comm.Get_rank(), small_comm.Get_size()
