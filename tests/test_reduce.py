@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import harmpi.reduce as R
+from harmpi.reduce import convert, kernels, primitives
 
 JIT = not numba.config.DISABLE_JIT
 # "f16soft" is the portable bit-level f16 path, which sum_rows_f16 uses only
@@ -37,17 +38,17 @@ STORAGE = {"bf16": np.uint16, "f16": np.uint16, "f16soft": np.uint16, "f32": np.
 
 @numba.njit(cache=True)
 def _sum_rows_f16soft(src, lo, hi, out, out_lo):
-    R._sum_rows_pairs(src, lo, hi, out, out_lo, True)
+    kernels._sum_rows_pairs(src, lo, hi, out, out_lo, True)
 
 
 @numba.njit(cache=True)
 def _sum2_f16soft(a, b, out):
-    R._sum2_pairs(a, b, out, True)
+    kernels._sum2_pairs(a, b, out, True)
 
 
 @numba.njit(cache=True)
 def _sum_rows_x_f16soft(src, lo, hi, me, x, out, out2, out_lo):
-    R._sum_rows_x_pairs(src, lo, hi, me, x, out, out2, out_lo, True)
+    kernels._sum_rows_x_pairs(src, lo, hi, me, x, out, out2, out_lo, True)
 
 
 ROWS = dict(R.SUM_ROWS, f16soft=_sum_rows_f16soft)
@@ -423,31 +424,31 @@ def test_subnormals(dt):
 @numba.njit(cache=True)
 def _narrow_bf16(x, out):
     for i in range(x.shape[0]):
-        out[i] = np.uint16(R._bf16_round_hi(x[i]) >> np.uint32(16))
+        out[i] = np.uint16(convert.bf16_round_hi(x[i]) >> np.uint32(16))
 
 
 @numba.njit(cache=True)
 def _narrow_f16(x, out):
     for i in range(x.shape[0]):
-        out[i] = np.uint16(R._f16_bits_lo(x[i]))
+        out[i] = np.uint16(convert.f16_bits_lo(x[i]))
 
 
 @numba.njit(cache=True)
 def _widen_f16(h, out):
     for i in range(h.shape[0]):
-        out[i] = R._f16_hi_to_f32(np.uint32(np.uint32(h[i]) << np.uint32(16)))
+        out[i] = convert.f16_hi_to_f32(np.uint32(np.uint32(h[i]) << np.uint32(16)))
 
 
 @numba.njit(cache=True)
 def _narrow_f16_hw(x, out):
     for i in range(x.shape[0]):
-        out[i] = R._narrow_like(x[i], out)
+        out[i] = primitives.narrow_like(x[i], out)
 
 
 @numba.njit(cache=True)
 def _widen_f16_hw(h, out):
     for i in range(h.shape[0]):
-        out[i] = R._widen(h[i])
+        out[i] = primitives.widen(h[i])
 
 
 def float32_patterns(rng, count):

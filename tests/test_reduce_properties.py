@@ -53,6 +53,7 @@ from test_reduce import (
 )
 
 import harmpi.reduce as R
+from harmpi.reduce import primitives
 
 # No deadline and no too_slow health check: both depend on the machine's
 # load, and a run must not fail for that.
@@ -76,8 +77,8 @@ MAX_LENGTH = 300 if JIT else 24
 # (_BLOCK float elements, _BLOCK pairs = 2 * _BLOCK 16-bit elements).
 EDGE_LENGTHS = sorted(
     {w + d for w in (2, 4, 8, 16, 32, 64, 128) for d in (-1, 0, 1)}
-    | {b + d for b in (R._BLOCK, 2 * R._BLOCK) for d in (-2, -1, 0, 1, 2)}
-) if JIT else [R._BLOCK - 1, 2 * R._BLOCK + 1]
+    | {b + d for b in (primitives.BLOCK, 2 * primitives.BLOCK) for d in (-2, -1, 0, 1, 2)}
+) if JIT else [primitives.BLOCK - 1, 2 * primitives.BLOCK + 1]
 
 
 @pytest.fixture(autouse=True)
