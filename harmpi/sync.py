@@ -408,7 +408,7 @@ def learn_gap(state_addr, waited_ns):
 
 @numba.njit(types.int64(types.intp, types.intp, types.int64, types.int64, types.int64, types.int64,
                         types.int64), cache=True, nogil=True)
-def _wait_spinning(base_addr, stride, count, target, spin_count, timeout_ns, hook_addr):
+def _wait_spinning(base_addr, stride, count, target, spin_count, timeout_ns, hook_addr):  # noqa: C901 - the spin loop: its branches are the wait phases (spin, yield, poke, deadline, sleep)
     """wait_flags_ge under WAIT_SPIN: ``spin_count`` pause polls, then
     sched_yield, then 50 us sleeps after SLEEP_AFTER_NS; the deadline
     counts from the first yield (spinning is bounded)."""
@@ -444,7 +444,7 @@ def _wait_spinning(base_addr, stride, count, target, spin_count, timeout_ns, hoo
 
 @numba.njit(types.int64(types.intp, types.intp, types.int64, types.int64, types.int64, types.int64,
                         types.int64, types.intp, types.intp), cache=True, nogil=True)
-def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook_addr,
+def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook_addr,  # noqa: C901 - the spin-then-sleep loop: its branches are the wait phases, one look per poll
                   sleepers_addr, state_addr):
     """Wait until the int64 at ``base_addr + j*stride`` is >= ``target`` for
     every j in [0, count). Returns -1 once all are; ``-2 - j`` as soon as

@@ -401,7 +401,7 @@ _COPY_SIG = types.void(_ctl, types.intp, types.intp, _i64, types.int64[::1], _i6
 
 
 @numba.njit(_ROUND_SIG, cache=True, nogil=True)
-def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, tag, state):
+def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, tag, state):  # noqa: C901 - one compiled step: its branches are the round's outcomes, taken in the order every rank takes them
     """Step k of the two-node all-to-all up to its status round. ``state``
     (int64[4]) in: [longest rows through a slot (k > 0)]; out: [longest,
     bad local pair or -1, any node has more steps, the rail's status].
@@ -526,9 +526,7 @@ class HierAlltoall:
             return self._run_compiled(call, row_nb, plan, make_out)
         ctx, ctl, P, L, g, me = self.ctx, self.ctx.ctl, self.P, self.L, self.g, self.me
         x_addr, code = call.addr, call.code
-        if plan[5 * P + 2] >= 0:
-            plan[:P] = plan[P:2 * P] = plan[5 * P + 2]
-        _prefix(plan[:P], plan[3 * P:4 * P], P)
+        self._send_offsets(plan)
         tag = rail_tag(row_nb, code)
         out = out_addr = failed = None
         k = 0
@@ -551,22 +549,9 @@ class HierAlltoall:
             if rc == POISONED:
                 raise self._rail_mismatch(call, int(ctl[0]["err_a"]), int(ctl[0]["err_peer"]))
             if k == 0:
-                if bad >= 0:
-                    # the node's ranks all see it, the other nodes do not:
-                    # run every step (without copying out), then raise
-                    failed = pair_error(ctx.topo.rank, call.op, *divmod(int(bad), P))
-                else:
-                    total = _prefix(self.recv, self.roff, P)
-                    out, out_addr = make_out(int(total))
-                    plan[2 * P:3 * P] = self.recv
-                    plan[4 * P:5 * P] = self.roff
-                    _own_rows(x_addr, out_addr, row_nb, plan, P, me)
+                failed, out, out_addr = self._after_first_step(call, row_nb, plan, bad, make_out)
             if failed is None:
-                _local_out(ctl[0], out_addr, L, g, self.ranks, me, row_nb, k, self.head,
-                           self.block, self.recv, self.roff)
-                for p in self.peers:
-                    _unpack(self.recv_bufs[p].ctypes.data, out_addr, L, p, self.ranks, row_nb, k,
-                            self.block, self.recv, self.roff)
+                self._copy_out(out_addr, row_nb, k)
             k += 1
             if not anyone_more:
                 if failed is not None:
@@ -577,9 +562,7 @@ class HierAlltoall:
         """run() on two nodes over tcp: per step one compiled call for the
         rounds and the exchange (A2A2_ROUND), one for the copies."""
         ctx, ctl, P, state = self.ctx, self.ctx.ctl, self.P, self.state
-        if plan[5 * P + 2] >= 0:
-            plan[:P] = plan[P:2 * P] = plan[5 * P + 2]
-        _prefix(plan[:P], plan[3 * P:4 * P], P)
+        self._send_offsets(plan)
         tag = rail_tag(row_nb, call.code)
         send = self.send_bufs[self.peers[0]]
         out = out_addr = failed = None
@@ -603,6 +586,39 @@ class HierAlltoall:
                 if failed is not None:
                     raise failed
                 return out
+
+    def _send_offsets(self, plan):
+        """The plan's send counts (one count for every rank if the plan
+        says so) and their offsets."""
+        P = self.P
+        if plan[5 * P + 2] >= 0:
+            plan[:P] = plan[P:2 * P] = plan[5 * P + 2]
+        _prefix(plan[:P], plan[3 * P:4 * P], P)
+
+    def _after_first_step(self, call, row_nb, plan, bad, make_out):
+        """Step 0 has read every rank's counts: (the error to raise once every
+        step has run, out, its address). A bad pair (``bad`` >= 0) is seen
+        by the node's ranks only, not by the other nodes: run every step
+        (without copying out), then raise. Else out is made, the plan gets
+        the receive counts and offsets, and this rank's own rows are copied."""
+        P = self.P
+        if bad >= 0:
+            return pair_error(self.ctx.topo.rank, call.op, *divmod(int(bad), P)), None, None
+        total = _prefix(self.recv, self.roff, P)
+        out, out_addr = make_out(int(total))
+        plan[2 * P:3 * P] = self.recv
+        plan[4 * P:5 * P] = self.roff
+        _own_rows(call.addr, out_addr, row_nb, plan, P, self.me)
+        return None, out, out_addr
+
+    def _copy_out(self, out_addr, row_nb, k):
+        """Step k's rows into out: this node's from the slots, the other
+        nodes' from their messages."""
+        _local_out(self.ctx.ctl[0], out_addr, self.L, self.g, self.ranks, self.me, row_nb, k,
+                   self.head, self.block, self.recv, self.roff)
+        for p in self.peers:
+            _unpack(self.recv_bufs[p].ctypes.data, out_addr, self.L, p, self.ranks, row_nb, k,
+                    self.block, self.recv, self.roff)
 
     def _exchange(self, call, k, row_nb, tag, plan, counts, more):
         """Step k's rail exchange with every other node: (status to post,

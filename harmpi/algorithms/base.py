@@ -108,14 +108,10 @@ def rail_allreduce(transport, comm_rank, comm_size, addr, m, call, recv_buf, tag
     recv_addr = recv_buf.ctypes.data
     P = 1 << (G.bit_length() - 1)
 
-    def send_tag():
-        if guard is not None:
-            guard(call)
-        return POISON_TAG if poisoned else tag
-
     if g >= P:
         # extra rank: hand our data to the partner, get the total back
-        transport.complete(transport.post([(g - P, data, send_tag())], []), timeout_s, call)
+        send = (g - P, data, _send_tag(guard, call, poisoned, tag))
+        transport.complete(transport.post([send], []), timeout_s, call)
         # the total lands in the whole receive buffer too (not in place): a
         # poisoned partner may send a larger tensor back
         (got,) = transport.complete(transport.post([], [(g - P, recv)]), timeout_s, call)
@@ -132,16 +128,25 @@ def rail_allreduce(transport, comm_rank, comm_size, addr, m, call, recv_buf, tag
     k = 1
     while k < P:
         peer = g ^ k
-        (got,) = transport.complete(transport.post([(peer, data, send_tag())], [(peer, recv)]),
-                                    timeout_s, call)
+        send = (peer, data, _send_tag(guard, call, poisoned, tag))
+        (got,) = transport.complete(transport.post([send], [(peer, recv)]), timeout_s, call)
         if recv_check(got, nbytes, tag):
             poisoned = True
         elif not poisoned:
             node.add_into(addr, recv_addr, m, call.fmt, call.w)
         k <<= 1
     if g < G - P:
-        transport.complete(transport.post([(g + P, data, send_tag())], []), timeout_s, call)
+        send = (g + P, data, _send_tag(guard, call, poisoned, tag))
+        transport.complete(transport.post([send], []), timeout_s, call)
     return poisoned
+
+
+def _send_tag(guard, call, poisoned, tag):
+    """The tag of rail_allreduce's next send (the poison tag once it is
+    poisoned), after ``guard`` checked that no rank of this node gave up."""
+    if guard is not None:
+        guard(call)
+    return POISON_TAG if poisoned else tag
 
 
 def mismatch_error(rank, what, detail):

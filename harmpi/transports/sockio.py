@@ -252,7 +252,7 @@ def _advance_send(ops, i, scratch):
 
 
 @numba.njit(cache=True, nogil=True)
-def _advance_recv(ops, i, scratch):
+def _advance_recv(ops, i, scratch):  # noqa: C901 - the receive state machine (header, body, excess, notice) and the errno cases of recv
     """Move as much of receive op i as has arrived.
     Returns 1 if bytes moved, 0 if it would block, -1 on failure."""
     fd = ops[i, OP_FD]
@@ -338,7 +338,7 @@ def kick(ops, k, scratch):
 
 
 @numba.njit(cache=True, nogil=True)
-def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):
+def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):  # noqa: C901 - the compiled poll loop: one pass over the ops, then spin, deadline, SIGINT, poke, poll(2)
     """Complete ops [0, k). Returns IO_OK, IO_FAILED (a row is ST_FAILED),
     IO_TIMEOUT (rows still ST_PENDING) after ``timeout_ns`` of waiting, or
     IO_INTERRUPTED when a SIGINT arrived while it slept (sync.sigint_arrived).
