@@ -231,22 +231,6 @@ def alltoall(x, send_counts=None, comm=None, out=None, recv_counts=None, dtype=N
     # the call's own scratch (a context's shared one could be overwritten by a
     # second thread's call before the step refuses it)
     plan = _a2a.new_plan(P)
-    if send_counts is None and out is None and recv_counts is None and ctx.alltoall is None:
-        # an even split on one node (the decode-step case): the output is
-        # x's shape, one compiled call
-        if rows % P:
-            _fill_plan(plan, P, rows, None, recv_counts)  # raises the argument error
-        plan[5 * P + 2] = rows // P
-        result = _STATE.torch.empty_like(x) if is_torch else np.empty_like(x)
-        try:
-            rc = _a2a.ALLTOALL_STEP(ctx.ctl, addr, result.data_ptr() if is_torch
-                                    else result.ctypes.data, row_nb, plan, code)
-            if rc or plan[5 * P + 1] >= 0:
-                _a2a_status(ctx, rc, plan, P, addr, row_n, fmt, code)
-        except KeyboardInterrupt:
-            ctx.interrupted()
-            raise
-        return result
     expect_total = _fill_plan(plan, P, rows, send_counts, recv_counts)
 
     def make_out(total_rows):
