@@ -9,13 +9,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from support import REPO  # noqa: E402 (the checkout, one definition)
 
 from harmpi import compilenote
-
-REPO = Path(__file__).resolve().parents[1]
 
 KERNELS = '''
 import numba

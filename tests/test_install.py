@@ -28,8 +28,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support import REPO  # noqa: E402 (the checkout, one definition)
 
-REPO = Path(__file__).resolve().parents[1]
 SKIP = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", "out",
                               ".*cache*", ".hypothesis", "_C.*.so", "*.nbi", "*.nbc")
 

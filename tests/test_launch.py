@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support import REPO  # noqa: E402 (the checkout, one definition)
 
-REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the repo is not necessarily pip-installed
     sys.path.insert(0, str(REPO))
 

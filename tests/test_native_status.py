@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import sys
 import types
-from pathlib import Path
 
 import pytest
+from support import REPO  # noqa: E402 (the checkout, one definition)
 
 from harmpi import api, native
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture

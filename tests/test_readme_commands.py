@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support import REPO  # noqa: E402 (the checkout, one definition)
 from support.jobs import STARTUP_PER_RANK_S, STARTUP_S
 
-REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 SCRIPTS = Path(__file__).resolve().parent / "readme_scripts"  # files the README leaves to you
 # run_shell's limit, scaled by the load, ends a command first; the precompile of

@@ -12,12 +12,11 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support import REPO  # noqa: E402 (the checkout, one definition)
 
-REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

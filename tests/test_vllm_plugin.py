@@ -10,12 +10,13 @@ import sys
 import textwrap
 
 import pytest
+from support import REPO as SUPPORT_REPO
 from support.jobs import run_job
 
 import harmpi_vllm
 from harmpi_vllm import VllmLaunchError, group
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(SUPPORT_REPO)
 pytestmark = pytest.mark.timeout(300)
 
 # a stand-in for vllm.platforms: current_platform is an instance of a platform class
