@@ -45,17 +45,15 @@ class DoneWork(dist._Work):
 DONE = DoneWork()
 
 
-class SplitWork(dist._Work):
-    """A started split-phase all-reduce; wait() completes it (once): the
-    context's second compiled half, then the AVG's division."""
+class _OnceWork(dist._Work):
+    """A collective in flight that completes once, in the caller's thread:
+    the first wait() (or get_future()) runs the subclass's ``_run`` (its
+    finish); later calls return, or
+    raise the same error again. Completing clears the group's pending slot."""
 
-    def __init__(self, pg, finish, tensor, addr, n, fmt, scale):
+    def __init__(self, pg):
         super().__init__()
         self._pg = pg
-        self._finish = finish
-        self._tensor = tensor      # keeps the memory alive until the finish
-        self._args = (addr, n, fmt)
-        self._scale = scale
         self._error = None
         self._done = False
 
@@ -65,21 +63,9 @@ class SplitWork(dist._Work):
                 raise self._error
             return
         self._done = True
-        pg = self._pg
-        if pg._pending is self:
-            pg._pending = None
-        ctx = pg._ctx
-        ctx.split_pending = None
-        addr, n, fmt = self._args
-        rc = self._finish(ctx.ctl, addr, n, fmt)
-        if rc:
-            try:
-                ctx.raise_status(rc, addr, n, fmt, AUTO_CODE | fmt, "allreduce (async)")
-            except HarmpiError as exc:
-                self._error = exc
-                raise
-        if self._scale is not None:
-            self._tensor.div_(self._scale)
+        if self._pg._pending is self:
+            self._pg._pending = None
+        self._run()
 
     def wait(self, timeout=None):
         self._complete()
@@ -94,48 +80,62 @@ class SplitWork(dist._Work):
     def exception(self):
         return self._error
 
-    def result(self):
-        return [self._tensor]
-
     def get_future(self):
-        # the second half runs in the caller's thread: completing the
-        # future means finishing the collective
+        # completing the future means finishing the collective here
         self._complete()
         fut = Future()
-        fut.set_result([self._tensor])
+        fut.set_result(self.result())
         return fut
 
 
-class MpiWork(dist._Work):
+class SplitWork(_OnceWork):
+    """A started split-phase all-reduce; wait() completes it (once): the
+    context's second compiled half, then the AVG's division."""
+
+    def __init__(self, pg, finish, tensor, addr, n, fmt, scale):
+        super().__init__(pg)
+        self._finish = finish
+        self._tensor = tensor      # keeps the memory alive until the finish
+        self._args = (addr, n, fmt)
+        self._scale = scale
+
+    def _run(self):
+        ctx = self._pg._ctx
+        ctx.split_pending = None
+        addr, n, fmt = self._args
+        rc = self._finish(ctx.ctl, addr, n, fmt)
+        if rc:
+            try:
+                ctx.raise_status(rc, addr, n, fmt, AUTO_CODE | fmt, "allreduce (async)")
+            except HarmpiError as exc:
+                self._error = exc
+                raise
+        if self._scale is not None:
+            self._tensor.div_(self._scale)
+
+    def result(self):
+        return [self._tensor]
+
+
+class MpiWork(_OnceWork):
     """MPI requests in flight (a collective or a message); wait() completes
     them under the deadline, then runs ``finish(statuses)`` (the copy-out), once.
     ``keep``: what the requests' buffers point into (tensors made by the
     call, buffers made from addresses), kept alive until they complete."""
 
     def __init__(self, pg, reqs, finish, result, what, peer=None, keep=None):
-        super().__init__()
-        self._pg = pg
+        super().__init__(pg)
         self._reqs = reqs
         self._keep = keep
         self._finish = finish
         self._result = result
         self._what = what
         self._peer = peer           # a message's peer (group rank); None: a collective
-        self._error = None
-        self._done = False
         self._source = -1
 
-    def _complete(self):
-        if self._done:
-            if self._error is not None:
-                raise self._error
-            return
-        self._done = True
-        pg = self._pg
-        if pg._pending is self:
-            pg._pending = None
+    def _run(self):
         try:
-            statuses = pg._wait(self._reqs, self._what, self._peer)
+            statuses = self._pg._wait(self._reqs, self._what, self._peer)
             self._source = statuses[0].Get_source() if statuses else -1
             if self._finish is not None:
                 self._finish(statuses)
@@ -155,19 +155,6 @@ class MpiWork(dist._Work):
         if not MPI.Request.Testall(self._reqs):
             STRANDED.append((self._reqs, self._keep, self._result))
 
-    def wait(self, timeout=None):
-        self._complete()
-        return True
-
-    def is_completed(self):
-        return self._done
-
-    def is_success(self):
-        return self._done and self._error is None
-
-    def exception(self):
-        return self._error
-
     def result(self):
         return self._result
 
@@ -175,9 +162,3 @@ class MpiWork(dist._Work):
         """The group rank a receive from any source heard (dist.recv(src=None))."""
         self._complete()
         return self._source
-
-    def get_future(self):
-        self._complete()
-        fut = Future()
-        fut.set_result(self._result)
-        return fut
