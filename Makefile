@@ -70,7 +70,7 @@ $(STAMP): requirements.txt requirements-deepspeed.txt pyproject.toml setup.py \
 	@# why. The op is built here, once (~1 min), not by test ranks racing for it.
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-deepspeed.txt \
 	  || echo "note: deepspeed did not install: the deepspeed comparison and its tests skip"
-	$(PY) -c "from bench.impls import deepspeed_status; print('deepspeed shm op:', deepspeed_status())"
+	$(PY) -c "from bench.deepspeed_op import deepspeed_status; print('deepspeed shm op:', deepspeed_status())"
 	@$(MAKE) --no-print-directory pyverbs
 	touch $(STAMP)
 

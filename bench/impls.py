@@ -68,7 +68,6 @@ __all__ = [
     "MpiImpl",
     "TorchImpl",
     "TorchGroups",
-    "deepspeed_status",
     "harmpi_info_of",
     "torch_backend",
     "torch_from_storage",
@@ -699,14 +698,6 @@ def make_impls(names: Sequence[str], comm, *, gloo_max_iterations: int | None = 
             # gloo's cap: an oversubscribed DeepSpeed takes milliseconds per call too
             impls.append(DeepSpeedImpl(comm, max_iterations=gloo_max_iterations))
     return impls
-
-
-def deepspeed_status() -> str:
-    """One line: DeepSpeed's shm op is built and loads, or why not (``make setup``
-    prints it; ``bench.deepspeed_op.deepspeed_status``)."""
-    from bench.deepspeed_op import deepspeed_status as status
-
-    return status()
 
 
 def harmpi_info_of(impls: Sequence[Impl]) -> dict | None:
