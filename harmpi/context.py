@@ -83,6 +83,10 @@ SPIN_FLOOR_NS, SPIN_CAP_NS = 30_000, 300_000
 #: wait "auto", ranks outnumber cores: a spinning waiter holds the core its
 #: peer needs to arrive, so it spins only a few microseconds
 OVERSUBSCRIBED_SPIN_NS = 3_000
+#: wait "auto", ranks outnumber cores: after that spin, a wait polls with
+#: sched_yield for this long before it sleeps (harmpi.sync: the yield window;
+#: the core goes to a sibling rank, with no cross-CPU wake-up per step)
+OVERSUBSCRIBED_YIELD_NS = 200_000
 #: polls of a cross-node transport before it sleeps, wait "auto" (a poll is a
 #: system call, ~1 us) and "sleep"
 RAIL_SPIN_AUTO, RAIL_SPIN_SLEEP = 32, 1
@@ -243,8 +247,12 @@ class Context:
             else sync.WAIT_SPIN
         if self.oversubscribed:
             floor = cap = OVERSUBSCRIBED_SPIN_NS
+            yield_ns = OVERSUBSCRIBED_YIELD_NS
         else:
             floor, cap = SPIN_FLOOR_NS, SPIN_CAP_NS
+            yield_ns = 0
+        if self.wait_policy != sync.WAIT_AUTO:
+            yield_ns = 0  # sleep means no spin at all; spin has its own loop
         # A transport poll (MPI_Testall, ~0.7 us) costs ~50 spin-loop pauses:
         # poll proportionally fewer times before yielding (or sleeping).
         self.transport_spin_count = max(1, spin // 64)
@@ -257,7 +265,7 @@ class Context:
         self._tune_state = np.zeros(copytune.STATE_WORDS, np.int64)  # read by local rank 0
         node.init_control(self.ctl, self.arena, spin, self.config.timeout_s, AUTO_CODE,
                           self.config.small_max_nbytes, self.config.stream_stores, sigfd,
-                          self._tune_state, self.wait_policy, floor, cap)
+                          self._tune_state, self.wait_policy, floor, cap, yield_ns)
         self.sigfd = sigfd
         # the compiled waits name late ranks by communicator rank
         self._local_ranks = np.array(self.topo.node_ranks[self.topo.node_index], np.int64)
@@ -414,8 +422,9 @@ class Context:
         if self.wait_policy == sync.WAIT_SLEEP:
             return "sleep: futex at once"
         now = max(0, sync.spin_budget(self.ctl.ctypes.data + control.WAIT_OFFSET))
+        yields = f", yield {c['wait_yield'] // 1000} us" if c["wait_yield"] else ""
         return (f"auto: spin {c['wait_floor'] // 1000}-{c['wait_cap'] // 1000} us "
-                f"(now {now // 1000} us), then futex")
+                f"(now {now // 1000} us){yields}, then futex")
 
     # -- pieces the algorithms ask for --------------------------------------
 
@@ -446,6 +455,7 @@ class Context:
                                               self.transport_spin_count, self.config.timeout_s,
                                               self.config, self.topo.local_rank)
         transport.naps = self.wait_policy != sync.WAIT_SPIN
+        transport.yield_s = self.ctl[0]["wait_yield"] / 1e9  # 0 unless auto, oversubscribed
         if isinstance(transport, transports.TcpTransport):
             transport.watch_signals(self.sigfd)
         return transport, reason

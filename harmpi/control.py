@@ -33,12 +33,13 @@ FIELDS = (
     ("local_rank", "this rank's index on the node"),
     ("spin", "busy polls of a wait before it yields (wait policy spin)"),
     ("sleepers", "address of the node's sleeper lines (0: waits never sleep)"),
-    ("wait_policy", "wait state (4 adjacent words, harmpi.sync WS_*): sync.WAIT_*"),
+    ("wait_policy", "wait state (7 adjacent words, harmpi.sync WS_*): sync.WAIT_*"),
     ("wait_gap", "the running mean of recent waits (ns; policy auto)"),
     ("wait_floor", "the least a wait spins before it sleeps (ns; policy auto)"),
     ("wait_cap", "the most a wait spins before it sleeps (ns; policy auto)"),
     ("wait_slice", "longest futex sleep between looks (ns; 0: sync.SLEEP_SLICE_NS)"),
     ("wait_expired", "sleeps that lasted a whole slice (not woken by a publish)"),
+    ("wait_yield", "after the spin, how long a wait polls with sched_yield before it sleeps (ns)"),
     ("timeout_ns", "deadline of every wait"),
     ("err_peer", "failed step: the local rank (or rail op) concerned"),
     ("err_a", "failed step: epoch awaited, or the peer's byte count"),
@@ -118,7 +119,8 @@ assert [offset(f) - HOOK_OFFSET
 #: and the wait state's (sync.WS_*)
 WAIT_OFFSET = offset("wait_policy")
 assert [offset(f) - WAIT_OFFSET for f in ("wait_policy", "wait_gap", "wait_floor", "wait_cap",
-                                         "wait_slice", "wait_expired")] == [0, 8, 16, 24, 32, 40]
+                                         "wait_slice", "wait_expired", "wait_yield")] \
+    == [0, 8, 16, 24, 32, 40, 48]
 
 
 def new() -> np.ndarray:

@@ -19,7 +19,13 @@ Waiting (the policy is a context's ``wait`` setting, HARMPI_WAIT):
   the floor alone once waits run past the cap, since spinning then only
   steals the core a late peer needs). The context picks floor and cap:
   tens to hundreds of microseconds when every rank has a core, a few
-  microseconds when ranks outnumber cores.
+  microseconds when ranks outnumber cores. In that case (the host's cores
+  are shared by the job's own ranks) the spin is followed by a *yield
+  window*: polls with ``sched_yield`` hand the core straight to a sibling
+  rank that has work, the peer being waited for most often, where a futex
+  sleep would need the publisher's wake-up to cross to another CPU (an
+  inter-processor interrupt, costly in a virtual machine) on every step.
+  Only waits that outlast the window sleep.
 - ``spin``: poll with ``pause`` for ``spin_count`` iterations, then
   ``sched_yield``, and after ``SLEEP_AFTER_NS`` of yielding sleep 50 us per
   poll: the fastest when every rank owns a core and nothing else runs.
@@ -64,7 +70,7 @@ __all__ = ["load_acquire", "store_release", "compare_exchange", "ABANDONED", "cp
            "SLEEP_POKE_NS",
            "load_seq_cst", "fetch_add", "fence", "futex_wait", "futex_wake", "wake_sleepers",
            "HAS_FUTEX", "WAIT_SPIN", "WAIT_AUTO", "WAIT_SLEEP", "WAIT_POLICIES", "WS_WORDS",
-           "SLEEP_SLICE_NS", "spin_budget", "learn_gap"]
+           "SLEEP_SLICE_NS", "WS_YIELD", "spin_budget", "learn_gap"]
 
 #: the flag value of a rank that gave up on a collective (flags are epochs >= 0
 #: otherwise): every wait on it, and every later publish over it, fails at once
@@ -93,9 +99,10 @@ LONG_WAIT_NS = 20_000_000
 WAIT_SPIN, WAIT_AUTO, WAIT_SLEEP = 0, 1, 2
 WAIT_POLICIES = {"spin": WAIT_SPIN, "auto": WAIT_AUTO, "sleep": WAIT_SLEEP}
 #: a wait state: int64 words [policy, learned wait (ns), floor (ns), cap (ns),
-#: sleep slice (ns; 0: SLEEP_SLICE_NS), sleeps that ran a whole slice]
-WS_POLICY, WS_GAP, WS_FLOOR, WS_CAP, WS_SLICE, WS_EXPIRED = range(6)
-WS_WORDS = 6
+#: sleep slice (ns; 0: SLEEP_SLICE_NS), sleeps that ran a whole slice,
+#: yield window (ns polled with sched_yield between the spin and the sleep)]
+WS_POLICY, WS_GAP, WS_FLOOR, WS_CAP, WS_SLICE, WS_EXPIRED, WS_YIELD = range(7)
+WS_WORDS = 7
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -470,6 +477,7 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
     slice_ns = load_acquire(state_addr + 8 * WS_SLICE)
     if slice_ns <= 0:
         slice_ns = SLEEP_SLICE_NS
+    yield_ns = load_acquire(state_addr + 8 * WS_YIELD) if budget > 0 else 0
     for j in range(count):
         addr = base_addr + j * stride
         while True:
@@ -487,6 +495,16 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
                 cpu_relax()
                 if (polls & 15) == 0:
                     now = monotonic_ns()
+                continue
+            if now - started < budget + yield_ns:
+                # the yield window: the core goes to whoever else runs here
+                sched_yield()
+                now = monotonic_ns()
+                if (polls & 31) == 0:
+                    if sigint_arrived(hook_addr):
+                        return WAIT_INTERRUPTED
+                    if now - started > timeout_ns:
+                        return j
                 continue
             now = monotonic_ns()
             waited = now - started

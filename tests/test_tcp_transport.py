@@ -81,9 +81,9 @@ class Side:
     def recv(self, i, sock, buf):
         sockio.set_recv(self.ops, i, sock.fileno(), buf.ctypes.data, buf.nbytes)
 
-    def progress(self, k, timeout_s=10.0, spin=1):
+    def progress(self, k, timeout_s=10.0, spin=1, yield_ns=0):
         return sockio.progress(self.ops, k, spin, int(timeout_s * 1e9), self.pollfds,
-                               self.scratch, 0)
+                               self.scratch, 0, yield_ns)
 
     def kick(self, k):
         return sockio.kick(self.ops, k, self.scratch)
@@ -412,6 +412,23 @@ def test_receive_times_out_and_stays_pending(make_pair):
     a.sendall(frame(b"late!!!!", 6))
     assert r.progress(1, timeout_s=5) == sockio.IO_OK
     assert bytes(out) == b"late!!!!"
+
+
+def test_a_yield_window_keeps_the_deadline_and_completes_a_late_message(make_pair):
+    # ranks outnumber cores: past the spin the wait yields the core instead of
+    # sleeping in poll(2), for a window longer than the deadline here
+    a, b = make_pair()
+    r = Side()
+    out = np.zeros(8, np.uint8)
+    r.recv(0, b, out)
+    t0 = time.monotonic()
+    assert r.progress(1, timeout_s=0.2, yield_ns=int(30e9)) == sockio.IO_TIMEOUT
+    assert 0.15 <= time.monotonic() - t0 <= 3.0
+    receiver = Worker(lambda: r.progress(1, timeout_s=20, yield_ns=int(30e9)))
+    time.sleep(0.05)
+    a.sendall(frame(b"yielded!", 7))
+    assert receiver.finish() == sockio.IO_OK
+    assert bytes(out) == b"yielded!" and r.row(0, sockio.OP_HDR_TAG) == 7
 
 
 def test_timeout_after_partial_header_keeps_what_arrived(make_pair):

@@ -61,12 +61,13 @@ def _abandon(flag_addr, sleepers_addr):
     sync.wake_sleepers(sleepers_addr, flag_addr)
 
 
-def _state(policy=sync.WAIT_SLEEP, slice_ns=0, floor=0, cap=0):
+def _state(policy=sync.WAIT_SLEEP, slice_ns=0, floor=0, cap=0, yield_ns=0):
     st = np.zeros(sync.WS_WORDS, np.int64)
     st[sync.WS_POLICY] = policy
     st[sync.WS_FLOOR] = floor
     st[sync.WS_CAP] = cap
     st[sync.WS_SLICE] = slice_ns
+    st[sync.WS_YIELD] = yield_ns
     return st
 
 
@@ -158,6 +159,42 @@ def test_a_sleeping_waiter_keeps_its_deadline():
     assert sh.out[0] == 0  # flag 0 never came
     assert 0.3e9 <= sh.out[1] < 5e9
     assert sh.out[2] < 0.5 * sh.out[1]
+
+
+def _yielding_state():
+    # auto with a 1 us spin and a 30 s yield window: the waits below stay in it
+    return _state(policy=sync.WAIT_AUTO, floor=1000, cap=1000, yield_ns=int(30e9))
+
+
+def test_a_yielding_waiter_sees_the_publish_without_sleeping():
+    sh = Shared()
+    state = _yielding_state()
+    _wait(sh, state, target=0)
+    pid = _child(sh, lambda: _wait(sh, state))
+    t_end = time.monotonic() + 0.3
+    while time.monotonic() < t_end:  # the waiter never announces a sleep
+        assert sh.sleeping(0) == 0
+        time.sleep(0.001)
+    _publish(sh.flags, sh.sleepers, 1)
+    _join(pid)
+    assert sh.out[3] == 1 and sh.out[0] == -1
+    assert sh.out[1] >= 0.1e9  # it waited (the child's clock starts after the fork)
+
+
+def test_a_yielding_waiter_keeps_its_deadline_and_sees_abandonment():
+    sh = Shared()
+    state = _yielding_state()
+    _wait(sh, state, target=0)
+    pid = _child(sh, lambda: _wait(sh, state, timeout_s=0.3))
+    _join(pid)
+    assert sh.out[0] == 0  # the deadline ends the window, not the window's 30 s
+    assert 0.3e9 <= sh.out[1] < 5e9
+    pid = _child(sh, lambda: _wait(sh, state))
+    time.sleep(0.1)
+    _abandon(sh.flags, sh.sleepers)
+    t0 = time.monotonic()
+    _join(pid)
+    assert sh.out[0] == -2 and time.monotonic() - t0 < 10
 
 
 def test_sigint_wakes_a_sleeping_waiter():

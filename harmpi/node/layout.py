@@ -35,12 +35,13 @@ _ctl = control.ARRAY
 def init_control(ctl, arena, spin_count: int, timeout_s: float, auto_code: int,
                  small_max_nbytes: int, stream_stores: str, sigfd: int = -1,
                  tune_state=None, wait_policy: int = WAIT_SPIN, spin_floor_ns: int = 0,
-                 spin_cap_ns: int = 0) -> None:
+                 spin_cap_ns: int = 0, yield_ns: int = 0) -> None:
     """Fill the node part of a control block (the rail part: har_latency).
     ``stream_stores``: "auto" (local rank 0 times the slot modes per size
     and picks, see copytune; ``tune_state`` is its int64[STATE_WORDS]
     array), "on", "off" or "flush". ``wait_policy`` (sync.WAIT_*) and the
-    spin floor and cap of policy auto: how waits spin and sleep (harmpi.sync);
+    spin floor and cap of policy auto, and its yield window after the spin:
+    how waits spin, yield and sleep (harmpi.sync);
     an arena without sleeper lines always spins."""
     c = ctl[0]
     c["flags"] = arena.flags_addr
@@ -72,6 +73,7 @@ def init_control(ctl, arena, spin_count: int, timeout_s: float, auto_code: int,
     c["wait_gap"] = 0
     c["wait_floor"] = spin_floor_ns
     c["wait_cap"] = spin_cap_ns
+    c["wait_yield"] = yield_ns
 
 
 # -- slots ------------------------------------------------------------------------

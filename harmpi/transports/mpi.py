@@ -2,7 +2,8 @@
 
 Works wherever MPI works (TCP, shared memory, UCX, ...). Completion polls
 ``Testall`` ``spin_count`` times, then yields the core between polls (wait
-spin) or naps, 10 us doubling to 1 ms (wait auto and sleep: MPI has no
+spin, and for ``yield_s`` under the other policies) or naps, 10 us doubling
+to 1 ms (wait auto and sleep: MPI has no
 blocking wait that sleeps, its own MPI_Wait polls too), so oversubscribed
 ranks still progress and a busy host gets the core back; it gives up at a
 deadline with an error naming the peers that never answered.
@@ -77,12 +78,13 @@ class MpiTransport(Transport):
                 polls += 1
                 if polls < self.spin_count:
                     continue
-                pause = idle(self.naps, pause)
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + timeout_s
+                    naps_from = now + self.yield_s
                 elif now > deadline:
                     self._timeout(pending, timeout_s, what)
+                pause = idle(self.naps and now >= naps_from, pause)
                 if (polls & 63) == 0:
                     self._check_notice(pending, what)
         except MPI.Exception as exc:

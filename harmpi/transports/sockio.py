@@ -37,8 +37,10 @@ the same direction run in table order.
 
 ``progress`` loops: each pending op is advanced with non-blocking calls
 until it would block; when a whole pass moved nothing it polls ``spin``
-more passes, then sleeps in ``poll(2)`` on the blocked sockets (so an
-oversubscribed rank gives its core away instead of spinning), in slices
+more passes (then, when ranks outnumber cores, yields the core between
+passes for a short window), then sleeps in ``poll(2)`` on the blocked
+sockets (so an oversubscribed rank gives its core away instead of
+spinning), in slices
 of at most 2 ms, with an MPI progress poke before each once the wait has
 lasted 100 us (mpiprogress),
 until every op is done, one fails, or the deadline passes.
@@ -54,7 +56,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..kind import ABANDON_TAG
-from ..sync import SLEEP_POKE_NS, monotonic_ns, poke, realtime_ns, sigint_arrived
+from ..sync import SLEEP_POKE_NS, monotonic_ns, poke, realtime_ns, sched_yield, sigint_arrived
 
 __all__ = ["OP_FD", "OP_KIND", "OP_ADDR", "OP_CAP", "OP_DONE", "OP_HDR_N", "OP_HDR_TAG",
            "OP_HDR_DL", "OP_STATE", "OP_ERRNO", "OP_WORDS", "KIND_SEND", "KIND_RECV", "ST_PENDING",
@@ -338,13 +340,14 @@ def kick(ops, k, scratch):
 
 
 @numba.njit(cache=True, nogil=True)
-def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):  # noqa: C901 - the compiled poll loop: one pass over the ops, then spin, deadline, SIGINT, poke, poll(2)
+def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr, yield_ns):  # noqa: C901 - the compiled poll loop: one pass over the ops, then spin, deadline, SIGINT, poke, poll(2)
     """Complete ops [0, k). Returns IO_OK, IO_FAILED (a row is ST_FAILED),
     IO_TIMEOUT (rows still ST_PENDING) after ``timeout_ns`` of waiting, or
     IO_INTERRUPTED when a SIGINT arrived while it slept (sync.sigint_arrived).
     Every SLEEP_POKE_NS of waiting it lets MPI progress before a sleep
     in poll(2) (``hook_addr``: an mpiprogress hook and the wakeup fd, 0 for
-    none)."""
+    none). For the first ``yield_ns`` past the spin it yields the core
+    instead of sleeping (harmpi.sync's yield window: ranks outnumber cores)."""
     idle = 0
     started = 0
     last_poke = 0
@@ -384,6 +387,9 @@ def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr):  # noqa: C9
         left_ms = (timeout_ns - (now - started)) // 1_000_000
         if now - started > timeout_ns:
             return IO_TIMEOUT
+        if now - started < yield_ns:
+            sched_yield()  # the peer may be the rank this core runs next
+            continue
         if sigint_arrived(hook_addr):
             return IO_INTERRUPTED
         if now - last_poke > SLEEP_POKE_NS:

@@ -292,7 +292,8 @@ class TcpTransport(Transport):
     def complete(self, pending, timeout_s, what):
         ops = self.ops
         rc = sockio.progress(ops, pending.k, self.spin_count, int(timeout_s * 1e9),
-                             self.pollfds, self.scratch, self.hook.ctypes.data)
+                             self.pollfds, self.scratch, self.hook.ctypes.data,
+                             int(self.yield_s * 1e9))
         if rc == sockio.IO_TIMEOUT:
             self.raise_timeout(pending.k, pending.recv_rows, pending.peers, timeout_s, what)
         elif rc == sockio.IO_INTERRUPTED:

@@ -60,8 +60,9 @@ between two processes took 42 us and a 1 MB one 365 us, against 40 us and
 average of ~5: read them as an upper bound of the Python protocol's cost,
 which does not depend on the NIC). Waiting spins
 ``spin_count`` polls, then yields the core on every further poll
-(sched_yield, wait spin) or naps between polls, 10 us doubling to 1 ms
-(wait auto and sleep), until ``timeout_s``. Not a completion channel:
+(sched_yield, wait spin, and for ``yield_s`` under the other policies) or
+naps between polls, 10 us doubling to 1 ms (wait auto and sleep), until
+``timeout_s``. Not a completion channel:
 pyverbs (44) gives a CompChannel no file descriptor to poll with a timeout,
 only a ``get_cq_event`` that blocks without one, which would hold a rank
 past its deadline and past Ctrl-C. Errors: a completion with any status
@@ -283,6 +284,7 @@ class VerbsTransport(Transport):
 
     def complete(self, pending, timeout_s, what):
         deadline = time.monotonic() + timeout_s
+        naps_from = time.monotonic() + self.yield_s
         polls = 0
         pause = NAP_FIRST_S
         try:
@@ -290,7 +292,7 @@ class VerbsTransport(Transport):
                 polls += 1
                 if polls < self.spin_count:
                     continue
-                pause = idle(self.naps, pause)
+                pause = idle(self.naps and time.monotonic() >= naps_from, pause)
                 if time.monotonic() > deadline and not self._progress(pending, what):
                     self._raise_timeout(pending, timeout_s, what)
         except HarmpiTransportError as exc:

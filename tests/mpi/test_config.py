@@ -80,3 +80,20 @@ def test_init_refuses_another_config_for_a_set_up_communicator(world):
     harmpi.init(comm, config=dataclasses.replace(GIVEN, ranks_per_node=None, algorithm="auto"))
     with pytest.raises(harmpi.HarmpiArgumentError, match="another config"):
         harmpi.init(comm, config=dataclasses.replace(GIVEN, timeout_s=5.0))
+
+
+@pytest.mark.parametrize("wait", ["auto", "sleep", "spin"])
+def test_the_yield_window_is_set_only_for_auto_when_ranks_outnumber_cores(world, wait):
+    from harmpi import context
+    comm = world.Dup()
+    ctx = harmpi.init(comm, config=dataclasses.replace(harmpi.Config.from_env(), wait=wait))
+    expected = context.OVERSUBSCRIBED_YIELD_NS if wait == "auto" and ctx.oversubscribed else 0
+    assert ctx.ctl[0]["wait_yield"] == expected
+    window = f", yield {expected // 1000} us, then futex"
+    assert (window in info_wait(comm)) == (expected > 0), info_wait(comm)
+    x = torch.full((5000,), float(comm.Get_rank() + 1))
+    for _ in range(20):  # the waits that take the window still see every peer
+        y = x.clone()
+        harmpi.allreduce(y, comm=comm)
+        n = comm.Get_size()
+        assert torch.all(y == n * (n + 1) / 2)
