@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from support.have import HAVE_HARMPI, HAVE_TORCH
 from support.jobs import run_module
 
 from bench import harness
@@ -28,12 +28,6 @@ from bench.harness import ALLGATHER, ALLREDUCE, DTYPES, Row
 from bench.impls import HarmpiImpl, Impl, MpiImpl, TorchImpl, parse_impls, torch_backend
 from bench.model import FFN_UNIT, VOCAB_UNIT, ModelConfig, shard_layout, unit_seed
 from bench.threads import threads_per_rank
-
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
-# finds the package without importing it (numba takes seconds)
-_HARMPI_SPEC = importlib.util.find_spec("harmpi")
-HAVE_HARMPI = _HARMPI_SPEC is not None and (Path(_HARMPI_SPEC.origin).parent / "api.py").exists()
-
 
 # --------------------------------------------------------------------------
 # Sizes and iterations

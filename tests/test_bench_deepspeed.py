@@ -11,6 +11,7 @@ import importlib.util
 import os
 
 import pytest
+from support.have import HAVE_TORCH
 from support.jobs import run_module
 
 from bench.deepspeed_op import cpu_flags, deepspeed_refusal, deepspeed_wire
@@ -18,7 +19,6 @@ from bench.demo import default_impls, summary_lines
 from bench.harness import DTYPES
 from bench.impls import parse_impls
 
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 AVX512 = frozenset({"sse2", "avx", "avx2", "avx512f", "avx512bw"})

@@ -4,13 +4,12 @@ comms, then one short run under mpirun at 2 ranks."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
+from support.have import HAVE_HARMPI, HAVE_TORCH
 
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
 pytestmark = pytest.mark.skipif(not HAVE_TORCH, reason="torch not installed")
 
 if HAVE_TORCH:
@@ -225,7 +224,6 @@ def test_osu_alltoall_uneven_counts_and_cases():
 @pytest.mark.parametrize("ranks_per_node", [None, 1], ids=["1x2", "2x1"])
 def test_moe_decode_under_mpirun(tmp_path, ranks_per_node):
     from support.jobs import run_module
-    from test_bench import HAVE_HARMPI
 
     env = {} if ranks_per_node is None else {"HARMPI_RANKS_PER_NODE": str(ranks_per_node)}
     json_path = tmp_path / "moe.json"

@@ -3,7 +3,7 @@
 import numba
 import numpy as np
 import pytest
-from test_core_units import _FakeArena
+from support.arena import FakeArena
 
 from harmpi import Config, control, copytune, node
 from harmpi.dtypes import F32
@@ -38,13 +38,13 @@ def test_stream_copy_copies_exactly_the_range(nbytes, dst_off, src_off):
                           ("flush", copytune.MODE_FLUSH, 0), ("auto", copytune.MODE_PLAIN, 0)])
 def test_ctl_copy_mode_from_config(setting, mode, tuning):
     # one rank alone never tunes (nobody reads its slot)
-    ctl, _ = _control(_FakeArena(), setting)
+    ctl, _ = _control(FakeArena(), setting)
     assert ctl[0]["mode"] == mode and ctl[0]["tuning"] == tuning
 
 
 @pytest.mark.parametrize("mode", [copytune.MODE_STREAM, copytune.MODE_PLAIN, copytune.MODE_FLUSH])
 def test_single_rank_allreduce_in_either_mode(mode):
-    arena = _FakeArena()
+    arena = FakeArena()
     ctl, _ = _control(arena)
     ctl[0]["mode"] = mode
     w = np.empty(0, np.float32)

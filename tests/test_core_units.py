@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from support.arena import FakeArena
 
 from harmpi import control, kind, node
 from harmpi.config import ALGORITHMS, Config
@@ -64,21 +65,6 @@ def test_wait_times_out_naming_the_late_flag():
     assert 0.04 < time.perf_counter() - t0 < 2.0
 
 
-class _FakeArena:
-    """A private arena for one rank (L = 1): the node steps without MPI."""
-
-    def __init__(self, slot_nbytes=4096):
-        self.mem = np.zeros(4096 + 2 * slot_nbytes, np.uint8)
-        self.flags_addr = self.mem.ctypes.data
-        self.slots_addr = self.flags_addr + 4096
-        self.slot_nbytes = slot_nbytes
-        self.local_size, self.local_rank = 1, 0
-        self.tune_addr = self.flags_addr + 64
-
-    def tune_table(self):
-        return self.mem[64:64 + 512].view(np.int64)
-
-
 _TUNE_STATES = []  # kept alive while the control blocks point at them
 
 
@@ -93,7 +79,7 @@ def _control(arena, small_max_nbytes=1 << 40, stream_stores="auto"):
 
 @pytest.mark.parametrize("stream_stores", ["auto", "on", "off", "flush"])
 def test_node_steps_single_rank_roundtrip(stream_stores):
-    arena = _FakeArena()
+    arena = FakeArena()
     ctl = _control(arena, stream_stores=stream_stores)
     w = np.empty(0, np.float32)
     x = np.arange(2500, dtype=np.float32)     # 10000 bytes: three 4 KiB chunks
@@ -110,7 +96,7 @@ def test_one_node_entry_and_its_c_twin_run_the_same_step():
     """The entry a context calls and the cfunc the native module calls are
     one step: the same counters move, the same status comes back."""
     import ctypes
-    arena = _FakeArena()
+    arena = FakeArena()
     ctl = _control(arena)
     x = np.arange(100, dtype=np.float64)
     assert node.ONE_NODE_STEP(ctl, x.ctypes.data, x.size, F64) == OK
@@ -120,7 +106,7 @@ def test_one_node_entry_and_its_c_twin_run_the_same_step():
 
 
 def test_poisoned_stage_fails_even_alone():
-    arena = _FakeArena()
+    arena = FakeArena()
     ctl = _control(arena)
     w = np.empty(0, np.float64)
     x = np.ones(4)

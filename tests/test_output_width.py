@@ -5,13 +5,13 @@ Formatting functions on synthetic results, then real 2-rank runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 
 import pytest
 from support import REPO
+from support.have import HAVE_TORCH
 from support.jobs import job_env, run_module
 
 from bench import harness
@@ -20,7 +20,6 @@ from bench.decode_results import format_decode_table
 from bench.harness import Row
 
 WIDTH = 100
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
 IMPL_SETS = [["mpi"], ["harmpi", "mpi"], ["harmpi", "mpi", "gloo"],
              ["harmpi", "torch:harmpi", "mpi", "gloo", "gloo:unbound"],
              ["harmpi:shm_rsag", "harmpi:har_latency", "mpi", "deepspeed"]]

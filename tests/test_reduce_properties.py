@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_reduce import (
+from support.reduce_oracle import (
     DTYPES,
     HALF,
     JIT,

@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 import pytest
+from support.have import HAVE_HARMPI, HAVE_TORCH
 from support.jobs import run_module
-from test_bench import HAVE_HARMPI, HAVE_TORCH
 
 from bench.harness import DTYPES
 

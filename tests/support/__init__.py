@@ -6,6 +6,9 @@
   two-node Open MPI jobs (tests/test_netns_harness.py, test_multihost.py).
 * ``verbs_double``: a shared-memory stand-in for an RDMA NIC (tests/test_verbs.py,
   test_verbs_device.py, tests/mpi/test_verbs_rail.py).
+* ``have``: which optional packages are installed (torch, harmpi).
+* ``arena``: a one-rank arena in private memory (node steps without MPI).
+* ``reduce_oracle``: the reduce kernels' references and dtype tables.
 * ``bench_adapters_check``, ``deepspeed_check``: rank programs that tests
   start under mpirun from the checkout (``python -m mpi4py -m
   tests.support.deepspeed_check``).
