@@ -663,7 +663,8 @@ class Context:
                 "communicator; call harmpi's collectives on one communicator from one thread "
                 "at a time (or give each thread its own communicator)")
         if rc == WRONG_THREAD:
-            raise HarmpiError(f"{self._who()}: {call}: {owner.refusal(self.owner_name)}")
+            ended = self.ctl[0]["owner"] == owner.ENDED
+            raise HarmpiError(f"{self._who()}: {call}: {owner.refusal(self.owner_name, ended)}")
         if rc == INTERRUPTED:
             raise KeyboardInterrupt(f"{self._who()}: {call}: interrupted while waiting; this "
                                     "context is unusable now")

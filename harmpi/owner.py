@@ -22,6 +22,12 @@ order; a program that gives two threads one name defeats the check.
 
 A thread that needs collectives of its own gets its own communicator
 (``comm.Dup()``) and makes its first harmpi call on it itself.
+
+When the owning thread ends, its contexts refuse every thread (:func:`watch`
+sets ``owner`` to ENDED). Without that, a thread started later may be given
+the ended thread's pthread id (glibc reuses them, and did in a test at one
+rank) and pass the check: on one rank a new thread A, on another a new
+thread B, and their calls would be paired.
 """
 
 from __future__ import annotations
@@ -29,13 +35,18 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+import weakref
 
 import numpy as np
 from mpi4py import MPI
 
 from .errors import HarmpiError, HarmpiTimeoutError
 
-__all__ = ["agree", "current", "refusal"]
+__all__ = ["agree", "current", "refusal", "watch", "ENDED"]
+
+#: the owner field once the owning thread has ended: no pthread_self() is 1
+#: (it is the address of the thread's descriptor), so every thread is refused
+ENDED = 1
 
 #: bytes per rank in the set-up exchange: a digest of the name, then its start
 _DIGEST_NBYTES = 16
@@ -104,10 +115,42 @@ def _ranks(ranks):
     return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
-def refusal(owner_name):
+class _Owned:
+    """The control blocks of the contexts one thread set up; dropped with the
+    thread's thread-local data when the thread ends, which marks them ENDED."""
+
+    def __init__(self):
+        self.ctls = []
+
+    def __del__(self):
+        for ref in self.ctls:
+            ctl = ref()
+            if ctl is not None:
+                ctl[0]["owner"] = ENDED
+
+
+_owned = threading.local()
+
+
+def watch(ctl):
+    """When the calling thread (the owner just written into ``ctl``) ends,
+    set ``ctl``'s owner to ENDED, so no later thread passes for it."""
+    owned = getattr(_owned, "owned", None)
+    if owned is None:
+        owned = _owned.owned = _Owned()
+    owned.ctls.append(weakref.ref(ctl))
+
+
+def refusal(owner_name, ended=False):
     """Why a call from the calling thread is refused on a context owned by
-    the thread named ``owner_name``."""
+    the thread named ``owner_name`` (``ended``: that thread has ended)."""
     _, me = current()
+    if ended:
+        return (f"this communicator's harmpi context belonged to thread {owner_name!r}, which "
+                f"set it up and has ended; no other thread (here {me!r}) may call its "
+                "collectives, since ranks pair collectives by order, not by thread. Give this "
+                "thread its own communicator (comm.Dup(), with its first harmpi call made from "
+                "this thread)")
     return (f"this communicator's harmpi context belongs to thread {owner_name!r}, which set it "
             f"up; thread {me!r} may not call its collectives. Ranks pair collectives by order, "
             "not by thread, so calls from two threads on one communicator could be paired "

@@ -129,6 +129,7 @@ class Registry:
         # owned before another thread can find it (below): a thread that
         # looked the context up before its owner was set ran its calls on it
         ctx.ctl[0]["owner"] = ident
+        owner.watch(ctx.ctl)  # a later thread given this one's id must not pass for it
         self.contexts.append(ctx)
         try:
             owner.agree(comm, name, ctx.config.timeout_s)

@@ -149,3 +149,26 @@ def test_the_world_context_refuses_another_thread_on_every_path(world):
         assert "belongs to thread 'MainThread'" in what, (name, what)
     assert _closed_form(world)
     world.Barrier()
+
+
+def test_a_context_whose_thread_ended_refuses_every_later_thread(world):
+    """The set-up thread ends; threads started after it (one of them may be
+    given the ended thread's pthread id: glibc reuses them) are refused at
+    once on every rank, with a message that says the owner ended."""
+    comm = world.Dup()
+    done = {}
+
+    def set_up():
+        _setup(comm)
+        done["sum"] = _closed_form(comm, "numpy")
+
+    t = threading.Thread(target=set_up, name="setter")
+    t.start()
+    t.join()
+    assert done["sum"]
+    for k in range(4):  # several, so one likely reuses the ended thread's id
+        out = _run_threads(_hammer, comm, "numpy", count=1)
+        right, wrong, refused, first = out[0]
+        assert (right, wrong, refused) == (0, 0, CALLS), (k, out)
+        assert "'setter', which set it up and has ended" in first, first
+    world.Barrier()
