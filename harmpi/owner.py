@@ -121,12 +121,13 @@ class _Owned:
 
     def __init__(self):
         self.ctls = []
+        self.ended = ENDED  # kept here: at interpreter exit module globals may be gone
 
     def __del__(self):
         for ref in self.ctls:
             ctl = ref()
             if ctl is not None:
-                ctl[0]["owner"] = ENDED
+                ctl[0]["owner"] = self.ended
 
 
 _owned = threading.local()
