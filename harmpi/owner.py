@@ -139,6 +139,9 @@ def watch(ctl):
     owned = getattr(_owned, "owned", None)
     if owned is None:
         owned = _owned.owned = _Owned()
+    # drop the references of contexts already freed: a thread that sets up
+    # and frees communicators in a loop must not grow this list
+    owned.ctls = [ref for ref in owned.ctls if ref() is not None]
     owned.ctls.append(weakref.ref(ctl))
 
 
