@@ -247,12 +247,11 @@ class Context:
             else sync.WAIT_SPIN
         if self.oversubscribed:
             floor = cap = OVERSUBSCRIBED_SPIN_NS
-            yield_ns = OVERSUBSCRIBED_YIELD_NS
         else:
             floor, cap = SPIN_FLOOR_NS, SPIN_CAP_NS
-            yield_ns = 0
-        if self.wait_policy != sync.WAIT_AUTO:
-            yield_ns = 0  # sleep means no spin at all; spin has its own loop
+        # only auto yields (sleep means no spin at all; spin has its own loop)
+        yield_ns = OVERSUBSCRIBED_YIELD_NS \
+            if self.oversubscribed and self.wait_policy == sync.WAIT_AUTO else 0
         # A transport poll (MPI_Testall, ~0.7 us) costs ~50 spin-loop pauses:
         # poll proportionally fewer times before yielding (or sleeping).
         self.transport_spin_count = max(1, spin // 64)
@@ -455,7 +454,7 @@ class Context:
                                               self.transport_spin_count, self.config.timeout_s,
                                               self.config, self.topo.local_rank)
         transport.naps = self.wait_policy != sync.WAIT_SPIN
-        transport.yield_s = self.ctl[0]["wait_yield"] / 1e9  # 0 unless auto, oversubscribed
+        transport.yield_ns = int(self.ctl[0]["wait_yield"])  # 0 unless auto, oversubscribed
         if isinstance(transport, transports.TcpTransport):
             transport.watch_signals(self.sigfd)
         return transport, reason

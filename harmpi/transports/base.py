@@ -39,9 +39,9 @@ class Transport(abc.ABC):
     #: or sleep; the context sets it) instead of yielding the core in a loop
     naps = False
     #: past the spin budget, how long a wait still yields the core between
-    #: polls before it naps (s; the context sets it when ranks outnumber
+    #: polls before it naps (ns; the context sets it when ranks outnumber
     #: cores: harmpi.sync's yield window)
-    yield_s = 0.0
+    yield_ns = 0
 
     @abc.abstractmethod
     def post(self, sends, recvs) -> Pending:

@@ -2,7 +2,7 @@
 
 Works wherever MPI works (TCP, shared memory, UCX, ...). Completion polls
 ``Testall`` ``spin_count`` times, then yields the core between polls (wait
-spin, and for ``yield_s`` under the other policies) or naps, 10 us doubling
+spin, and for ``yield_ns`` under the other policies) or naps, 10 us doubling
 to 1 ms (wait auto and sleep: MPI has no
 blocking wait that sleeps, its own MPI_Wait polls too), so oversubscribed
 ranks still progress and a busy host gets the core back; it gives up at a
@@ -81,7 +81,7 @@ class MpiTransport(Transport):
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + timeout_s
-                    naps_from = now + self.yield_s
+                    naps_from = now + self.yield_ns * 1e-9
                 elif now > deadline:
                     self._timeout(pending, timeout_s, what)
                 pause = idle(self.naps and now >= naps_from, pause)

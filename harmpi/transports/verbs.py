@@ -60,7 +60,7 @@ between two processes took 42 us and a 1 MB one 365 us, against 40 us and
 average of ~5: read them as an upper bound of the Python protocol's cost,
 which does not depend on the NIC). Waiting spins
 ``spin_count`` polls, then yields the core on every further poll
-(sched_yield, wait spin, and for ``yield_s`` under the other policies) or
+(sched_yield, wait spin, and for ``yield_ns`` under the other policies) or
 naps between polls, 10 us doubling to 1 ms (wait auto and sleep), until
 ``timeout_s``. Not a completion channel:
 pyverbs (44) gives a CompChannel no file descriptor to poll with a timeout,
@@ -284,7 +284,7 @@ class VerbsTransport(Transport):
 
     def complete(self, pending, timeout_s, what):
         deadline = time.monotonic() + timeout_s
-        naps_from = time.monotonic() + self.yield_s
+        naps_from = time.monotonic() + self.yield_ns * 1e-9
         polls = 0
         pause = NAP_FIRST_S
         try:
