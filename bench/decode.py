@@ -218,6 +218,7 @@ class _Round(NamedTuple):
     prefill_ns: int
     margin_ulps: np.ndarray  # [1 + warmup + steps]: top-two logit gap (top2_margin_ulps)
     prefill_logits: np.ndarray  # [batch, vocab] float32: every backend's from the same prompt
+    cpu_ns: np.ndarray  # [steps]: CPU time of this process (all its threads) per step
 
 
 @dataclasses.dataclass
@@ -257,21 +258,27 @@ def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, ba
         position = prompt.shape[1]
         step_ns = np.zeros(steps, dtype=np.int64)
         comm_ns = np.zeros(steps, dtype=np.int64)
+        cpu_ns = np.zeros(steps, dtype=np.int64)
         for i in range(warmup_steps + steps):
             timed = i - warmup_steps
             comm.begin_step(timed)  # negative: not recorded
+            # the CPU a rank got per step (its waits' spinning included) shows
+            # who won the core on a shared host, beside the wall time
+            c0 = time.process_time_ns()
             t0 = time.perf_counter_ns()
             token = model.forward(token.view(-1, 1), position, comm)
             elapsed = time.perf_counter_ns() - t0
+            cpu = time.process_time_ns() - c0
             position += 1
             generated.append(token)
             margins.append(top2_margin_ulps(model.last_logits.float().numpy()))
             if timed >= 0:
                 step_ns[timed] = elapsed
                 comm_ns[timed] = comm.ns
+                cpu_ns[timed] = cpu
     tokens = torch.stack(generated, dim=1).numpy()
     return _Round(tokens, step_ns, comm_ns, comm.enter_ns, comm.exit_ns, prefill_ns,
-                  np.array(margins), prefill_logits)
+                  np.array(margins), prefill_logits, cpu_ns)
 
 def _build_model(plan: _Plan, comm) -> tuple[TPDecoder, float]:
     """This rank's shard and the slowest rank's build time in s (collective)."""
@@ -390,9 +397,9 @@ def _gather_row(name: str, measured: _Measured, plan: _Plan, comm, same_host: bo
     """One backend's result row on rank 0 from every rank's rounds, None elsewhere (collective)."""
     longest = measured.longest_tokens()
     repeatable = all((r.tokens == longest[:, : r.tokens.shape[1]]).all() for r in measured.rounds)
-    step_ns, comm_ns, enter_ns, exit_ns = (
+    step_ns, comm_ns, enter_ns, exit_ns, cpu_ns = (
         comm.gather(measured.concatenated(field), root=0)
-        for field in ("step_ns", "comm_ns", "enter_ns", "exit_ns")
+        for field in ("step_ns", "comm_ns", "enter_ns", "exit_ns", "cpu_ns")
     )
     prefill_ns = comm.gather(np.median([r.prefill_ns for r in measured.rounds]), root=0)
     if comm.Get_rank() != 0:
@@ -402,7 +409,8 @@ def _gather_row(name: str, measured: _Measured, plan: _Plan, comm, same_host: bo
         latency_ns = collective_latency_ns(np.stack(enter_ns), np.stack(exit_ns))
     row = {"comm": name}
     row.update(summarize_backend(np.stack(step_ns), np.stack(comm_ns), plan.batch, latency_ns,
-                                 [len(r.step_ns) for r in measured.rounds]))
+                                 [len(r.step_ns) for r in measured.rounds],
+                                 cpu_ns=np.stack(cpu_ns)))
     row.update(
         prefill_ms=float(np.max(prefill_ns) / 1e6),
         tokens_identical_across_ranks=measured.identical,
@@ -513,6 +521,11 @@ def _report_lines(rows: Sequence[dict], wide: bool = False) -> list[str]:
         lines.append(f"# logits from the same prompt (prefill, round 1) vs {rows[0]['comm']}: "
                      "largest difference in bf16 ulps of the largest logit: " + "; ".join(gaps)
                      + " (0: bitwise equal)")
+    cpu = [f"{row['comm']} {row['cpu_ms_per_token']:.1f} ms ({row['cpu_share'] * 100:.0f}%)"
+           for row in rows if row.get("cpu_ms_per_token") is not None]
+    if cpu:
+        lines.append("# CPU per rank and step (the process, all its threads; % of the mean step): "
+                     + "; ".join(cpu))
     reference = next((row for row in rows if row["comm"] == "harmpi"), None)
     if reference is not None and len(rows) > 1:
         ratios = [

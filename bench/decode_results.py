@@ -109,7 +109,8 @@ def round_tokens_per_s(step_ns: np.ndarray, per_round: Sequence[int], batch: int
 
 def summarize_backend(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int,
                       latency_ns: np.ndarray | None = None,
-                      per_round: Sequence[int] | None = None) -> dict:
+                      per_round: Sequence[int] | None = None,
+                      cpu_ns: np.ndarray | None = None) -> dict:
     """Per-rank step and communication times [ranks, steps] -> the reported numbers.
 
     ms_per_token: median over steps of the rank-averaged step time (each step
@@ -122,6 +123,9 @@ def summarize_backend(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int,
     comm_share_min: the smallest per-rank share (the rank that waits least).
     comm_latency_*: the same for the time after the last rank arrived
     (see :func:`collective_latency_ns`), None when not measured.
+    cpu_ms_per_token: the mean CPU time a rank's process used per step
+    (``cpu_ns`` [ranks, steps]), cpu_share: that over the mean step, the
+    part of a core a rank got; None when not measured.
     compute_ms_per_token differs between backends when their waiting slows
     the compute (busy-polling a core that shares a physical core or a CPU
     quota with the computing one).
@@ -144,7 +148,13 @@ def summarize_backend(step_ns: np.ndarray, comm_ns: np.ndarray, batch: int,
         "comm_share_min": float((comm_ns.sum(axis=1) / step_ns.sum(axis=1)).min()),
         "comm_latency_share": None,
         "comm_latency_ms_per_token": None,
+        "cpu_ms_per_token": None,
+        "cpu_share": None,
     }
+    if cpu_ns is not None:
+        cpu_ms = np.asarray(cpu_ns, dtype=np.float64).mean() / 1e6
+        summary["cpu_ms_per_token"] = float(cpu_ms)
+        summary["cpu_share"] = float(cpu_ms / mean_ms)
     if latency_ns is not None:
         latency_ms = np.asarray(latency_ns, dtype=np.float64).mean() / 1e6
         summary["comm_latency_ms_per_token"] = float(latency_ms)

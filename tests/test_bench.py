@@ -430,6 +430,12 @@ def test_summarize_backend_and_table():
     assert summary["comm_latency_ms_per_token"] == pytest.approx(0.75)
     assert summary["comm_latency_share"] == pytest.approx(0.75 / 11.0)
     assert summarize_backend(step_ns, comm_ns, batch=1)["comm_latency_share"] is None
+    # CPU per step: the mean over ranks and steps, and its part of the mean step
+    assert summary["cpu_ms_per_token"] is None and summary["cpu_share"] is None
+    cpu_ns = np.array([[5e6, 6e6, 4e6], [10e6, 12e6, 11e6]])
+    cpu = summarize_backend(step_ns, comm_ns, batch=4, cpu_ns=cpu_ns)
+    assert cpu["cpu_ms_per_token"] == pytest.approx(8.0)
+    assert cpu["cpu_share"] == pytest.approx(8.0 / 11.0)
     row = dict(summary, comm="harmpi", prefill_ms=5.0, tokens_identical_across_ranks=True)
     lines = format_decode_table([row])
     assert lines[1].startswith("# comm") and "tok/s" in lines[1]
@@ -623,6 +629,8 @@ def test_decode_under_mpirun(tmp_path):
         assert row["tokens_per_s"] > 0 and 0 <= row["comm_share"] <= 1
         assert 0 <= row["comm_latency_share"] <= row["comm_share"]
         assert "ms_per_token" in row and "tokens_agree" in row
+        assert row["cpu_ms_per_token"] > 0 and row["cpu_share"] > 0
+    assert "# CPU per rank and step" in proc.stdout
     if HAVE_HARMPI:
         # the same harmpi sums through torch.distributed: the same tokens
         assert rows["torch:harmpi"]["tokens_agree"] is True
