@@ -120,14 +120,14 @@ class _Owned:
     thread's thread-local data when the thread ends, which marks them ENDED."""
 
     def __init__(self):
-        self.ctls = []
+        # by id, weakly: a freed context's entry goes with it, so a thread
+        # that sets up and frees communicators in a loop does not grow this
+        self.ctls = weakref.WeakValueDictionary()
         self.ended = ENDED  # kept here: at interpreter exit module globals may be gone
 
     def __del__(self):
-        for ref in self.ctls:
-            ctl = ref()
-            if ctl is not None:
-                ctl[0]["owner"] = self.ended
+        for ctl in list(self.ctls.values()):
+            ctl[0]["owner"] = self.ended
 
 
 _owned = threading.local()
@@ -139,10 +139,7 @@ def watch(ctl):
     owned = getattr(_owned, "owned", None)
     if owned is None:
         owned = _owned.owned = _Owned()
-    # drop the references of contexts already freed: a thread that sets up
-    # and frees communicators in a loop must not grow this list
-    owned.ctls = [ref for ref in owned.ctls if ref() is not None]
-    owned.ctls.append(weakref.ref(ctl))
+    owned.ctls[id(ctl)] = ctl
 
 
 def refusal(owner_name, ended=False):
