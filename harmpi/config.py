@@ -16,6 +16,11 @@ HARMPI_WAIT                auto       how a rank waits for its peers: "auto"
 HARMPI_SPIN_COUNT          (auto)     HARMPI_WAIT=spin: busy-poll iterations
                                       before yielding; auto: 20000, or 64 when
                                       ranks outnumber cores
+HARMPI_SCHED_SLICE_US      (auto)     the scheduler slice (µs) asked for on the
+                                      thread that runs the collectives, so a
+                                      woken rank preempts other work at once
+                                      (Linux 6.12+; harmpi.schedslice); auto:
+                                      100, 0: the thread's own slice
 HARMPI_SLOT_BYTES          1048576    bytes per rank per buffer in the node arena;
                                       larger tensors are processed in chunks
 HARMPI_SMALL_MAX_BYTES     65536      up to this size on one node every rank sums
@@ -161,6 +166,9 @@ class Config:
     wait: str = "auto"
     #: wait "spin": None: 20000, or 64 when ranks outnumber cores (harmpi.context)
     spin_count: int | None = None
+    #: the collectives' thread's scheduler slice (µs): None auto (100), 0 off
+    #: (harmpi.schedslice)
+    sched_slice_us: int | None = None
     slot_nbytes: int = 1 << 20
     small_max_nbytes: int = 64 << 10
     har_latency_max_nbytes: int = 256 << 10
@@ -212,6 +220,12 @@ class Config:
         if self.spin_count is not None and self.spin_count < 0:
             raise HarmpiArgumentError(f"HARMPI_SPIN_COUNT (Config.spin_count)={self.spin_count} "
                                       "must be >= 0 (or None: auto)")
+        if self.sched_slice_us is not None and self.sched_slice_us != 0 and not (
+                100 <= self.sched_slice_us <= 100_000):
+            raise HarmpiArgumentError(
+                f"HARMPI_SCHED_SLICE_US (Config.sched_slice_us)={self.sched_slice_us}: the "
+                "kernel takes a slice of 100 to 100000 us; 0 keeps the thread's own, "
+                "auto (None) asks for 100")
         if self.slot_nbytes % 64:
             raise HarmpiArgumentError(
                 f"HARMPI_SLOT_BYTES (Config.slot_nbytes)={self.slot_nbytes}: the slot size "
@@ -225,6 +239,8 @@ class Config:
             timeout_s=_timeout(env, "HARMPI_TIMEOUT_S", cls.timeout_s),
             wait=(env.get("HARMPI_WAIT") or "auto").strip().lower(),
             spin_count=_int(env, "HARMPI_SPIN_COUNT", cls.spin_count, 0),
+            sched_slice_us=None if (env.get("HARMPI_SCHED_SLICE_US") or "auto").strip().lower()
+            == "auto" else _int(env, "HARMPI_SCHED_SLICE_US", None, 0),
             slot_nbytes=_int(env, "HARMPI_SLOT_BYTES", cls.slot_nbytes, 64),
             small_max_nbytes=_int(env, "HARMPI_SMALL_MAX_BYTES", cls.small_max_nbytes, 0),
             har_latency_max_nbytes=_int(env, "HARMPI_HAR_LATENCY_MAX_BYTES",

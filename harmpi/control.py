@@ -40,6 +40,12 @@ FIELDS = (
     ("wait_slice", "longest futex sleep between looks (ns; 0: sync.SLEEP_SLICE_NS)"),
     ("wait_expired", "sleeps that lasted a whole slice (not woken by a publish)"),
     ("wait_yield", "after the spin, how long a wait polls with sched_yield before it sleeps (ns)"),
+    ("wait_busy_fd", "busy-host look: /proc/loadavg's fd + 1 (0: waits never look)"),
+    ("wait_busy_buf", "busy-host look: address of its 64-byte read buffer"),
+    ("wait_busy_cpus", "busy-host look: the host's CPUs"),
+    ("wait_busy_at", "busy-host look: when a wait last looked (ns, monotonic)"),
+    ("wait_busy", "busy-host look: running score, 0-1024 (busy from sync.BUSY_SCORE)"),
+    ("wait_busy_yield", "busy-host look: the yield window of a wait on a busy host (ns)"),
     ("timeout_ns", "deadline of every wait"),
     ("err_peer", "failed step: the local rank (or rail op) concerned"),
     ("err_a", "failed step: epoch awaited, or the peer's byte count"),
@@ -119,8 +125,10 @@ assert [offset(f) - HOOK_OFFSET
 #: and the wait state's (sync.WS_*)
 WAIT_OFFSET = offset("wait_policy")
 assert [offset(f) - WAIT_OFFSET for f in ("wait_policy", "wait_gap", "wait_floor", "wait_cap",
-                                         "wait_slice", "wait_expired", "wait_yield")] \
-    == [0, 8, 16, 24, 32, 40, 48]
+                                         "wait_slice", "wait_expired", "wait_yield",
+                                         "wait_busy_fd", "wait_busy_buf", "wait_busy_cpus",
+                                         "wait_busy_at", "wait_busy", "wait_busy_yield")] \
+    == [8 * i for i in range(13)]
 
 
 def new() -> np.ndarray:

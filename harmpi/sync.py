@@ -25,7 +25,16 @@ Waiting (the policy is a context's ``wait`` setting, HARMPI_WAIT):
   rank that has work, the peer being waited for most often, where a futex
   sleep would need the publisher's wake-up to cross to another CPU (an
   inter-processor interrupt, costly in a virtual machine) on every step.
-  Only waits that outlast the window sleep.
+  Only waits that outlast the window sleep. On a *busy host* (more tasks
+  runnable than it has CPUs, steadily: host_busy) ``auto`` does not spin at
+  all: a spinning waiter would only take the core from a task that needs
+  it, often the peer it waits for, and burn the share of CPU time the
+  scheduler then takes back from its own compute. It goes straight to a
+  yield window (the context's: 50 us, or the oversubscribed one), then
+  sleeps. A yielding rank stays runnable, and with the thread's short
+  scheduler slice (harmpi.schedslice) each yield puts it back only that
+  slice, so it runs again as soon as the task it let in has had a turn;
+  a woken sleeper runs at once for the same reason.
 - ``spin``: poll with ``pause`` for ``spin_count`` iterations, then
   ``sched_yield``, and after ``SLEEP_AFTER_NS`` of yielding sleep 50 us per
   poll: the fastest when every rank owns a core and nothing else runs.
@@ -70,7 +79,9 @@ __all__ = ["load_acquire", "store_release", "compare_exchange", "ABANDONED", "cp
            "SLEEP_POKE_NS",
            "load_seq_cst", "fetch_add", "fence", "futex_wait", "futex_wake", "wake_sleepers",
            "HAS_FUTEX", "WAIT_SPIN", "WAIT_AUTO", "WAIT_SLEEP", "WAIT_POLICIES", "WS_WORDS",
-           "SLEEP_SLICE_NS", "WS_YIELD", "spin_budget", "learn_gap"]
+           "SLEEP_SLICE_NS", "WS_YIELD", "spin_budget", "learn_gap", "host_busy", "runnable_tasks",
+           "WS_BUSY_FD", "WS_BUSY_BUF", "WS_BUSY_CPUS", "WS_BUSY_AT", "WS_BUSY", "WS_BUSY_YIELD",
+           "BUSY_LOOK_NS", "BUSY_SCORE"]
 
 #: the flag value of a rank that gave up on a collective (flags are epochs >= 0
 #: otherwise): every wait on it, and every later publish over it, fails at once
@@ -100,9 +111,17 @@ WAIT_SPIN, WAIT_AUTO, WAIT_SLEEP = 0, 1, 2
 WAIT_POLICIES = {"spin": WAIT_SPIN, "auto": WAIT_AUTO, "sleep": WAIT_SLEEP}
 #: a wait state: int64 words [policy, learned wait (ns), floor (ns), cap (ns),
 #: sleep slice (ns; 0: SLEEP_SLICE_NS), sleeps that ran a whole slice,
-#: yield window (ns polled with sched_yield between the spin and the sleep)]
-WS_POLICY, WS_GAP, WS_FLOOR, WS_CAP, WS_SLICE, WS_EXPIRED, WS_YIELD = range(7)
-WS_WORDS = 7
+#: yield window (ns polled with sched_yield between the spin and the sleep),
+#: the busy-host look (see host_busy): /proc/loadavg's fd + 1 (0: no look),
+#: a 64-byte buffer's address, the host's CPUs, when it last looked (ns), the
+#: running score (0-1024), the yield window of a wait on a busy host (ns)]
+(WS_POLICY, WS_GAP, WS_FLOOR, WS_CAP, WS_SLICE, WS_EXPIRED, WS_YIELD, WS_BUSY_FD, WS_BUSY_BUF,
+ WS_BUSY_CPUS, WS_BUSY_AT, WS_BUSY, WS_BUSY_YIELD) = range(13)
+WS_WORDS = 13
+#: how often a wait may look at the host's run queue (harmpi.sync.host_busy)
+BUSY_LOOK_NS = 10_000_000
+#: the score (of 1024) from which the host counts as busy
+BUSY_SCORE = 512
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -336,6 +355,84 @@ def _read_byte(typingctx, fd):
     return sig, codegen
 
 
+@intrinsic
+def _pread0(typingctx, fd, addr, nbytes):
+    """libc ``pread(fd, addr, nbytes, 0)``: bytes read, or -1."""
+    sig = types.int64(types.int64, types.intp, types.int64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(_I64, [_I32, ir.IntType(8).as_pointer(), _I64, _I64])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "pread")
+        ptr = builder.inttoptr(args[1], ir.IntType(8).as_pointer())
+        return builder.call(fn, [builder.trunc(args[0], _I32), ptr, args[2],
+                                 ir.Constant(_I64, 0)])
+
+    return sig, codegen
+
+
+@intrinsic
+def _load_u8(typingctx, addr):
+    """The byte at ``addr`` (a plain load: the buffer is this thread's)."""
+    sig = types.int64(types.intp)
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+        return builder.zext(builder.load(ptr), _I64)
+
+    return sig, codegen
+
+
+@numba.njit(types.int64(types.int64, types.intp), cache=True, nogil=True)
+def runnable_tasks(fd, buf_addr):
+    """The tasks runnable on the host right now, from /proc/loadavg open at
+    ``fd`` (its fourth field, "running/total"), read into the 64 bytes at
+    ``buf_addr``; -1 when it cannot be read."""
+    n = _pread0(fd, buf_addr, 63)
+    if n <= 0:
+        return -1
+    slash = -1
+    for i in range(n):
+        if _load_u8(buf_addr + i) == 47:  # '/'
+            slash = i
+            break
+    if slash <= 0:
+        return -1
+    value = 0
+    scale = 1
+    i = slash - 1
+    while i >= 0:
+        c = _load_u8(buf_addr + i)
+        if c < 48 or c > 57:
+            break
+        value += (c - 48) * scale
+        scale *= 10
+        i -= 1
+    return value if scale > 1 else -1
+
+
+@numba.njit(types.boolean(types.intp, types.int64), cache=True, nogil=True)
+def host_busy(state_addr, now):
+    """Whether more tasks want this host's CPUs than it has: then a
+    spinning waiter only takes a core from a task that needs it (most often
+    the peer it waits for, or the work beside the job), so waits do not
+    spin (they yield, then sleep: wait_flags_ge). At most every
+    BUSY_LOOK_NS a wait that found its flag short reads the run queue's
+    length (/proc/loadavg, one pread); a running score (weight 1/4 per
+    look) says busy from BUSY_SCORE, so a task that runs for a moment does
+    not turn the spin off, while a steady load does within a few looks."""
+    fd1 = load_acquire(state_addr + 8 * WS_BUSY_FD)
+    if fd1 == 0:
+        return False
+    if now - load_acquire(state_addr + 8 * WS_BUSY_AT) >= BUSY_LOOK_NS:
+        store_release(state_addr + 8 * WS_BUSY_AT, now)
+        r = runnable_tasks(fd1 - 1, load_acquire(state_addr + 8 * WS_BUSY_BUF))
+        if r >= 0:
+            score = load_acquire(state_addr + 8 * WS_BUSY)
+            hit = 1024 if r > load_acquire(state_addr + 8 * WS_BUSY_CPUS) else 0
+            store_release(state_addr + 8 * WS_BUSY, score + ((hit - score) >> 2))
+    return load_acquire(state_addr + 8 * WS_BUSY) >= BUSY_SCORE
+
+
 #: signal number of SIGINT (Ctrl-C) as Python's wakeup fd reports it
 _SIGINT = 2
 #: wait_flags_ge's return value when a SIGINT arrived while it waited
@@ -490,6 +587,11 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
                 started = monotonic_ns()
                 now = started
                 last_poke = started
+                if budget > 0 and host_busy(state_addr, started):
+                    # no spin: yield (the rank stays runnable, and its short
+                    # slice lets it back in soon), then sleep
+                    budget = 0
+                    yield_ns = load_acquire(state_addr + 8 * WS_BUSY_YIELD)
             polls += 1
             if now - started < budget:
                 cpu_relax()

@@ -11,6 +11,7 @@ from harmpi.errors import HarmpiArgumentError
 BAD = {
     "HARMPI_TIMEOUT_S": "x",
     "HARMPI_SPIN_COUNT": "-1",
+    "HARMPI_SCHED_SLICE_US": "50",
     "HARMPI_SLOT_BYTES": "100",
     "HARMPI_SMALL_MAX_BYTES": "a",
     "HARMPI_HAR_LATENCY_MAX_BYTES": "-3",
@@ -40,6 +41,7 @@ def test_invalid_environment_setting_names_its_variable(name):
     ("transport", "tpc", "HARMPI_TRANSPORT"),
     ("algorithm", "bfly", "HARMPI_ALGORITHM"),
     ("spin_count", -1, "HARMPI_SPIN_COUNT"),
+    ("sched_slice_us", 200_000, "HARMPI_SCHED_SLICE_US"),
     ("slot_nbytes", 100, "HARMPI_SLOT_BYTES"),
 ])
 def test_invalid_config_field_names_field_and_variable(field, value, name):

@@ -285,3 +285,90 @@ def test_auto_learns_to_spin_for_quick_peers_and_not_for_late_ones():
     assert sync.spin_budget(addr) == 30_000
     assert sync.spin_budget(_state(policy=sync.WAIT_SLEEP).ctypes.data) == 0
     assert sync.spin_budget(_state(policy=sync.WAIT_SPIN).ctypes.data) == -1
+
+
+def _loadavg(tmp_path, text):
+    p = tmp_path / "loadavg"
+    p.write_text(text)
+    return os.open(p, os.O_RDONLY)
+
+
+@pytest.mark.parametrize("text, tasks", [("0.50 0.40 0.30 3/250 1234\n", 3),
+                                         ("12.00 9.10 8.00 17/1021 99\n", 17),
+                                         ("0.00 0.00 0.00 /250 1\n", -1),
+                                         ("no slash here\n", -1), ("", -1)])
+def test_the_run_queue_length_is_read_from_loadavg(tmp_path, text, tasks):
+    fd = _loadavg(tmp_path, text)
+    buf = np.zeros(64, np.uint8)
+    try:
+        assert sync.runnable_tasks(fd, buf.ctypes.data) == tasks
+    finally:
+        os.close(fd)
+
+
+def test_the_real_loadavg_counts_at_least_this_task():
+    fd = os.open("/proc/loadavg", os.O_RDONLY)
+    buf = np.zeros(64, np.uint8)
+    try:
+        assert sync.runnable_tasks(fd, buf.ctypes.data) >= 1
+    finally:
+        os.close(fd)
+
+
+def _busy_state(tmp_path, text, cpus=2, **kw):
+    fd = _loadavg(tmp_path, text)
+    buf = np.zeros(64, np.uint8)
+    st = _state(**kw)
+    st[sync.WS_BUSY_FD] = fd + 1
+    st[sync.WS_BUSY_BUF] = buf.ctypes.data
+    st[sync.WS_BUSY_CPUS] = cpus
+    return st, fd, buf
+
+
+def test_a_steady_load_makes_the_host_busy_and_a_moment_of_it_does_not(tmp_path):
+    st, fd, buf = _busy_state(tmp_path, "5.0 5.0 5.0 5/300 1\n")
+    addr = st.ctypes.data
+    look = sync.BUSY_LOOK_NS
+    try:
+        assert not sync.host_busy(addr, look)          # one look: not yet
+        assert not sync.host_busy(addr, look + 1)      # no new look within the period
+        assert st[sync.WS_BUSY] == 256
+        assert not sync.host_busy(addr, 2 * look)
+        assert sync.host_busy(addr, 3 * look)          # three looks in a row: busy
+    finally:
+        os.close(fd)
+    st2, fd2, buf2 = _busy_state(tmp_path, "0.1 0.1 0.1 2/300 1\n")
+    st2[sync.WS_BUSY] = st[sync.WS_BUSY]
+    try:
+        busy = [sync.host_busy(st2.ctypes.data, k * look) for k in range(1, 6)]
+        assert busy[-1] is False and busy.count(True) <= 1   # it fades within a few looks
+    finally:
+        os.close(fd2)
+    # no look at all: never busy
+    assert not sync.host_busy(_state().ctypes.data, 10 * look)
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_waiter_on_a_busy_host_sleeps_instead_of_spinning(tmp_path, busy):
+    """auto with a 50 ms budget: the wait spins its 20 ms deadline away on a
+    quiet host, and sleeps (using next to no CPU) on a busy one."""
+    st, fd, buf = _busy_state(tmp_path, "5.0 5.0 5.0 5/300 1\n" if busy else
+                              "0.1 0.1 0.1 1/300 1\n", policy=sync.WAIT_AUTO,
+                              floor=50_000_000, cap=50_000_000)
+    st[sync.WS_BUSY] = 1024 if busy else 0
+    flags = np.zeros(8, np.int64)
+    sleepers = np.zeros(8, np.int64)
+    try:
+        # a look now would not change the score much either way
+        st[sync.WS_BUSY_AT] = time.monotonic_ns()
+        cpu0 = time.thread_time()
+        rc = sync.wait_flags_ge(flags.ctypes.data, 64, 1, 1, 0, 20_000_000, 0,
+                                sleepers.ctypes.data, st.ctypes.data)
+        cpu = time.thread_time() - cpu0
+    finally:
+        os.close(fd)
+    assert rc == 0  # the deadline, naming flag 0
+    if busy:
+        assert cpu < 0.005, cpu
+    else:
+        assert cpu > 0.015, cpu

@@ -7,7 +7,7 @@ import pytest
 from conftest import torch
 
 import harmpi
-from harmpi import copytune, sync
+from harmpi import copytune, schedslice, sync
 
 
 def info_wait(comm):
@@ -17,6 +17,7 @@ ENV = {
     "HARMPI_TIMEOUT_S": "7",
     "HARMPI_SPIN_COUNT": "3",
     "HARMPI_WAIT": "sleep",
+    "HARMPI_SCHED_SLICE_US": "0",
     "HARMPI_SLOT_BYTES": "8192",
     "HARMPI_SMALL_MAX_BYTES": "128",
     "HARMPI_HAR_LATENCY_MAX_BYTES": "256",
@@ -35,7 +36,8 @@ ENV = {
     "HARMPI_IB_PORT": "2",
     "HARMPI_IB_GID_INDEX": "3",
 }
-GIVEN = harmpi.Config(timeout_s=30.0, wait="spin", spin_count=12345, slot_nbytes=16384,
+GIVEN = harmpi.Config(timeout_s=30.0, wait="spin", spin_count=12345, sched_slice_us=250,
+                      slot_nbytes=16384,
                       small_max_nbytes=4096,
                       har_latency_max_nbytes=8192, algorithm="leader", transport="tcp",
                       ranks_per_node=1, stream_stores="flush", native=True,
@@ -57,6 +59,11 @@ def test_a_config_given_to_init_wins_over_the_environment(world, monkeypatch):
     c = ctx.ctl[0]
     assert ctx.spin_count == 12345 and c["spin"] == 12345  # also when oversubscribed
     assert c["wait_policy"] == sync.WAIT_SPIN and info_wait(comm).startswith("spin")
+    if isinstance(ctx.sched_slice, int):  # a kernel with custom slices (schedslice)
+        assert schedslice.current()[2] == 250_000
+        assert info_wait(comm).endswith("; scheduler slice 250 us"), info_wait(comm)
+    else:
+        assert "own scheduler slice" in info_wait(comm), info_wait(comm)
     assert c["timeout_ns"] == 30 * 10 ** 9
     assert c["slot_nbytes"] == 16384 and c["small_max_nbytes"] == 4096
     assert c["mode"] == copytune.MODE_FLUSH and c["tuning"] == 0
@@ -89,8 +96,11 @@ def test_the_yield_window_is_set_only_for_auto_when_ranks_outnumber_cores(world,
     ctx = harmpi.init(comm, config=dataclasses.replace(harmpi.Config.from_env(), wait=wait))
     expected = context.OVERSUBSCRIBED_YIELD_NS if wait == "auto" and ctx.oversubscribed else 0
     assert ctx.ctl[0]["wait_yield"] == expected
-    window = f", yield {expected // 1000} us, then futex"
+    window = f"), yield {expected // 1000} us, then futex"
     assert (window in info_wait(comm)) == (expected > 0), info_wait(comm)
+    # auto looks at the host's run queue (no spin while it is busy); the others never do
+    assert ("; on a busy host none, yield" in info_wait(comm)) == (wait == "auto")
+    assert (ctx.ctl[0]["wait_busy_fd"] != 0) == (wait == "auto")
     x = torch.full((5000,), float(comm.Get_rank() + 1))
     for _ in range(20):  # the waits that take the window still see every peer
         y = x.clone()
