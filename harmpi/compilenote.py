@@ -356,7 +356,7 @@ def _rail_socket_steps():
     sockio.set_recv(ops, 0, fds[0], buf.ctypes.data, buf.nbytes)
     sockio.set_send(ops, 1, fds[0], buf.ctypes.data, buf.nbytes, 1, time.time_ns())
     sockio.kick(ops, 0, scratch)
-    sockio.progress(ops, 0, 1, int(1e9), pollfds, scratch, 0, 0)
+    sockio.progress(ops, 0, 1, int(1e9), pollfds, scratch, 0, 0, 0)
 
 
 def _rail_arithmetic():

@@ -463,7 +463,8 @@ class Context:
     def _slice_note(self) -> str:
         s = self.sched_slice
         if isinstance(s, int):
-            return f"; scheduler slice {self.sched_slice_us} us"
+            # (the thread's first request stands for its later contexts)
+            return f"; scheduler slice {schedslice.held_us(s)} us"
         return f"; own scheduler slice: {s}" if s else ""
 
     # -- pieces the algorithms ask for --------------------------------------
@@ -496,6 +497,7 @@ class Context:
                                               self.config, self.topo.local_rank)
         transport.naps = self.wait_policy != sync.WAIT_SPIN
         transport.yield_ns = int(self.ctl[0]["wait_yield"])  # 0 unless auto, oversubscribed
+        transport.wait_state = self.ctl.ctypes.data + control.WAIT_OFFSET
         if isinstance(transport, transports.TcpTransport):
             transport.watch_signals(self.sigfd)
         return transport, reason

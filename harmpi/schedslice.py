@@ -21,7 +21,8 @@ thread share one request, counted. Only a SCHED_OTHER thread on a kernel
 that reports its slice (``sched_getattr`` gives ``sched_runtime``; 0 before
 custom slices existed) gets it; another policy, an older kernel, no such
 system call or a filter that refuses it leave the thread as it was, and
-harmpi.info()["wait"] says so.
+harmpi.info()["wait"] says so. A process the thread forks meanwhile
+inherits the request, as it inherits the thread's nice value.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import struct
 import sys
 import threading
 
-__all__ = ["hold", "release", "current", "SLICE_MIN_US", "SLICE_MAX_US", "DEFAULT_US"]
+__all__ = ["hold", "release", "held_us", "current", "SLICE_MIN_US", "SLICE_MAX_US", "DEFAULT_US"]
 
 #: sched_getattr / sched_setattr by number through libc's syscall()
 _NUMBERS = {"x86_64": (315, 314), "amd64": (315, 314), "aarch64": (275, 274),
@@ -108,6 +109,14 @@ def hold(slice_us: int):
         # stays at that value, should the sysctl change meanwhile)
         _held[tid] = [1, nice, runtime, short_ns]
         return tid
+
+
+def held_us(token) -> int | None:
+    """The slice (µs) in force for a hold() (the thread's first request
+    stands for every later one), None for a string token or a released one."""
+    with _lock:
+        entry = _held.get(token) if isinstance(token, int) else None
+        return None if entry is None else entry[3] // 1000
 
 
 def release(token) -> None:

@@ -28,7 +28,7 @@ def _receive(sock, cap=64):
     ops, pollfds, scratch = sockio.new_ops(1), sockio.new_pollfds(1), sockio.new_scratch()
     buf = np.zeros(cap, np.uint8)
     sockio.set_recv(ops, 0, sock.fileno(), buf.ctypes.data, cap)
-    rc = sockio.progress(ops, 1, 1, int(2e9), pollfds, scratch, 0, 0)
+    rc = sockio.progress(ops, 1, 1, int(2e9), pollfds, scratch, 0, 0, 0)
     return rc, ops[0], bytes(buf[: max(0, int(ops[0, sockio.OP_HDR_N]))])
 
 

@@ -57,6 +57,7 @@ def test_holds_on_one_thread_are_counted_and_the_last_release_restores():
         a = schedslice.hold(100)
         b = schedslice.hold(300)  # the first request stands
         assert a == b == threading.get_native_id()
+        assert schedslice.held_us(b) == 100
         schedslice.release(a)
         still = schedslice.current()[2]
         schedslice.release(b)
@@ -113,6 +114,7 @@ def test_a_thread_of_another_policy_keeps_its_scheduling():
     assert isinstance(token, str)
     if NOW is not None:
         assert "SCHED_OTHER" in token and after == before
+    assert schedslice.held_us(token) is None
     schedslice.release(token)  # a reason, not a hold: ignored
 
 

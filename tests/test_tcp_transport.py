@@ -81,9 +81,9 @@ class Side:
     def recv(self, i, sock, buf):
         sockio.set_recv(self.ops, i, sock.fileno(), buf.ctypes.data, buf.nbytes)
 
-    def progress(self, k, timeout_s=10.0, spin=1, yield_ns=0):
+    def progress(self, k, timeout_s=10.0, spin=1, yield_ns=0, state_addr=0):
         return sockio.progress(self.ops, k, spin, int(timeout_s * 1e9), self.pollfds,
-                               self.scratch, 0, yield_ns)
+                               self.scratch, 0, yield_ns, state_addr)
 
     def kick(self, k):
         return sockio.kick(self.ops, k, self.scratch)
@@ -429,6 +429,36 @@ def test_a_yield_window_keeps_the_deadline_and_completes_a_late_message(make_pai
     a.sendall(frame(b"yielded!", 7))
     assert receiver.finish() == sockio.IO_OK
     assert bytes(out) == b"yielded!" and r.row(0, sockio.OP_HDR_TAG) == 7
+
+
+def test_on_a_busy_host_the_rail_does_not_spin(make_pair, tmp_path):
+    # a billion polls of spin would outlast the test: on a busy host
+    # (sync.host_busy, a score already past the line) the loop skips them and
+    # sleeps in poll(2) until its deadline, using next to no CPU
+    from harmpi import sync
+    p = tmp_path / "loadavg"
+    p.write_text("9.0 9.0 9.0 9/300 1\n")
+    fd = os.open(p, os.O_RDONLY)
+    buf = np.zeros(64, np.uint8)
+    st = np.zeros(sync.WS_WORDS, np.int64)
+    st[sync.WS_POLICY] = sync.WAIT_AUTO
+    st[sync.WS_BUSY_FD], st[sync.WS_BUSY_BUF], st[sync.WS_BUSY_CPUS] = fd + 1, buf.ctypes.data, 2
+    st[sync.WS_BUSY] = 1024
+    a, b = make_pair()
+    r = Side()
+    out = np.zeros(8, np.uint8)
+    r.recv(0, b, out)
+    try:
+        cpu0, t0 = time.thread_time(), time.monotonic()
+        assert r.progress(1, timeout_s=0.2, spin=10 ** 9,
+                          state_addr=st.ctypes.data) == sockio.IO_TIMEOUT
+        assert 0.15 <= time.monotonic() - t0 <= 3.0
+        assert time.thread_time() - cpu0 < 0.1
+    finally:
+        os.close(fd)
+    a.sendall(frame(b"busyhost", 5))
+    assert r.progress(1, timeout_s=5, state_addr=st.ctypes.data) == sockio.IO_OK
+    assert bytes(out) == b"busyhost"
 
 
 def test_timeout_after_partial_header_keeps_what_arrived(make_pair):

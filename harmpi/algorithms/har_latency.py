@@ -90,7 +90,7 @@ def rail_complete(ctl, ops, pollfds, scratch):
     a step this rank gives up on (its rail peer is told by the abandon)."""
     c = ctl[0]
     io = sockio.progress(ops, _RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
-                         node.hook_addr(ctl), c.wait_yield)
+                         node.hook_addr(ctl), c.wait_yield, node.wait_addr(ctl))
     if io == sockio.IO_INTERRUPTED:
         return node.interrupted(ctl)
     if io != sockio.IO_OK:

@@ -42,6 +42,9 @@ class Transport(abc.ABC):
     #: polls before it naps (ns; the context sets it when ranks outnumber
     #: cores: harmpi.sync's yield window)
     yield_ns = 0
+    #: address of the context's wait state (sync.WS_*; 0: none): the tcp
+    #: rail's busy-host look (sync.host_busy) reads and updates it
+    wait_state = 0
 
     @abc.abstractmethod
     def post(self, sends, recvs) -> Pending:

@@ -56,7 +56,17 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..kind import ABANDON_TAG
-from ..sync import SLEEP_POKE_NS, monotonic_ns, poke, realtime_ns, sched_yield, sigint_arrived
+from ..sync import (
+    SLEEP_POKE_NS,
+    WS_BUSY_YIELD,
+    host_busy,
+    load_acquire,
+    monotonic_ns,
+    poke,
+    realtime_ns,
+    sched_yield,
+    sigint_arrived,
+)
 
 __all__ = ["OP_FD", "OP_KIND", "OP_ADDR", "OP_CAP", "OP_DONE", "OP_HDR_N", "OP_HDR_TAG",
            "OP_HDR_DL", "OP_STATE", "OP_ERRNO", "OP_WORDS", "KIND_SEND", "KIND_RECV", "ST_PENDING",
@@ -340,14 +350,18 @@ def kick(ops, k, scratch):
 
 
 @numba.njit(cache=True, nogil=True)
-def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr, yield_ns):  # noqa: C901 - the compiled poll loop: one pass over the ops, then spin, deadline, SIGINT, poke, poll(2)
+def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr, yield_ns,  # noqa: C901 - the compiled poll loop: one pass over the ops, then spin, deadline, SIGINT, poke, poll(2)
+             state_addr):
     """Complete ops [0, k). Returns IO_OK, IO_FAILED (a row is ST_FAILED),
     IO_TIMEOUT (rows still ST_PENDING) after ``timeout_ns`` of waiting, or
     IO_INTERRUPTED when a SIGINT arrived while it slept (sync.sigint_arrived).
     Every SLEEP_POKE_NS of waiting it lets MPI progress before a sleep
     in poll(2) (``hook_addr``: an mpiprogress hook and the wakeup fd, 0 for
     none). For the first ``yield_ns`` past the spin it yields the core
-    instead of sleeping (harmpi.sync's yield window: ranks outnumber cores)."""
+    instead of sleeping (harmpi.sync's yield window: ranks outnumber cores).
+    ``state_addr``: the context's wait state (0: none); on a busy host
+    (sync.host_busy) the loop does not spin, and yields for the state's
+    busy-host window before it sleeps, as the node's waits do."""
     idle = 0
     started = 0
     last_poke = 0
@@ -378,6 +392,9 @@ def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr, yield_ns):  
             idle = 0
             continue
         idle += 1
+        if idle == 1 and spin > 0 and state_addr != 0 and host_busy(state_addr, monotonic_ns()):
+            spin = 0
+            yield_ns = load_acquire(state_addr + 8 * WS_BUSY_YIELD)
         if idle <= spin:
             continue
         now = monotonic_ns()

@@ -293,7 +293,7 @@ class TcpTransport(Transport):
         ops = self.ops
         rc = sockio.progress(ops, pending.k, self.spin_count, int(timeout_s * 1e9),
                              self.pollfds, self.scratch, self.hook.ctypes.data,
-                             self.yield_ns)
+                             self.yield_ns, self.wait_state)
         if rc == sockio.IO_TIMEOUT:
             self.raise_timeout(pending.k, pending.recv_rows, pending.peers, timeout_s, what)
         elif rc == sockio.IO_INTERRUPTED:
