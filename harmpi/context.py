@@ -87,9 +87,6 @@ OVERSUBSCRIBED_SPIN_NS = 3_000
 #: sched_yield for this long before it sleeps (harmpi.sync: the yield window;
 #: the core goes to a sibling rank, with no cross-CPU wake-up per step)
 OVERSUBSCRIBED_YIELD_NS = 200_000
-#: wait "auto" on a busy host (harmpi.sync.host_busy): no spin, sched_yield
-#: for this long, then sleep (at least: the oversubscribed window if longer)
-BUSY_YIELD_NS = 50_000
 #: polls of a cross-node transport before it sleeps, wait "auto" (a poll is a
 #: system call, ~1 us) and "sleep"
 RAIL_SPIN_AUTO, RAIL_SPIN_SLEEP = 32, 1
@@ -97,7 +94,7 @@ RAIL_SPIN_AUTO, RAIL_SPIN_SLEEP = 32, 1
 _ITEMSIZE = tuple(f.itemsize for f in dtypes.FORMATS)
 
 
-def _busy_look(ctl, policy, yield_ns):
+def _busy_look(ctl, policy):
     """(fd, buffer) for the waits' look at the host's run queue (policy
     auto: sync.host_busy), set in the control block; (None, None) when
     /proc/loadavg cannot be opened (the waits then never look)."""
@@ -111,7 +108,6 @@ def _busy_look(ctl, policy, yield_ns):
     c = ctl[0]
     c["wait_busy_buf"] = buf.ctypes.data
     c["wait_busy_cpus"] = os.cpu_count() or 1
-    c["wait_busy_yield"] = max(yield_ns, BUSY_YIELD_NS)
     c["wait_busy_fd"] = fd + 1
     return fd, buf
 
@@ -288,7 +284,7 @@ class Context:
                           self.config.small_max_nbytes, self.config.stream_stores, sigfd,
                           self._tune_state, self.wait_policy, floor, cap, yield_ns)
         self.sched_slice = None
-        self._busy_fd, self._busy_buf = _busy_look(self.ctl, self.wait_policy, yield_ns)
+        self._busy_fd, self._busy_buf = _busy_look(self.ctl, self.wait_policy)
         self.sigfd = sigfd
         # the compiled waits name late ranks by communicator rank
         self._local_ranks = np.array(self.topo.node_ranks[self.topo.node_index], np.int64)
@@ -327,9 +323,8 @@ class Context:
         # thread, so a woken wait preempts whatever took the core
         # (harmpi.schedslice); given back in free()
         us = self.config.sched_slice_us
-        self.sched_slice_us = schedslice.DEFAULT_US if us is None else us
-        self.sched_slice = schedslice.hold(self.sched_slice_us) if self.sched_slice_us \
-            else "off (HARMPI_SCHED_SLICE_US=0)"
+        self.sched_slice = schedslice.hold(schedslice.DEFAULT_US if us is None else us) \
+            if us != 0 else "off (HARMPI_SCHED_SLICE_US=0)"
 
     # -- entries --------------------------------------------------------------
 
@@ -455,7 +450,8 @@ class Context:
         yields = f", yield {c['wait_yield'] // 1000} us" if c["wait_yield"] else ""
         busy = ""
         if c["wait_busy_fd"]:
-            busy = f"; on a busy host none, yield {c['wait_busy_yield'] // 1000} us" + \
+            window = max(c["wait_yield"], sync.BUSY_YIELD_NS)
+            busy = f"; on a busy host none, yield {window // 1000} us" + \
                 (", as now" if c["wait_busy"] >= sync.BUSY_SCORE else "")
         return (f"auto: spin {c['wait_floor'] // 1000}-{c['wait_cap'] // 1000} us "
                 f"(now {now // 1000} us{busy}){yields}, then futex{self._slice_note()}")
@@ -759,19 +755,22 @@ class Context:
 
     # -- teardown -----------------------------------------------------------
 
-    def close_busy_look(self):
-        """Close the waits' /proc/loadavg (they stop looking)."""
+    def _release_thread_waits(self):
+        """What the waits hold outside MPI, for free() and leak(): their
+        /proc/loadavg (they stop looking) and the thread's scheduler slice."""
         if self._busy_fd is not None:
             self.ctl[0]["wait_busy_fd"] = 0
             os.close(self._busy_fd)
             self._busy_fd = None
+        schedslice.release(self.sched_slice)
+        self.sched_slice = None
 
     def leak(self, why):
         """Give the context up without a collective (the ranks did not agree
         to free it, registry.release): close the tcp rails, leave the window
         and communicators to MPI_Finalize."""
         self.close_transports()
-        self.close_busy_look()
+        self._release_thread_waits()
         self.broken = f"freed without a collective free ({why})"
         self.ctl[0]["abandoned"] = 1
 
@@ -794,7 +793,5 @@ class Context:
             if c is not None and c != MPI.COMM_NULL:
                 c.Free()
         self.node_comm = self.rail_comm = self.setup_comm = None
-        schedslice.release(self.sched_slice)
-        self.sched_slice = None
-        self.close_busy_look()
+        self._release_thread_waits()
         self.broken = "finalized"

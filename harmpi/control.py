@@ -45,7 +45,6 @@ FIELDS = (
     ("wait_busy_cpus", "busy-host look: the host's CPUs"),
     ("wait_busy_at", "busy-host look: when a wait last looked (ns, monotonic)"),
     ("wait_busy", "busy-host look: running score, 0-1024 (busy from sync.BUSY_SCORE)"),
-    ("wait_busy_yield", "busy-host look: the yield window of a wait on a busy host (ns)"),
     ("timeout_ns", "deadline of every wait"),
     ("err_peer", "failed step: the local rank (or rail op) concerned"),
     ("err_a", "failed step: epoch awaited, or the peer's byte count"),
@@ -127,8 +126,8 @@ WAIT_OFFSET = offset("wait_policy")
 assert [offset(f) - WAIT_OFFSET for f in ("wait_policy", "wait_gap", "wait_floor", "wait_cap",
                                          "wait_slice", "wait_expired", "wait_yield",
                                          "wait_busy_fd", "wait_busy_buf", "wait_busy_cpus",
-                                         "wait_busy_at", "wait_busy", "wait_busy_yield")] \
-    == [8 * i for i in range(13)]
+                                         "wait_busy_at", "wait_busy")] \
+    == [8 * i for i in range(12)]
 
 
 def new() -> np.ndarray:

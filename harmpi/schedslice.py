@@ -28,6 +28,7 @@ inherits the request, as it inherits the thread's nice value.
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 import struct
 import sys
@@ -56,6 +57,7 @@ _lock = threading.Lock()
 _held: dict = {}
 
 
+@functools.cache
 def _libc_syscall():
     fn = ctypes.CDLL(None, use_errno=True).syscall
     fn.restype = ctypes.c_long
@@ -132,5 +134,6 @@ def release(token) -> None:
         if entry[0] > 0:
             return
         del _held[token]
-    # a thread that ended meanwhile (ESRCH) has nothing to restore
-    _set(0 if token == threading.get_native_id() else token, entry[1], entry[2])
+    # by thread id, the caller's own included; a thread that ended meanwhile
+    # (ESRCH) has nothing to restore
+    _set(token, entry[1], entry[2])

@@ -30,7 +30,7 @@ Waiting (the policy is a context's ``wait`` setting, HARMPI_WAIT):
   all: a spinning waiter would only take the core from a task that needs
   it, often the peer it waits for, and burn the share of CPU time the
   scheduler then takes back from its own compute. It goes straight to a
-  yield window (the context's: 50 us, or the oversubscribed one), then
+  yield window (BUSY_YIELD_NS, or the context's own if longer), then
   sleeps. A yielding rank stays runnable, and with the thread's short
   scheduler slice (harmpi.schedslice) each yield puts it back only that
   slice, so it runs again as soon as the task it let in has had a turn;
@@ -80,8 +80,8 @@ __all__ = ["load_acquire", "store_release", "compare_exchange", "ABANDONED", "cp
            "load_seq_cst", "fetch_add", "fence", "futex_wait", "futex_wake", "wake_sleepers",
            "HAS_FUTEX", "WAIT_SPIN", "WAIT_AUTO", "WAIT_SLEEP", "WAIT_POLICIES", "WS_WORDS",
            "SLEEP_SLICE_NS", "WS_YIELD", "spin_budget", "learn_gap", "host_busy", "runnable_tasks",
-           "WS_BUSY_FD", "WS_BUSY_BUF", "WS_BUSY_CPUS", "WS_BUSY_AT", "WS_BUSY", "WS_BUSY_YIELD",
-           "BUSY_LOOK_NS", "BUSY_SCORE"]
+           "WS_BUSY_FD", "WS_BUSY_BUF", "WS_BUSY_CPUS", "WS_BUSY_AT", "WS_BUSY", "BUSY_LOOK_NS",
+           "BUSY_SCORE", "BUSY_YIELD_NS", "busy_window"]
 
 #: the flag value of a rank that gave up on a collective (flags are epochs >= 0
 #: otherwise): every wait on it, and every later publish over it, fails at once
@@ -114,14 +114,16 @@ WAIT_POLICIES = {"spin": WAIT_SPIN, "auto": WAIT_AUTO, "sleep": WAIT_SLEEP}
 #: yield window (ns polled with sched_yield between the spin and the sleep),
 #: the busy-host look (see host_busy): /proc/loadavg's fd + 1 (0: no look),
 #: a 64-byte buffer's address, the host's CPUs, when it last looked (ns), the
-#: running score (0-1024), the yield window of a wait on a busy host (ns)]
+#: running score (0-1024)]
 (WS_POLICY, WS_GAP, WS_FLOOR, WS_CAP, WS_SLICE, WS_EXPIRED, WS_YIELD, WS_BUSY_FD, WS_BUSY_BUF,
- WS_BUSY_CPUS, WS_BUSY_AT, WS_BUSY, WS_BUSY_YIELD) = range(13)
-WS_WORDS = 13
+ WS_BUSY_CPUS, WS_BUSY_AT, WS_BUSY) = range(12)
+WS_WORDS = 12
 #: how often a wait may look at the host's run queue (harmpi.sync.host_busy)
 BUSY_LOOK_NS = 10_000_000
 #: the score (of 1024) from which the host counts as busy
 BUSY_SCORE = 512
+#: on a busy host a wait yields at least this long before it sleeps
+BUSY_YIELD_NS = 50_000
 
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
@@ -433,6 +435,16 @@ def host_busy(state_addr, now):
     return load_acquire(state_addr + 8 * WS_BUSY) >= BUSY_SCORE
 
 
+@numba.njit(types.int64(types.intp, types.int64, types.int64), cache=True, nogil=True)
+def busy_window(state_addr, now, yield_ns):
+    """For a wait about to spin: -1 on a quiet host (spin as set), else the
+    yield window to take instead of spinning (``yield_ns``, at least
+    BUSY_YIELD_NS). The rule of the node's waits and of the tcp rail's."""
+    if state_addr == 0 or not host_busy(state_addr, now):
+        return -1
+    return max(yield_ns, BUSY_YIELD_NS)
+
+
 #: signal number of SIGINT (Ctrl-C) as Python's wakeup fd reports it
 _SIGINT = 2
 #: wait_flags_ge's return value when a SIGINT arrived while it waited
@@ -587,11 +599,12 @@ def wait_flags_ge(base_addr, stride, count, target, spin_count, timeout_ns, hook
                 started = monotonic_ns()
                 now = started
                 last_poke = started
-                if budget > 0 and host_busy(state_addr, started):
-                    # no spin: yield (the rank stays runnable, and its short
-                    # slice lets it back in soon), then sleep
-                    budget = 0
-                    yield_ns = load_acquire(state_addr + 8 * WS_BUSY_YIELD)
+                if budget > 0:
+                    # a busy host: no spin; yield (the rank stays runnable,
+                    # and its short slice lets it back in soon), then sleep
+                    busy = busy_window(state_addr, started, yield_ns)
+                    if busy >= 0:
+                        budget, yield_ns = 0, busy
             polls += 1
             if now - started < budget:
                 cpu_relax()

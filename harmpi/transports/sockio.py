@@ -58,9 +58,7 @@ from numba.extending import intrinsic
 from ..kind import ABANDON_TAG
 from ..sync import (
     SLEEP_POKE_NS,
-    WS_BUSY_YIELD,
-    host_busy,
-    load_acquire,
+    busy_window,
     monotonic_ns,
     poke,
     realtime_ns,
@@ -360,8 +358,8 @@ def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr, yield_ns,  #
     none). For the first ``yield_ns`` past the spin it yields the core
     instead of sleeping (harmpi.sync's yield window: ranks outnumber cores).
     ``state_addr``: the context's wait state (0: none); on a busy host
-    (sync.host_busy) the loop does not spin, and yields for the state's
-    busy-host window before it sleeps, as the node's waits do."""
+    (sync.busy_window) the loop does not spin, and yields before it
+    sleeps, as the node's waits do."""
     idle = 0
     started = 0
     last_poke = 0
@@ -392,9 +390,10 @@ def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr, yield_ns,  #
             idle = 0
             continue
         idle += 1
-        if idle == 1 and spin > 0 and state_addr != 0 and host_busy(state_addr, monotonic_ns()):
-            spin = 0
-            yield_ns = load_acquire(state_addr + 8 * WS_BUSY_YIELD)
+        if idle == 1 and spin > 0:
+            busy = busy_window(state_addr, monotonic_ns(), yield_ns)
+            if busy >= 0:
+                spin, yield_ns = 0, busy
         if idle <= spin:
             continue
         now = monotonic_ns()
