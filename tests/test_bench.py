@@ -778,13 +778,17 @@ def test_demo_says_why_harmpi_loses_in_set_ups_that_are_not_like_for_like():
 def test_wait_cost_under_mpirun():
     """bench.wait_cost: every policy gets a row with a CPU share and a
     wake-up, and a waiting rank asleep (auto, sleep) uses far less of a
-    core than one spinning (the late rank is 0.5 s late)."""
+    core than one spinning (the late rank is 0.5 s late); the machine's
+    floor rows come too, a read(2) asleep and one polled."""
     result = run_module(2, "bench.wait_cost", ["--late-s", "0.5", "--repeats", "2"],
                         timeout_s=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    names = ("spin", "auto", "sleep", "pipe-block", "pipe-poll")
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()
-            if line.split()[:1] and line.split()[0] in ("spin", "auto", "sleep")}
-    assert set(rows) == {"spin", "auto", "sleep"}, result.stdout
+            if line.split()[:1] and line.split()[0] in names}
+    assert set(rows) == set(names), result.stdout
     share = {name: float(cols[1]) for name, cols in rows.items()}
     assert share["auto"] < 5 and share["sleep"] < 5, result.stdout
+    assert share["pipe-block"] < 5 < share["pipe-poll"], result.stdout
+    assert all(float(cols[4]) > 0 and float(cols[6]) > 0 for cols in rows.values()), result.stdout
     assert all(len(line) <= 100 for line in result.stdout.splitlines())

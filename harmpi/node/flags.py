@@ -51,7 +51,7 @@ from .layout import flag_addr, hook_addr, local_rank_of, slots2d, step_parity, w
 from .stamps import post_stamp, read_stamps
 
 __all__ = ["publish_wait", "publish_wait_status", "stage", "stage_meta", "stage_at",
-           "stage_post", "stage_check"]
+           "stage_post", "stage_post_meta", "stage_check", "check_metas", "await_epoch"]
 
 _LINE = FLAG_LINE_NBYTES
 _WORD = 8
@@ -118,6 +118,9 @@ def _await(ctl):
         # the late rank published meanwhile: wait for it again
 
 
+await_epoch = _await
+
+
 @numba.njit(_i64(_ctl), cache=True, nogil=True)
 def publish_wait(ctl):
     """Publish the next epoch and wait until every local rank has published it.
@@ -159,6 +162,15 @@ def stage_check(ctl, total_nbytes, code, pos):
     status = _await(ctl)
     if status != OK:
         return status
+    return check_metas(ctl, total_nbytes, code, pos)
+
+
+@numba.njit(cache=True, nogil=True)
+def check_metas(ctl, total_nbytes, code, pos):
+    """Compare every local rank's meta of this step with mine: OK or MISMATCH.
+    Valid after any wait of the step (a rank posts its meta before its first
+    publish of the step and rewrites it two steps later, after that step's
+    first wait: see the module docstring)."""
     c = ctl[0]
     parity = step_parity(c)
     code = kind.with_ring(code, pos)
@@ -201,6 +213,13 @@ def stage_meta(ctl, m, total_nbytes, code, w):
     """stage() of an m-element step without the copy: the caller fills
     slot(p, me) itself before the step's next flag round."""
     return stage_at(ctl, 0, m, 0, m, total_nbytes, code, w, 0)
+
+
+@numba.njit(sigs(_i64, _ctl, _i64, _i64, _i64, "W"), cache=True, nogil=True)
+def stage_post_meta(ctl, m, total_nbytes, code, w):
+    """The first half of stage_meta: post the meta of an m-element step and
+    publish, without waiting (the step's last flag round checks the metas)."""
+    return stage_post(ctl, 0, m, 0, m, total_nbytes, code, w, 0)
 
 
 @numba.njit(_i64(_ctl, _i64), cache=True, nogil=True)

@@ -208,6 +208,30 @@ def test_after_a_mixed_call_no_rank_returns_wrong_data(world, topo):
 
 
 
+def test_a_node_whose_ranks_pick_different_algorithms_fails_alike(world, topo):
+    """Two equal nodes: the last rank's size is above har_latency_max (auto
+    gives it har_bandwidth, which waits at both of a step's flag rounds),
+    the others' below (har_latency's two-node step, which waits only at the
+    second): every rank raises with its tensor untouched, and the next calls
+    give the right sum everywhere (the step counters stayed together)."""
+    r, size = world.Get_rank(), world.Get_size()
+    if topo.node_count != 2 or not topo.uniform:  # the same on every rank
+        pytest.skip("two equal nodes")
+    comm = world.Dup()
+    _short(comm, timeout_s=5.0, har_latency_max_nbytes=4096)
+    for big in (4096, 20000):  # f32: 16 KB (one slot step), 80 KB
+        x = torch.full((big if r == size - 1 else 100,), float(r + 1))
+        with pytest.raises(harmpi.HarmpiError) as info:
+            harmpi.allreduce(x, comm=comm)
+        assert not isinstance(info.value, harmpi.HarmpiTimeoutError), str(info.value)
+        assert torch.all(x == r + 1)
+        for n in (100, 3000, 100):
+            y = torch.full((n,), float(r + 1))
+            harmpi.allreduce(y, comm=comm)
+            assert torch.all(y == size * (size + 1) / 2), (big, n, y[:4])
+    world.Barrier()
+
+
 def test_every_waiting_rank_names_the_rank_that_never_arrived(world, topo):
     """On one node and on two (equal) nodes, every rank that gives up names
     the missing rank, also those that waited on a live peer which was itself
