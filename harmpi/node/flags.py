@@ -14,9 +14,12 @@ Sequence protocol (every rank runs the same steps in the same order):
    wait once more per phase (``publish_wait``); every phase bumps the epoch.
 
 Why two buffers are enough: rank r writes slot(p, r) again at step k+2
-only after passing step k+1's first wait, which needs every rank to have
+only after passing a wait of step k+1, which needs every rank to have
 published step k+1's first phase, which each rank does only after it has
 finished reading everything of step k. So no trailing barrier is needed.
+The same holds for the meta words, so a step may wait once, after its
+last publish, and check the metas then (check_metas; har_latency's
+two-node step does, and meets ranks that wait at every publish).
 
         step k      step k+1      step k+2
   r0:  write p0 ... write p1 ...  write p0   (r0 passed k+1's wait)
@@ -168,9 +171,9 @@ def stage_check(ctl, total_nbytes, code, pos):
 @numba.njit(cache=True, nogil=True)
 def check_metas(ctl, total_nbytes, code, pos):
     """Compare every local rank's meta of this step with mine: OK or MISMATCH.
-    Valid after any wait of the step (a rank posts its meta before its first
-    publish of the step and rewrites it two steps later, after that step's
-    first wait: see the module docstring)."""
+    Valid after any wait of the step: a rank posts its meta before its first
+    publish of the step and rewrites it only two steps later, after a wait
+    of the step between (see "Why two buffers are enough" above)."""
     c = ctl[0]
     parity = step_parity(c)
     code = kind.with_ring(code, pos)
