@@ -7,15 +7,13 @@ Steps (per chunk of at most one slot of m elements):
   1. G = 2: post the rail exchange first — receive from, and send x to, the
      rail peer (same local rank on the other node), straight from the
      caller's buffer — so the network works while the node does step 2;
-  2. post (size, kind) and publish; G > 2: copy x into my slot first, and
-     wait for the node and check that every local rank passes the same size
-     and kind; G = 2: no wait (step 4's covers it);
+  2. (G > 2: copy x into my slot;) post (size, kind), publish, wait for
+     the node, check that every local rank passes the same size and kind;
   3. G = 2: complete the exchange; my slot = x + the peer's tensor;
      G > 2: recursive doubling over the rail, in place in my slot (log2 G
      exchanges; ranks beyond the largest power of two fold in first and
      get the result last);
-  4. post my status (did the exchange disagree?), publish, wait for the
-     node; check every local rank's (size, kind) and status;
+  4. post my status (did the exchange disagree?), publish, wait for the node;
   5. every rank sums the L slots in rank order into x.
 
 No root, no relay, no broadcast: each rank's only network step is its own
@@ -28,21 +26,14 @@ bits everywhere. The caller's x is only read until step 5, so any
 disagreement (found in step 2 inside the node or in step 3 across nodes)
 fails every rank with x untouched. Steps 2 and 4 are shared with
 har_bandwidth and leader, so ranks that picked different algorithms from
-different sizes still meet in the same flag rounds and fail cleanly: every
-step publishes twice, and a wait for the second publish implies the first,
-so the wait of step 2 may be skipped by some ranks and kept by others (the
-meta check after step 4 sees what step 2's would have seen). Skipping it
-at G = 2 leaves one flag wait on the step's path instead of two: on a busy
-or oversubscribed host each wait can cost a wake-up (profiling keeps it,
-to read the arrival stamps of the first publish).
+different sizes still meet in the same flag rounds and fail cleanly.
 A bf16 result rounds once per rail combine and once in the node sum.
 
 Cost: per rank, log2 G messages of m bytes (1 for two nodes), overlapped
-with the first flag round (G = 2: with the first publish); one add pass
-and one copy of m bytes into the slot (G = 2); two flag waits (G = 2: one);
-L*m bytes read in the final sum. Network bytes per rank ~m*log2 G: right
-for small m, wasteful for large m (see har_bandwidth). With G = 2 over the
-tcp transport, steps 1-5 run as one
+with the first flag round; one add pass and one copy of m bytes into the
+slot (G = 2); two flag rounds; L*m bytes read in the final sum. Network
+bytes per rank ~m*log2 G: right for small m, wasteful for large m (see
+har_bandwidth). With G = 2 over the tcp transport, steps 1-5 run as one
 compiled call (no Python between them).
 """
 
@@ -52,7 +43,7 @@ import numba
 import numpy as np
 
 from .. import control, dtypes, kind, node
-from ..control import OK, RAIL_FAILED, RAIL_LATE, RAIL_TIMEOUT
+from ..control import MISMATCH, OK, POISONED, RAIL_FAILED, RAIL_LATE, RAIL_TIMEOUT
 from ..errors import HarmpiTimeoutError
 from ..transports import TcpTransport, sockio
 from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
@@ -129,26 +120,29 @@ def _peer_arrived(c, give_up_rt):
 
 @numba.njit(cache=True, nogil=True)
 def _har2_complete(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
-    """Second half: complete the exchange, add, publish, wait, check, sum.
-
-    No wait for the node's first publish: the last flag round covers it,
-    and the metas are compared after it (node.add_publish_sum). On a busy
-    or oversubscribed host each wait can cost a wake-up, so the step has
-    one on its path instead of two. Profiling keeps the first wait: the
-    arrival stamps of the first publish are read right after it."""
+    """Second half: wait for the node and the exchange, add, publish, sum."""
     c = ctl[0]
-    if c.profile != 0:
-        rc = node.await_epoch(ctl)
-        if rc != OK:
-            return rc
+    nbytes = m * w.itemsize
+    rc = node.stage_check(ctl, total, code, 0)
+    if rc != OK and rc != MISMATCH:
+        return rc
+    local_bad = rc == MISMATCH
+    if local_bad:  # keep the node's verdict while the step ends poisoned
+        c.saved_peer, c.saved_a, c.saved_b = c.err_peer, c.err_a, c.err_b
     rc = rail_complete(ctl, ops, pollfds, scratch)
     if rc != OK:
         return rc
-    rail_bad = ops[0, sockio.OP_HDR_N] != m * w.itemsize or ops[0, sockio.OP_HDR_TAG] != tag
+    rail_bad = ops[0, sockio.OP_HDR_N] != nbytes or ops[0, sockio.OP_HDR_TAG] != tag
     if c.profile != 0 and c.epoch == c.coll_epoch + 1:
         _peer_arrived(c, ops[0, sockio.OP_HDR_DL])
-    return node.add_publish_sum(ctl, addr, c.rail_recv, m, 1 if rail_bad else 0, total, code,
-                                fmt, w)
+    status = 1 if (local_bad or rail_bad) else 0
+    rc = node.add_publish_sum(ctl, addr, c.rail_recv, m, status, fmt, w)
+    if rc != OK and rc != POISONED:
+        return rc
+    if local_bad:
+        c.err_peer, c.err_a, c.err_b = c.saved_peer, c.saved_a, c.saved_b
+        return MISMATCH
+    return rc
 
 
 @numba.njit(cache=True, nogil=True)
@@ -321,31 +315,22 @@ class HarLatencyAllreduce(RailAlgorithm):
                 # peer is then seen by its count, not a truncation error
                 pending = self.transport.post_exchange(1 - self.g, ctx.view(addr, m * isz), tag,
                                                        self.recv_buf)
+            # two nodes: my slot gets x + peer in one pass after the
+            # exchange (add_publish_sum), so the stage only checks metas
+            local = ctx.stage_or_remember(call, addr, m, copy=pending is None)
             if pending is not None:
-                # two nodes: post the meta and publish without waiting (the
-                # last flag round checks the metas, as in the compiled step;
-                # profiling waits, to read the first publish's stamps); my
-                # slot gets x + peer in one pass after the exchange
-                local = None
-                if ctl[0]["profile"]:
-                    local = ctx.stage_or_remember(call, addr, m, copy=False)
-                else:
-                    rc = node.stage_post_meta(ctl, m, call.nbytes, call.code, call.w)
-                    if rc != OK:
-                        ctx.fail(rc, call)
                 got, = self.transport.complete(pending, timeout_s, call)
                 poisoned = local is not None or recv_check(got, m * isz, tag)
                 r_addr = self.recv_addr
             else:
-                local = ctx.stage_or_remember(call, addr, m)
                 poisoned = rail_allreduce(self.transport, self.g, self.G,
                                           node.slot_addr(ctl, self.me), m, call, self.recv_buf,
                                           tag, timeout_s, poisoned=local is not None,
                                           guard=ctx.guard)
                 r_addr = 0
             # add the peer's tensor, flag round, sum: one compiled call
-            rc2 = node.add_publish_sum(ctl, addr, r_addr, m, 1 if poisoned else 0, call.nbytes,
-                                       call.code, call.fmt, call.w)
+            rc2 = node.add_publish_sum(ctl, addr, r_addr, m, 1 if poisoned else 0, call.fmt,
+                                       call.w)
             ctx.settle_status(rc2, call, local)
 
     def raise_rail(self, rc, call):

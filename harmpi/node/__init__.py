@@ -73,8 +73,6 @@ from .entries import (
     thread_self,
 )
 from .flags import (
-    await_epoch,
-    check_metas,
     publish_wait,
     publish_wait_status,
     stage,
@@ -82,7 +80,6 @@ from .flags import (
     stage_check,
     stage_meta,
     stage_post,
-    stage_post_meta,
 )
 from .layout import (
     PART_ALIGN_NBYTES,
@@ -129,7 +126,7 @@ __all__ = [
     "peers_abandoned", "who_abandoned",
     # the flag protocol (flags)
     "publish_wait", "publish_wait_status", "stage", "stage_meta", "stage_at", "stage_post",
-    "stage_post_meta", "stage_check", "check_metas", "await_epoch",
+    "stage_check",
     # the data steps (steps)
     "sum_slots", "sum_own_part", "gather_parts", "reduce_scatter_allgather", "tune_state",
     "shm_allreduce", "add_into", "copy_slot", "copy_blocks", "gather_node", "add_publish_sum",

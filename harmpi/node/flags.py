@@ -14,12 +14,9 @@ Sequence protocol (every rank runs the same steps in the same order):
    wait once more per phase (``publish_wait``); every phase bumps the epoch.
 
 Why two buffers are enough: rank r writes slot(p, r) again at step k+2
-only after passing a wait of step k+1, which needs every rank to have
+only after passing step k+1's first wait, which needs every rank to have
 published step k+1's first phase, which each rank does only after it has
 finished reading everything of step k. So no trailing barrier is needed.
-The same holds for the meta words, so a step may wait once, after its
-last publish, and check the metas then (check_metas; har_latency's
-two-node step does, and meets ranks that wait at every publish).
 
         step k      step k+1      step k+2
   r0:  write p0 ... write p1 ...  write p0   (r0 passed k+1's wait)
@@ -54,7 +51,7 @@ from .layout import flag_addr, hook_addr, local_rank_of, slots2d, step_parity, w
 from .stamps import post_stamp, read_stamps
 
 __all__ = ["publish_wait", "publish_wait_status", "stage", "stage_meta", "stage_at",
-           "stage_post", "stage_post_meta", "stage_check", "check_metas", "await_epoch"]
+           "stage_post", "stage_check"]
 
 _LINE = FLAG_LINE_NBYTES
 _WORD = 8
@@ -121,9 +118,6 @@ def _await(ctl):
         # the late rank published meanwhile: wait for it again
 
 
-await_epoch = _await
-
-
 @numba.njit(_i64(_ctl), cache=True, nogil=True)
 def publish_wait(ctl):
     """Publish the next epoch and wait until every local rank has published it.
@@ -165,15 +159,6 @@ def stage_check(ctl, total_nbytes, code, pos):
     status = _await(ctl)
     if status != OK:
         return status
-    return check_metas(ctl, total_nbytes, code, pos)
-
-
-@numba.njit(cache=True, nogil=True)
-def check_metas(ctl, total_nbytes, code, pos):
-    """Compare every local rank's meta of this step with mine: OK or MISMATCH.
-    Valid after any wait of the step: a rank posts its meta before its first
-    publish of the step and rewrites it only two steps later, after a wait
-    of the step between (see "Why two buffers are enough" above)."""
     c = ctl[0]
     parity = step_parity(c)
     code = kind.with_ring(code, pos)
@@ -216,13 +201,6 @@ def stage_meta(ctl, m, total_nbytes, code, w):
     """stage() of an m-element step without the copy: the caller fills
     slot(p, me) itself before the step's next flag round."""
     return stage_at(ctl, 0, m, 0, m, total_nbytes, code, w, 0)
-
-
-@numba.njit(sigs(_i64, _ctl, _i64, _i64, _i64, "W"), cache=True, nogil=True)
-def stage_post_meta(ctl, m, total_nbytes, code, w):
-    """The first half of stage_meta: post the meta of an m-element step and
-    publish, without waiting (the step's last flag round checks the metas)."""
-    return stage_post(ctl, 0, m, 0, m, total_nbytes, code, w, 0)
 
 
 @numba.njit(_i64(_ctl, _i64), cache=True, nogil=True)

@@ -14,10 +14,10 @@ import numpy as np
 from numba import types
 
 from .. import control, copytune
-from ..control import MISMATCH, OK, POISONED
+from ..control import OK
 from .copy import copy_bytes, done_reading, memcpy, stream_copy, streams
 from .dispatch import sigs, sum2, sum_rows, sum_rows_x
-from .flags import check_metas, publish_wait, publish_wait_status, stage_at
+from .flags import publish_wait, publish_wait_status, stage_at
 from .layout import parity_slot_addr, part_bounds, ring_pos, slots2d, step_parity
 
 __all__ = ["sum_slots", "sum_own_part", "gather_parts", "reduce_scatter_allgather",
@@ -228,21 +228,13 @@ def gather_node(ctl, x_addr, out_addr, n, code, w):
             return OK
 
 
-@numba.njit(sigs(_i64, _ctl, types.intp, types.intp, _i64, _i64, _i64, _i64, _i64, "W"),
+@numba.njit(sigs(_i64, _ctl, types.intp, types.intp, _i64, _i64, _i64, "W"),
             cache=True, nogil=True)
-def add_publish_sum(ctl, x_addr, r_addr, m, status, total_nbytes, code, fmt, w):
+def add_publish_sum(ctl, x_addr, r_addr, m, status, fmt, w):
     """Tail of the hierarchical latency step in one call: with r_addr, my
     slot = x + r (the stage left the slot unfilled), unless status is
-    non-zero; post ``status``, publish, wait; then compare every local
-    rank's meta (total_nbytes, code) of this step with mine, and if they
-    agree and no rank failed, x[:m] = sum of the slots. Returns MISMATCH
-    (err_* name the rank), else publish_wait_status's code.
-
-    Checking the metas here makes the step's first wait optional: a rank
-    may post its meta and publish without waiting (har_latency's two-node
-    step), since this wait covers both publishes of every local rank. The
-    add writes only my own slot, m elements of my own chunk, so it is safe
-    before the check; x is written only after it."""
+    non-zero; post ``status``, publish, wait, and if no rank failed, x[:m] =
+    sum of the slots. Returns publish_wait_status's code."""
     c = ctl[0]
     if status == 0 and r_addr != 0 and m > 0:
         mine = parity_slot_addr(c, step_parity(c), c.local_rank)
@@ -255,10 +247,6 @@ def add_publish_sum(ctl, x_addr, r_addr, m, status, total_nbytes, code, fmt, w):
             r = numba.carray(_voidptr(r_addr), (m,), w.dtype)
             sum2(x, r, numba.carray(_voidptr(mine), (m,), w.dtype), fmt)
     rc = publish_wait_status(ctl, status)
-    if rc != OK and rc != POISONED:
-        return rc
-    if check_metas(ctl, total_nbytes, code, 0) != OK:
-        return MISMATCH
     if rc != OK:
         return rc
     sum_slots(ctl, x_addr, 0, m, fmt, w)

@@ -210,10 +210,10 @@ def test_after_a_mixed_call_no_rank_returns_wrong_data(world, topo):
 
 def test_a_node_whose_ranks_pick_different_algorithms_fails_alike(world, topo):
     """Two equal nodes: the last rank's size is above har_latency_max (auto
-    gives it har_bandwidth, which waits at both of a step's flag rounds),
-    the others' below (har_latency's two-node step, which waits only at the
-    second): every rank raises with its tensor untouched, and the next calls
-    give the right sum everywhere (the step counters stayed together)."""
+    gives it har_bandwidth), the others' below (har_latency's two-node
+    step): the two meet in the same flag rounds, every rank raises with its
+    tensor untouched, and the next calls give the right sum everywhere (the
+    step counters stayed together)."""
     r, size = world.Get_rank(), world.Get_size()
     if topo.node_count != 2 or not topo.uniform:  # the same on every rank
         pytest.skip("two equal nodes")
