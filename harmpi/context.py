@@ -189,6 +189,15 @@ class SizeSwitch:
         return self.large(ctl, x_addr, n, fmt)
 
 
+def drain_wakeup(sigfd):
+    """Read harmpi's signal wakeup pipe (non-blocking) empty: the signals
+    its bytes stand for have been handled (-1: no pipe)."""
+    if sigfd >= 0:
+        with contextlib.suppress(OSError):  # BlockingIOError once empty
+            while os.read(sigfd, 64):
+                pass
+
+
 class HeldSigint:
     """Hold Ctrl-C over a section that every rank must finish together (the
     blocking MPI calls of a set-up: a rank that left one half-way would hang
@@ -216,10 +225,8 @@ class HeldSigint:
     def __exit__(self, *exc):
         if self.old is not None:
             signal.signal(signal.SIGINT, self.old)
-            if self.got and self.sigfd >= 0:
-                with contextlib.suppress(OSError):
-                    while os.read(self.sigfd, 64):
-                        pass
+            if self.got:
+                drain_wakeup(self.sigfd)
         return False
 
     def deliver(self):
@@ -414,7 +421,14 @@ class Context:
         handler runs when the compiled wait returns, possibly before the
         step's status reaches :meth:`fail`): if the step gave up
         (node.interrupted), finish giving up, so the rail peers are told;
-        a step that completed leaves the context as it is."""
+        a step that completed leaves the context as it is.
+
+        The signal is delivered now, so the byte it wrote into the wakeup
+        pipe goes too. A compiled wait reads it, but a Python-level one (the
+        mpi and verbs rails, the Python algorithms) is woken by Python's
+        handler and leaves it, and the next compiled wait on any
+        communicator would then see an interrupt that did not happen."""
+        drain_wakeup(self.sigfd)
         if self.ctl[0]["abandoned"] and not self._gave_up:
             self._give_up(self.broken or "interrupted (SIGINT) in a collective",
                           node.CULPRIT_INTERRUPTED)

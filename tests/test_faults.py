@@ -182,6 +182,20 @@ INTERRUPT_ACROSS_NODES = """
                       f"({since:.3f} s after the signal): {type(exc).__name__}: {exc}",
                       flush=True)
         comm.Barrier()
+    # a new communicator afterwards works: no interrupt left behind (a
+    # SIGINT taken in a Python-level wait, the mpi rail's, once left its
+    # wakeup byte to the next compiled wait). Rank 0 comes first, so it waits.
+    c = comm.Dup()
+    harmpi.init(c, config=cfg)
+    if r != 0:
+        time.sleep(0.5)
+    x = np.full(2560, r + 1.0, np.float32)
+    try:
+        harmpi.allreduce(x, comm=c)
+        print(f"rank {r} after: returned {x[0]}", flush=True)
+    except (harmpi.HarmpiError, KeyboardInterrupt) as exc:
+        print(f"rank {r} after: failed: {type(exc).__name__}: {exc}", flush=True)
+    comm.Barrier()
 """
 
 
@@ -218,3 +232,6 @@ def test_ctrl_c_across_nodes_fails_the_step_on_every_node(tmp_path, layout):
                     assert float(ln.split()[8].lstrip("(")) < 5.0, ln
                 else:
                     assert took < (15.0 if call == "first" else 10.0), ln
+    total = np_ * (np_ + 1) / 2
+    for r in range(np_):
+        assert f"rank {r} after: returned {total}" in lines, proc.stdout
