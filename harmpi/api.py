@@ -27,7 +27,7 @@ from .args import describe as _describe
 from .args import shape_digest as _shape_digest
 from .config import Config
 from .context import AUTO_CODE
-from .errors import HarmpiArgumentError
+from .errors import HarmpiArgumentError, HarmpiError
 from .logits import allgather_dim, gather_logits, normalize_dim
 from .registry import STATE
 from .version import __version__
@@ -111,10 +111,14 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
             return x
         if rc > 0:
             native_failed(x, rc)
-    _check_op(op)
-    addr, n, fmt, _ = _describe(x, dtype, True)
-    ctx = _context(comm)
-    entry = ctx.entry if algorithm is None else ctx.entry_for(algorithm)
+    try:
+        _check_op(op)
+        addr, n, fmt, _ = _describe(x, dtype, True)
+        ctx = _context(comm)
+        entry = ctx.entry if algorithm is None else ctx.entry_for(algorithm)
+    except HarmpiArgumentError as exc:
+        refuse(comm, kind.COLL_ALLREDUCE, exc)
+        raise
     try:
         rc = entry(ctx.ctl, addr, n, fmt)
         if rc:
@@ -123,6 +127,25 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
         ctx.interrupted()
         raise
     return x
+
+
+def refuse(comm, coll, exc):
+    """``exc``, a HarmpiArgumentError this rank raises before moving anything
+    in a ``coll`` call (kind.COLL_*) on ``comm``: the peers may be in that
+    call, so this rank takes part in it as a refusal (Context.refuse): they
+    fail it at once, naming this rank, and every rank's next call pairs with
+    the peers' next one. Once per error (a call that refuses inside another
+    one is told once); an error about the communicator itself tells no one."""
+    if getattr(exc, "refused", False):
+        return
+    exc.refused = True
+    try:
+        ctx = _STATE.get(comm)
+    except HarmpiError:  # no usable context (COMM_NULL, finalized, a failed set-up)
+        return
+    failed = ctx.refuse(coll)
+    if failed is not None:
+        exc.add_note(f"its peers were told, and this call ended on this rank with: {failed}")
 
 
 def native_failed(x, rc):
@@ -168,12 +191,16 @@ def allgather(x, dim=0, comm=None, dtype=None, out=None):
     """
     # (0 and False: the dim-0 path, no more Python on it; a dim that names
     # dimension 0 too, -1 of a 1-d x, joins it)
-    if (dim or dim is None) and normalize_dim(dim, len(x.shape)):
-        return allgather_dim(x, dim, comm, dtype, out)
-    addr, n, fmt, is_torch = _describe(x, dtype, False)
-    ctx = _context(comm)
-    out, out_addr = _gather_out(x, out, n, fmt, is_torch, ctx.topo.size, dtype)
-    digest = _shape_digest(x.shape)
+    try:
+        if (dim or dim is None) and normalize_dim(dim, len(x.shape)):
+            return allgather_dim(x, dim, comm, dtype, out)
+        addr, n, fmt, is_torch = _describe(x, dtype, False)
+        ctx = _context(comm)
+        out, out_addr = _gather_out(x, out, n, fmt, is_torch, ctx.topo.size, dtype)
+        digest = _shape_digest(x.shape)
+    except HarmpiArgumentError as exc:
+        refuse(comm, kind.COLL_ALLGATHER, exc)
+        raise
     try:
         rc = ctx.gather(ctx.ctl, addr, out_addr, n, fmt, digest)
         if rc:
@@ -224,14 +251,18 @@ def alltoall(x, send_counts=None, comm=None, out=None, recv_counts=None, dtype=N
             return got
         if got != -1:
             _native_alltoall_failed(x, got)
-    addr, n, fmt, is_torch = _describe(x, dtype, False)
-    rows, row_n, row_nb, code = _a2a_kind(x.shape, fmt)
-    ctx = _context(comm)
-    P = ctx.topo.size
-    # the call's own scratch (a context's shared one could be overwritten by a
-    # second thread's call before the step refuses it)
-    plan = _a2a.new_plan(P)
-    expect_total = _fill_plan(plan, P, rows, send_counts, recv_counts)
+    try:
+        addr, n, fmt, is_torch = _describe(x, dtype, False)
+        rows, row_n, row_nb, code = _a2a_kind(x.shape, fmt)
+        ctx = _context(comm)
+        P = ctx.topo.size
+        # the call's own scratch (a context's shared one could be overwritten by a
+        # second thread's call before the step refuses it)
+        plan = _a2a.new_plan(P)
+        expect_total = _fill_plan(plan, P, rows, send_counts, recv_counts)
+    except HarmpiArgumentError as exc:
+        refuse(comm, kind.COLL_ALLTOALL, exc)
+        raise
 
     def make_out(total_rows):
         return _rows_out(x, out, total_rows, row_n, fmt, is_torch, dtype, addr, n)
@@ -254,7 +285,11 @@ def _alltoall_run(ctx, plan, P, addr, row_n, row_nb, fmt, code, expect_total, ma
                 ctx.raise_status(rc, addr, row_n, fmt, code, "alltoall")
             result = got[0]
         elif expect_total is not None:  # the output's size is known: one call
-            result, out_addr = make_out(expect_total)
+            try:
+                result, out_addr = make_out(expect_total)
+            except HarmpiArgumentError as exc:
+                refuse(ctx.comm, kind.COLL_ALLTOALL, exc)
+                raise
             rc = _a2a.ALLTOALL_STEP(ctx.ctl, addr, out_addr, row_nb, plan, code)
             _a2a_status(ctx, rc, plan, P, addr, row_n, fmt, code)
         else:

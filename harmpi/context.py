@@ -163,7 +163,10 @@ class PyStep:
                                 algo=ALGORITHM_IDS[name])
 
     def __call__(self, ctl, x_addr, n, fmt):
-        call = Call(x_addr, n, fmt, self.code | fmt, "allreduce")
+        # auto's kind comes from the control block, as the compiled entries'
+        # does (a refusal runs this entry with its own: Context.refuse)
+        code = int(ctl[0]["auto_code"]) if self.name == "auto" else self.code
+        call = Call(x_addr, n, fmt, code | fmt, "allreduce")
         try:
             algo = self.ctx.allreduce_algorithm(self.name, call.nbytes)
         except HarmpiArgumentError:
@@ -565,6 +568,39 @@ class Context:
             algo = self._algorithms[name] = ALLREDUCE[name](self)
         return algo
 
+    def refuse(self, coll):
+        """This rank refused its own arguments to a ``coll`` call
+        (kind.COLL_*), before moving anything; its peers may be in that call.
+        Take part in it anyway, as a one-element auto all-reduce of kind
+        kind.refusal_code: a peer that called for real fails its call at its
+        first flag round or rail exchange (a disagreement, naming this rank),
+        and no rank's next call pairs with another's current one. Returns
+        None when every rank refused (each raises its own error; the context
+        goes on), else the error this part ended with; fail() decided, as
+        for any disagreement, whether the context stays usable."""
+        if self.topo.size == 1 or self.broken is not None:
+            return None
+        c = self.ctl[0]
+        auto = int(c["auto_code"])
+        code = kind.refusal_code(coll, auto)
+        buf = np.zeros(1, np.float64)
+        c["auto_code"] = code
+        try:
+            rc = self._entries["auto"](self.ctl, buf.ctypes.data, 1, dtypes.F64)
+        except KeyboardInterrupt:
+            self.interrupted()
+            raise
+        finally:
+            c["auto_code"] = auto
+        if rc == OK:
+            return None
+        try:
+            self.fail(rc, Call(buf.ctypes.data, 1, dtypes.F64, code | dtypes.F64,
+                               f"refusal of {kind.COLL_NAMES.get(coll, 'a collective')}"))
+        except HarmpiError as exc:
+            return exc
+        return None
+
     def stage_or_remember(self, call, addr, m, copy=True):
         """node.stage of one chunk (``copy=False``: only the meta check, the
         caller fills its slot later). A timeout raises at once; a
@@ -756,9 +792,16 @@ class Context:
                                   "deadline); this context is unusable now.")
 
     def _mismatch_error(self, call, rc, peer, a, b):
+        refused = None if rc == POISONED else kind.refused_coll(b)
+        if refused is not None:
+            return HarmpiMismatchError(
+                f"{self._who()}: {call}: local rank {peer} (rank {self._rank_of(peer)}) refused "
+                f"its own arguments to {refused} in this call (its HarmpiArgumentError says "
+                "why), so no rank completes it. Every rank must make the same calls with "
+                "arguments that pass the checks, in the same order.")
         if rc == POISONED or b == kind.POISON:
             detail = ("the cross-node exchange saw a peer node pass a different size, dtype, "
-                      "op or algorithm")
+                      "op or algorithm, or refuse its own arguments")
         else:
             detail = (f"this rank passes {call.nbytes} bytes (kind {call.describe_code()}), "
                       f"local rank {peer} (rank {self._rank_of(peer)}) passes {a} bytes "

@@ -22,6 +22,12 @@ ring       40     23     single node: slot position of the step, in
 
 Bit 63 stays clear, so a kind is never negative: ``POISON`` (-1) is what a
 rank posts when its part of the collective already failed.
+
+A rank that refuses its own arguments still takes part in the call its
+peers are in, as a one-element auto all-reduce whose op is ``OP_REFUSED``
+and whose digest names the collective it refused (``refusal_code``): no real
+call has that kind, so the peers see a disagreement at their first flag
+round or in their rail tags, and every rank's step counters stay paired.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ __all__ = ["FIELDS", "field", "POISON", "OP_SUM", "COLL_ALLREDUCE", "COLL_ALLGAT
            "COLL_ALLTOALL", "encode", "decode",
            "with_ring", "without_ring", "allgather_code", "ring_lines_max", "shape_digest",
            "rail_tag", "MAX_TAG", "ABANDON_TAG",
-           "POISON_TAG"]
+           "POISON_TAG", "OP_REFUSED", "refusal_code", "refused_coll"]
 
 #: (name, shift, width) of every field, low bits first
 FIELDS = (
@@ -50,7 +56,12 @@ _WIDTH = {name: width for name, _, width in FIELDS}
 
 POISON = -1
 OP_SUM = 1
+#: the op of a refusal (see the module docstring): no collective reduces with it
+OP_REFUSED = 15
 COLL_ALLREDUCE, COLL_ALLGATHER, COLL_ALLTOALL = 1, 2, 3
+#: the collective names a refusal's digest carries (0: another call)
+COLL_NAMES = {COLL_ALLREDUCE: "allreduce", COLL_ALLGATHER: "allgather",
+              COLL_ALLTOALL: "alltoall"}
 
 RING_SHIFT = _SHIFT["ring"]
 _RING_MASK = ((1 << _WIDTH["ring"]) - 1) << RING_SHIFT
@@ -83,6 +94,22 @@ def decode(code: int) -> dict:
 def field(name: str) -> tuple:
     """(shift, width) of a field (for the C++ side, which makes one kind word)."""
     return _SHIFT[name], _WIDTH[name]
+
+
+def refusal_code(coll: int, auto_code: int) -> int:
+    """The kind of a refusal of collective ``coll``, run as the auto
+    all-reduce whose kind (without format) is ``auto_code``."""
+    return ((auto_code & ~(((1 << _WIDTH["op"]) - 1) << _SHIFT["op"]))
+            | (OP_REFUSED << _SHIFT["op"]) | (coll << _SHIFT["digest"]))
+
+
+def refused_coll(code: int):
+    """None if ``code`` is not a refusal's kind, else the name of the
+    collective refused ("a collective" when it does not say)."""
+    fields = decode(code)
+    if fields.get("op") != OP_REFUSED:
+        return None
+    return COLL_NAMES.get(fields["digest"], "a collective")
 
 
 def ring_lines_max() -> int:

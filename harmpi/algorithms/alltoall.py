@@ -658,7 +658,8 @@ class HierAlltoall:
             why = ("split sizes disagree: the rows a rank of another node sends differ from "
                    "what its receiver expects (recv_counts / output split sizes)")
         else:
-            why = "a rank of another node passed rows of another size or dtype"
+            why = ("a rank of another node passed rows of another size or dtype, or refused "
+                   "its own arguments")
         return HarmpiMismatchError(
             f"rank {topo.rank} (node {topo.node_index}, local rank {topo.local_rank}): "
             f"{call.op}: ranks disagree: {why} (seen by local rank {peer}). No rank's output "

@@ -1,0 +1,174 @@
+"""A rank that refuses its own arguments fails the call on every rank (issue 35, finding 1).
+
+Before: the refusing rank raised before communicating, its peers waited in
+the call, and the refusing rank's next call paired with the peers' current
+one (wrong values on every rank, then a timeout). Now the refusing rank
+takes part in the call as a refusal (harmpi.api.refuse): every peer fails
+that call at once, naming it, and then either the next calls pair right
+(one node) or the context is unusable on every rank at once (several
+nodes: a disagreement across nodes may have left step counters apart), and
+never does a rank return wrong data.
+"""
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import harmpi
+import harmpi.distributed  # noqa: F401 - backend "harmpi", mpi://
+
+#: a refusal must end every rank's call long before this deadline
+TIMEOUT_S = 20.0
+
+
+def _comm(world, **kw):
+    comm = world.Dup()
+    cfg = dataclasses.replace(harmpi.Config.from_env(), timeout_s=TIMEOUT_S, **kw)
+    harmpi.init(comm, config=cfg)
+    return comm
+
+
+def _after(comm, world):
+    """The calls after a refusal: right everywhere, or refused everywhere
+    (an unusable context); never wrong values. Returns 'usable'/'unusable'."""
+    r, size = comm.Get_rank(), comm.Get_size()
+    outcome = "usable"
+    t0 = time.monotonic()
+    for i in range(3):
+        x = torch.full((6,), float(10 * i + r + 1))
+        try:
+            harmpi.allreduce(x, comm=comm)
+        except harmpi.HarmpiError as exc:
+            # refused at the entry, or told by a rail peer whose context gave up
+            assert "unusable" in str(exc) or "gave up" in str(exc), exc
+            outcome = "unusable"
+            break
+        assert (x == sum(10 * i + k + 1 for k in range(size))).all(), (i, x)
+    if outcome == "usable":
+        src = torch.arange(2 * size, dtype=torch.float32) + 100 * r
+        got = harmpi.alltoall(src, comm=comm)
+        want = torch.tensor([100.0 * k + 2 * r + j for k in range(size) for j in range(2)])
+        assert torch.equal(got, want), got
+    assert time.monotonic() - t0 < TIMEOUT_S / 2
+    outcomes = world.allgather(outcome)
+    assert len(set(outcomes)) == 1, outcomes  # the same on every rank
+    return outcome
+
+
+def _refused_on_rank0(comm, world, good, bad, topo):
+    """Rank 0 makes ``bad`` (a HarmpiArgumentError), the others ``good``."""
+    r = comm.Get_rank()
+    t0 = time.monotonic()
+    with pytest.raises(harmpi.HarmpiError) as info:
+        (bad if r == 0 else good)()
+    took = time.monotonic() - t0
+    msg = str(info.value)
+    if r == 0:
+        assert isinstance(info.value, harmpi.HarmpiArgumentError), msg
+    elif topo.node_index == 0:  # rank 0's node: the refusal is read from the flags
+        assert "rank 0" in msg and "refused" in msg, msg
+    else:  # another node: told by the rail exchange, or by rank 0's node giving up
+        assert "refuse" in msg or "gave up" in msg, msg
+    assert took < TIMEOUT_S / 2, (took, msg)
+    return _after(comm, world)
+
+
+def test_a_bad_alltoall_split_on_one_rank(world, topo):
+    comm = _comm(world)
+    size = comm.Get_size()
+    if size == 1:
+        return
+    x = torch.arange(2 * size, dtype=torch.float32)
+    counts = [2] * size
+    bad_counts = [-1, 3] + [2] * (size - 2)
+    outcome = _refused_on_rank0(
+        comm, world, lambda: harmpi.alltoall(x, counts, comm=comm),
+        lambda: harmpi.alltoall(x, bad_counts, comm=comm), topo)
+    if topo.node_count == 1:
+        assert outcome == "usable"
+
+
+def test_an_unsupported_dtype_on_one_rank(world, topo):
+    comm = _comm(world)
+    if comm.Get_size() == 1:
+        return
+    outcome = _refused_on_rank0(
+        comm, world, lambda: harmpi.allreduce(torch.ones(5), comm=comm),
+        lambda: harmpi.allreduce(torch.ones(5, dtype=torch.int32), comm=comm), topo)
+    if topo.node_count == 1:
+        assert outcome == "usable"
+
+
+def test_a_wrong_allgather_output_on_one_rank(world, topo):
+    comm = _comm(world)
+    size = comm.Get_size()
+    if size == 1:
+        return
+    x = torch.ones(3)
+    outcome = _refused_on_rank0(
+        comm, world, lambda: harmpi.allgather(x, comm=comm, out=torch.empty(3 * size)),
+        lambda: harmpi.allgather(x, comm=comm, out=torch.empty(3 * size + 1)), topo)
+    if topo.node_count == 1:
+        assert outcome == "usable"
+
+
+def test_a_refusal_meets_a_zero_element_call(world, topo):
+    """A zero-element all-reduce moves nothing, yet it must not pair with a
+    refusal as if both had called the same thing."""
+    comm = _comm(world)
+    if comm.Get_size() == 1:
+        return
+    _refused_on_rank0(
+        comm, world, lambda: harmpi.allreduce(torch.ones(0), comm=comm),
+        lambda: harmpi.allreduce(torch.ones(0), op="max", comm=comm), topo)
+
+
+def test_every_rank_refusing_keeps_the_context(world, topo):
+    """The common case (the same bad call everywhere) still leaves a usable
+    context on every layout: each rank raises its own error."""
+    comm = _comm(world)
+    size = comm.Get_size()
+    x = torch.arange(2 * size, dtype=torch.float32)
+    for _ in range(2):
+        with pytest.raises(harmpi.HarmpiArgumentError, match="send_counts"):
+            harmpi.alltoall(x, [-1, 2 * size + 1] + [0] * (size - 2) if size > 1 else [-1],
+                            comm=comm)
+        with pytest.raises(harmpi.HarmpiArgumentError):
+            harmpi.allreduce(np.ones(4, np.int32), comm=comm)
+    assert _after(comm, world) == "usable"
+
+
+def test_torch_all_to_all_single_with_a_bad_split_on_one_rank(world, topo):
+    """The issue's own case, through the torch backend."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_initialized():
+        dist.init_process_group("harmpi", init_method="mpi://")
+    size, r = dist.get_world_size(), dist.get_rank()
+    if size == 1:
+        return
+    # a group of its own: a failure across nodes leaves it unusable, and the
+    # later test files use the default group
+    g = dist.new_group(list(range(size)))
+    x = torch.arange(2 * size, dtype=torch.float32) + 10 * r
+    out = torch.empty(2 * size)
+    splits = [2] * size
+    t0 = time.monotonic()
+    with pytest.raises(harmpi.HarmpiError):
+        if r == 0:
+            dist.all_to_all_single(out, x, splits, [-1, 3] + [2] * (size - 2), group=g)
+        else:
+            dist.all_to_all_single(out, x, splits, splits, group=g)
+    assert time.monotonic() - t0 < 60
+    # the next calls: right, or refused on every rank; never wrong values
+    ok = True
+    try:
+        dist.all_to_all_single(out, x, splits, splits, group=g)
+    except harmpi.HarmpiError:
+        ok = False
+    if ok:
+        want = torch.tensor([10.0 * k + 2 * r + j for k in range(size) for j in range(2)])
+        assert torch.equal(out, want), out
+    assert len(set(world.allgather(ok))) == 1
