@@ -5,7 +5,8 @@ module is the one piece of module state that tracks them (STATE), and the
 hooks that retire them: a communicator's free (an MPI attribute's delete
 callback), MPI_Finalize (an attribute on COMM_SELF), fork() (a child is
 not its parent's rank) and interpreter exit (no collective then). It also
-installs the signal wakeup fd through which compiled waits see Ctrl-C.
+installs the signal wakeup fd through which compiled waits see Ctrl-C
+(:class:`SigintWatch`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from mpi4py import MPI
 
 from . import owner, shm
 from .config import Config
-from .context import Context
+from .context import Context, drain_wakeup
 from .errors import HarmpiArgumentError, HarmpiError
 from .topology import vote
 
@@ -55,7 +56,7 @@ class Registry:
         self.native_alltoall = None
         self.keyval = None
         self.closed = None          # why no collective may run any more (finalize, fork)
-        self.sigfd = -1             # read end of Python's signal wakeup fd, if harmpi set it
+        self.sigint = SigintWatch(self.waiting_elsewhere)
         self._lock = threading.Lock()  # guards _creating and the hooks' installation
         self._creating = {}         # communicator handle -> name of the thread setting it up
 
@@ -117,6 +118,7 @@ class Registry:
             self._creating[key] = name
             if self.keyval is None:
                 self._install_hooks()
+            self.sigint.start()
         try:
             return self._make(comm, config, ident, name)
         finally:
@@ -124,7 +126,7 @@ class Registry:
                 del self._creating[key]
 
     def _make(self, comm, config, ident, name):
-        ctx = Context(comm, config or Config.from_env(), self.sigfd)
+        ctx = Context(comm, config or Config.from_env(), self.sigint.fd)
         ctx.owner_name = name
         # owned before another thread can find it (below): a thread that
         # looked the context up before its owner was set ran its calls on it
@@ -151,7 +153,6 @@ class Registry:
         finalize_key = MPI.Comm.Create_keyval(delete_fn=self._on_mpi_finalize)
         MPI.COMM_SELF.Set_attr(finalize_key, True)
         os.register_at_fork(after_in_child=self._after_fork)
-        self.sigfd = _watch_sigint()
         # runs before mpi4py's own MPI_Finalize (atexit is last-in, first-out)
         atexit.register(self.at_exit)
 
@@ -198,8 +199,10 @@ class Registry:
 
     def close(self, why):
         """No collective may run any more: every context refuses (its gate
-        closes, so the native entry point declines too)."""
+        closes, so the native entry point declines too), and Ctrl-C is
+        Python's alone again."""
         self.closed = why
+        self.sigint.stop()
         self.native = None
         for ctx in self.contexts:
             ctx.broken = ctx.broken or why
@@ -263,27 +266,117 @@ class Registry:
                 ctx.comm.Delete_attr(self.keyval)
             else:
                 self.release(ctx)
+        self.sigint.stop()  # the next set-up watches again
+
+    def waiting_elsewhere(self):
+        """Whether a context owned by a thread other than the calling one is
+        inside a collective (its wait may be the one a Ctrl-C is for)."""
+        me = threading.get_ident()
+        return any(ctx.ctl[0]["busy"] and ctx.ctl[0]["owner"] != me for ctx in self.contexts)
 
 
-def _watch_sigint():
-    """Make Python's signal handler also write each signal's number to a
-    pipe that harmpi's compiled waits read (sync.sigint_arrived), so Ctrl-C
-    ends a wait within ~1 ms instead of at its deadline. Only from the main
-    thread, and only if nobody else (asyncio, say) uses the wakeup fd;
-    otherwise -1, and a wait notices Ctrl-C at its deadline."""
-    if threading.current_thread() is not threading.main_thread():
-        return -1
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
-    old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    if old != -1:  # someone else's: give it back
-        signal.set_wakeup_fd(old)
-        os.close(r)
-        os.close(w)
-        log.debug("signal wakeup fd in use: Ctrl-C ends a harmpi wait at its deadline")
-        return -1
-    return r
+class SigintWatch:
+    """Ctrl-C for harmpi's compiled waits: Python's signal wakeup fd points
+    at a pipe that they read (sync.sigint_arrived), so a Ctrl-C ends a wait
+    within ~1 ms instead of at its deadline; and SIGINT's Python-level
+    handler is a :class:`DrainFirst` in front of the program's, which
+    empties that pipe before it runs the program's handler.
+
+    Why the handler: Python's C-level handler writes a byte for every
+    signal, wherever the program is. A SIGINT that the program handles
+    outside harmpi (it catches KeyboardInterrupt between two collectives)
+    left its byte behind, and the next wait that had to wait took it for a
+    Ctrl-C of its own and gave up on every rank. Python runs a Python-level
+    handler in the main thread between bytecodes, never while the main
+    thread is inside a compiled wait, so a wait reads the byte of a signal
+    that came during it first; the handler then drains what no wait took.
+    Nothing is added to a call (no read per call).
+
+    A handler the program installs after its last set-up replaces harmpi's
+    until the next set-up puts one in front of it again: a SIGINT that
+    handler takes leaves its byte, and the next harmpi wait that has to wait
+    reports an interrupt (KeyboardInterrupt, and the context is unusable).
+    Such a program installs its handler before its first harmpi call (or
+    calls the handler it replaced, which is harmpi's).
+
+    Only from the main thread (Python's signal calls are refused elsewhere),
+    and only if nobody else (asyncio, say) uses the wakeup fd; otherwise the
+    contexts get -1, and a wait notices Ctrl-C at its deadline."""
+
+    def __init__(self, waiting_elsewhere):
+        #: read end of the pipe (-1 until made); kept for the process's life,
+        #: since contexts and transports hold its number
+        self.fd = -1
+        self._write_fd = -1
+        self.watching = False       # the wakeup fd is ours
+        #: whether another thread's context is inside a collective: its wait
+        #: reads the byte of a Ctrl-C that Python handles in the main thread
+        self.waiting_elsewhere = waiting_elsewhere
+
+    def start(self):
+        """At every set-up (main thread): own the wakeup fd if it is free, and
+        put a DrainFirst in front of SIGINT's Python-level handler if another
+        one took its place. Returns the pipe's read end, or -1."""
+        if threading.current_thread() is not threading.main_thread():
+            return self.fd if self.watching else -1
+        if not self.watching and not self._own_wakeup_fd():
+            return -1
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler) and not isinstance(handler, DrainFirst):
+            signal.signal(signal.SIGINT, DrainFirst(handler, self))
+        return self.fd
+
+    def _own_wakeup_fd(self):
+        if self.fd < 0:
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            self.fd, self._write_fd = r, w
+        old = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        if old != -1:  # someone else's: give it back
+            signal.set_wakeup_fd(old)
+            log.debug("signal wakeup fd in use: Ctrl-C ends a harmpi wait at its deadline")
+            return False
+        drain_wakeup(self.fd)  # bytes from before are no interrupt of a wait to come
+        self.watching = True
+        return True
+
+    def stop(self):
+        """harmpi.finalize(), MPI_Finalize, fork, exit: the program's SIGINT
+        handler and the wakeup fd as they were (main thread only; elsewhere
+        harmpi keeps watching, harmlessly). The pipe stays open, unwritten."""
+        if not self.watching or threading.current_thread() is not threading.main_thread():
+            return
+        handler = signal.getsignal(signal.SIGINT)
+        if isinstance(handler, DrainFirst):
+            signal.signal(signal.SIGINT, handler.handler)
+        now = signal.set_wakeup_fd(-1)
+        if now != self._write_fd:  # someone else's since: theirs stays
+            signal.set_wakeup_fd(now)
+        self.watching = False
+
+    def consume(self):
+        """A SIGINT is being handled in Python: its byte is no interrupt of a
+        wait to come. Left where another thread waits (its wait takes it)."""
+        if self.watching and not self.waiting_elsewhere():
+            drain_wakeup(self.fd)
+
+
+class DrainFirst:
+    """SIGINT's Python-level handler while harmpi watches (SigintWatch):
+    empties harmpi's wakeup pipe, then runs ``handler``, the one it stands
+    in front of (Python's default raises KeyboardInterrupt)."""
+
+    def __init__(self, handler, watch):
+        self.handler = handler
+        self.watch = watch
+
+    def __call__(self, signum, frame):
+        self.watch.consume()
+        return self.handler(signum, frame)
+
+    def __repr__(self):
+        return f"<harmpi's wakeup-pipe drain in front of {self.handler!r}>"
 
 
 STATE = Registry()
