@@ -231,6 +231,28 @@ class Config:
                 f"HARMPI_SLOT_BYTES (Config.slot_nbytes)={self.slot_nbytes}: the slot size "
                 "must be a multiple of 64 bytes")
 
+    def must_match(self) -> tuple:
+        """(variable, value) of the settings every rank of a communicator
+        must share, compared when a context is set up (topology.agree: a
+        difference fails at once on every rank, naming the variable and each
+        rank's value). They decide the topology, the transport, the arena's
+        layout and which algorithm each call takes (ranks that differ would
+        pair different steps, or hang in MPI with raw errors), and whether
+        the set-up and the finalize run a profile's collective steps (ranks
+        that differ used to wait out the deadline in them, unnamed). Only
+        whether HARMPI_TRACE is set must match: rank 0 writes the trace."""
+        profiling = "on" if self.profile or self.trace else "off"
+        return (("HARMPI_RANKS_PER_NODE", self.ranks_per_node or "unset"),
+                ("HARMPI_TRANSPORT", self.transport),
+                ("HARMPI_ALGORITHM", self.algorithm),
+                ("HARMPI_SLOT_BYTES", self.slot_nbytes),
+                ("HARMPI_SMALL_MAX_BYTES", self.small_max_nbytes),
+                ("HARMPI_HAR_LATENCY_MAX_BYTES", self.har_latency_max_nbytes),
+                ("HARMPI_LOGITS_ROUTE", self.logits_route),
+                ("HARMPI_LOGITS_ALLREDUCE_MAX_BYTES", self.logits_allreduce_max_nbytes),
+                ("HARMPI_PROFILE or HARMPI_TRACE (profiling)", profiling),
+                ("HARMPI_TRACE", "set" if self.trace else "unset"))
+
     @classmethod
     def from_env(cls, env=None) -> "Config":
         env = os.environ if env is None else env
