@@ -20,7 +20,7 @@ from .errors import LaunchError, MpiNotFoundError, TooManyRanksError
 from .hosts import Host, parse_hostfile, parse_hosts, unresolvable
 from .mpi import MpiInfo, find_mpi
 from .plan import BIND_TO, MAP_BY, TRANSPORTS, Layout, PlanInputs, build_command, plan_layout
-from .runner import run_mpirun
+from .runner import Finished, run_mpirun
 from .topology import HostTopology, detect_topology
 from .torchrun import check_node_flags
 
@@ -275,8 +275,24 @@ def run_cmd(ctx: click.Context, command: tuple[str, ...], dry_run: bool, tag_out
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    rc = run_mpirun(argv, {**os.environ, **env})
-    ctx.exit(rc)
+    finished = run_mpirun(argv, {**os.environ, **env})
+    _say_how_it_ended(ctx, finished)
+    ctx.exit(finished.exit_status)
+
+
+def _say_how_it_ended(ctx: click.Context, finished: Finished) -> None:
+    """One line on stderr when the job did not simply finish: stopped by a
+    signal, or processes mpirun left behind that the launcher ended."""
+    prog = ctx.find_root().info_name or PROG
+    if finished.ended:
+        files = f" and removed {len(finished.removed)} Open MPI shared-memory file(s) " \
+                f"({', '.join(finished.removed)})" if finished.removed else ""
+        click.echo(f"{prog}: mpirun ended with status {finished.mpirun_status} and left "
+                   f"{len(finished.ended)} process(es) of the job running (pids "
+                   f"{', '.join(map(str, finished.ended))}); ended them{files}", err=True)
+    if finished.stopped_by is not None:
+        click.echo(f"{prog}: job stopped by {finished.stopped_by.name} "
+                   f"(exit {finished.exit_status})", err=True)
 
 
 def _topology_text(topo: HostTopology) -> str:

@@ -4,21 +4,150 @@ mpirun is started in a session of its own, so a Ctrl-C at the terminal reaches
 only the launcher, which forwards it to mpirun exactly once; mpirun then stops
 every rank (a second Ctrl-C is forwarded too and makes mpirun give up waiting).
 Ranks are never signalled directly, so none is left behind half-killed.
+
+A launcher that is itself killed (SIGKILL, or a crash) cannot forward
+anything: on Linux mpirun is asked to receive SIGTERM when the launcher dies
+(``prctl(PR_SET_PDEATHSIG)``), and tears the job down as if it had been sent
+one. A job stopped by a forwarded signal ends the launcher with 128 + that
+signal's number, as a shell reports a program killed by it.
+
+An mpirun that is killed itself (SIGKILL, the OOM killer) leaves its ranks
+running and Open MPI's ``sm_segment.*`` files behind. The ranks stay in
+mpirun's session, so once mpirun is gone the launcher ends what is left of
+that session (SIGTERM, SIGKILL after :data:`GRACE_S`) and removes the
+``sm_segment.*`` files those processes had mapped (Linux: read from /proc).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 import signal
 import subprocess
-from typing import Mapping, Sequence
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
-__all__ = ["FORWARDED_SIGNALS", "run_mpirun"]
+__all__ = ["FORWARDED_SIGNALS", "GRACE_S", "PARENT_DEATH_SIGNAL", "Finished", "run_mpirun"]
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: what mpirun receives when the launcher dies without forwarding anything;
+#: mpirun stops its ranks on SIGTERM (SIGKILL would orphan them)
+PARENT_DEATH_SIGNAL = signal.SIGTERM
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: how long processes mpirun left behind get to end on SIGTERM before SIGKILL
+GRACE_S = 5.0
+#: Open MPI's shared-memory backing files (btl/sm, osc/sm): sm_segment.HOST.UID.JOB.RANK
+_OMPI_SEGMENT = "sm_segment."
 
 
-def run_mpirun(argv: Sequence[str], env: Mapping[str, str]) -> int:
-    """Run ``argv`` with ``env``; return its exit status (128+N if killed by signal N)."""
+@dataclass(frozen=True)
+class Finished:
+    """How mpirun ended: its own exit status (128+N if killed by signal N) and
+    the signal the launcher forwarded to it, if one stopped the job."""
+
+    mpirun_status: int
+    stopped_by: signal.Signals | None = None
+    #: processes of the job still running when mpirun had gone, ended by the launcher
+    ended: tuple[int, ...] = ()
+    #: Open MPI shared-memory files of those processes, removed by the launcher
+    removed: tuple[str, ...] = ()
+
+    @property
+    def exit_status(self) -> int:
+        """The launcher's exit status: 128 + the forwarded signal when one
+        stopped the job, else mpirun's."""
+        return 128 + self.stopped_by if self.stopped_by is not None else self.mpirun_status
+
+
+def _die_with_launcher() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive :data:`PARENT_DEATH_SIGNAL`
+    when this process dies (None where prctl is not available: not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:  # loaded here, before the fork: the child only calls it
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher_pid = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0)
+        if os.getppid() != launcher_pid:  # the launcher died before prctl ran
+            os.kill(os.getpid(), PARENT_DEATH_SIGNAL)
+
+    return arm
+
+
+def _session(sid: int) -> list[int]:
+    """The processes in session ``sid`` (Linux /proc; none elsewhere)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                stat = fh.read()
+        except OSError:  # gone meanwhile
+            continue
+        # after "pid (comm)": state ppid pgrp session ...
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) > 3 and fields[3] == str(sid):
+            found.append(int(name))
+    return found
+
+
+def _ompi_segments(pids: Sequence[int]) -> set[str]:
+    """Open MPI shared-memory files that ``pids`` have mapped and that still exist."""
+    files = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as fh:
+                for line in fh:
+                    parts = line.split(None, 5)  # address perms offset dev inode path
+                    path = parts[5].strip() if len(parts) == 6 else ""
+                    if (os.path.basename(path).startswith(_OMPI_SEGMENT)
+                            and not path.endswith("(deleted)")):
+                        files.add(path)
+        except OSError:  # gone meanwhile
+            continue
+    return files
+
+
+def _end_session(sid: int, grace_s: float = GRACE_S) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """End what is left of mpirun's session ``sid`` (its ranks, once mpirun is
+    gone) and remove their Open MPI shared-memory files: (pids, files)."""
+    pids = _session(sid)
+    if not pids:
+        return (), ()
+    files = _ompi_segments(pids)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+        for pid in _session(sid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while _session(sid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    removed = []
+    for path in sorted(files):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:  # the ranks removed it on their way out
+            pass
+    return tuple(pids), tuple(removed)
+
+
+def run_mpirun(argv: Sequence[str], env: Mapping[str, str]) -> Finished:
+    """Run ``argv`` with ``env`` until it exits; how it ended."""
     # The handlers go in before mpirun starts: a signal in between used to
     # find no handler (KeyboardInterrupt here, mpirun left running in its own
     # session). One that comes before mpirun exists is sent to it at once.
@@ -26,8 +155,10 @@ def run_mpirun(argv: Sequence[str], env: Mapping[str, str]) -> int:
     # through exec), also where this launcher was started with SIGINT ignored.
     started = []
     pending = []
+    received: list[signal.Signals] = []
 
     def forward(signum: int, _frame: object) -> None:
+        received.append(signal.Signals(signum))
         if not started:
             pending.append(signum)
         elif started[0].poll() is None:
@@ -40,7 +171,8 @@ def run_mpirun(argv: Sequence[str], env: Mapping[str, str]) -> int:
         except ValueError:  # not the main thread: signals stay with the caller
             break
     try:
-        proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True)
+        proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
+                                preexec_fn=_die_with_launcher())
         started.append(proc)
         for signum in pending:
             proc.send_signal(signum)
@@ -50,7 +182,11 @@ def run_mpirun(argv: Sequence[str], env: Mapping[str, str]) -> int:
                 break
             except InterruptedError:  # pragma: no cover - PEP 475 retries already
                 continue
+        # mpirun stops its ranks before it exits, unless it was killed itself
+        ended, removed = _end_session(proc.pid)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 128 - rc if rc < 0 else rc
+    status = 128 - rc if rc < 0 else rc
+    # a job that finished cleanly although a signal came is reported as finished
+    return Finished(status, received[0] if received and status != 0 else None, ended, removed)

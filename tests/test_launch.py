@@ -44,7 +44,7 @@ from launch import (  # noqa: E402
 from launch.mpi import candidate_launchers, probe_launcher  # noqa: E402
 from launch.mpienv import mpi_env  # noqa: E402
 from launch.plan import RANKENV, RUNNER  # noqa: E402
-from launch.runner import run_mpirun  # noqa: E402
+from launch.runner import PARENT_DEATH_SIGNAL, Finished, run_mpirun  # noqa: E402
 from launch.topology import build_topology, detect_topology, parse_cpulist, parse_lscpu  # noqa: E402
 
 OMPI5 = MpiInfo("openmpi", "5.0.11", "/opt/ompi/bin/mpirun")
@@ -748,8 +748,27 @@ def test_main_entry_point(fake_machine, capsys):
 
 
 def test_run_mpirun_returns_exit_status():
-    assert run_mpirun(["sh", "-c", "exit 3"], dict(os.environ)) == 3
-    assert run_mpirun(["sh", "-c", "kill -TERM $$"], dict(os.environ)) == 128 + signal.SIGTERM
+    assert run_mpirun(["sh", "-c", "exit 3"], dict(os.environ)) == Finished(3)
+    assert run_mpirun(["sh", "-c", "exit 3"], dict(os.environ)).exit_status == 3
+    killed = run_mpirun(["sh", "-c", "kill -TERM $$"], dict(os.environ))
+    assert killed == Finished(128 + signal.SIGTERM)  # killed, but not by the launcher
+    assert killed.exit_status == 128 + signal.SIGTERM
+
+
+def test_a_forwarded_signal_sets_the_exit_status():
+    assert Finished(1, signal.SIGTERM).exit_status == 143
+    assert Finished(7, signal.SIGINT).exit_status == 130
+    assert Finished(0).exit_status == 0
+
+
+def test_mpirun_is_asked_to_die_with_the_launcher():
+    """mpirun's parent-death signal (PR_GET_PDEATHSIG, 2) is PARENT_DEATH_SIGNAL."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    probe = ("import ctypes, sys; s = ctypes.c_int(); "
+             "ctypes.CDLL(None).prctl(2, ctypes.byref(s), 0, 0, 0); sys.exit(s.value)")
+    assert run_mpirun([sys.executable, "-c", probe], dict(os.environ)) == Finished(
+        int(PARENT_DEATH_SIGNAL))
 
 
 def _subprocess_env():
@@ -792,7 +811,10 @@ while true; do sleep 0.05; done
         # mpirun in its own session
         proc.kill()
         subprocess.run(["pkill", "-KILL", "-f", str(fake)], check=False)
-    assert proc.returncode == 7, (out, err)
+    # the fake mpirun exits 7; the launcher says the job was stopped by SIGINT
+    assert proc.returncode == 128 + signal.SIGINT, (out, err)
+    assert err.decode().strip().splitlines()[-1] == (
+        "python -m launch: job stopped by SIGINT (exit 130)")
     assert marker.read_text().strip() == "INT"
 
 

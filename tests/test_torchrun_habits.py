@@ -25,6 +25,7 @@ from launch import Host, MpiInfo, MpiNotFoundError, PlanInputs, build_command, f
 from launch.hosts import unresolvable  # noqa: E402
 from launch.plan import RANKENV, RUNNER, rank_command, with_runner  # noqa: E402
 from launch.rankenv import rank_variables  # noqa: E402
+from launch.runner import Finished  # noqa: E402
 from launch.topology import build_topology  # noqa: E402
 
 OMPI5 = MpiInfo("openmpi", "5.0.11", "/opt/ompi/bin/mpirun")
@@ -111,7 +112,8 @@ def fake_machine(monkeypatch):
     monkeypatch.setattr(cli_mod, "detect_topology", lambda: TWO_CORES)
     monkeypatch.setattr(cli_mod, "find_mpi", lambda explicit=None: OMPI5)
     started = []
-    monkeypatch.setattr(cli_mod, "run_mpirun", lambda argv, env: started.append(argv) or 0)
+    monkeypatch.setattr(cli_mod, "run_mpirun",
+                        lambda argv, env: started.append(argv) or Finished(0))
     for name in list(os.environ):
         if name.startswith(("HARMPI_", "OMP_", "GOMP_", "KMP_", "OMPI_", "MASTER_")):
             monkeypatch.delenv(name)
