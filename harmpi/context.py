@@ -138,18 +138,11 @@ def _oversubscribed(comm):
 
 
 def _must_match(config):
-    """(variable, value) of the settings every rank of a communicator must
-    share: they decide the topology, the transport, the arena's layout and
-    which algorithm each call takes (ranks that differ would pair different
-    steps, or hang in MPI with raw errors)."""
-    return (("HARMPI_RANKS_PER_NODE", config.ranks_per_node or "unset"),
-            ("HARMPI_TRANSPORT", config.transport),
-            ("HARMPI_ALGORITHM", config.algorithm),
-            ("HARMPI_SLOT_BYTES", config.slot_nbytes),
-            ("HARMPI_SMALL_MAX_BYTES", config.small_max_nbytes),
-            ("HARMPI_HAR_LATENCY_MAX_BYTES", config.har_latency_max_nbytes),
-            ("HARMPI_LOGITS_ROUTE", config.logits_route),
-            ("HARMPI_LOGITS_ALLREDUCE_MAX_BYTES", config.logits_allreduce_max_nbytes))
+    """The settings every rank of a communicator must share (Config.must_match):
+    they decide the topology, the transport, the arena's layout, which
+    algorithm each call takes and whether a profile starts (ranks that
+    differ would pair different steps, or hang in MPI with raw errors)."""
+    return config.must_match()
 
 
 class PyStep:
