@@ -5,15 +5,17 @@ of the communicator has a usable ACTIVE port (agreed by an allreduce, so
 every rank picks the same); otherwise the TCP transport when every rank can
 connect to every other (compiled socket I/O that sleeps in poll(2) while it
 waits), and the portable MPI transport when it cannot. The reason for the
-choice, verbs' included either way, is logged once and reported by
-``harmpi.info()``. Asking for ``verbs`` where it cannot run fails on every
-rank at set-up, saying what each rank looked for and found - never a silent
-fallback; ``mpi`` keeps MPI's own network path (UCX, libfabric, ...), which
-beats TCP on fabrics MPI drives natively.
+choice, verbs' included either way, is logged once per process
+(:func:`announce`) and reported by ``harmpi.info()``. Asking for ``verbs``
+where it cannot run fails on every rank at set-up, saying what each rank
+looked for and found - never a silent fallback; ``mpi`` keeps MPI's own
+network path (UCX, libfabric, ...), which beats TCP on fabrics MPI drives
+natively.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from mpi4py import MPI
@@ -26,9 +28,23 @@ from .tcp import TcpTransport
 from .verbs import VerbsTransport
 
 __all__ = ["Transport", "Pending", "MpiTransport", "TcpTransport", "VerbsTransport", "select",
-           "verbs_status", "verbs_probe", "POISON_TAG", "MAX_TAG"]
+           "announce", "verbs_status", "verbs_probe", "POISON_TAG", "MAX_TAG"]
 
 log = logging.getLogger(__name__)
+
+
+def announce(name: str, reason: str, rank: int) -> None:
+    """Log ``cross-node transport: NAME (REASON)`` once per process: at INFO
+    on the communicator's rank 0, DEBUG elsewhere. Every communicator picks
+    its transport (each ``new_group``), nearly always for the same reason; a
+    different choice or reason is logged once too."""
+    _log_once(f"cross-node transport: {name} ({reason})",
+              logging.INFO if rank == 0 else logging.DEBUG)
+
+
+@functools.cache  # the cache is the record of what this process has logged
+def _log_once(message: str, level: int) -> None:
+    log.log(level, message)
 
 
 def _local_settings(config, local_rank):
