@@ -295,6 +295,7 @@ class Context:
         self.ctl[0]["rail_peer"] = -1
         self._broken = None
         self._gave_up = False  # the transports were told (_give_up)
+        self._refusing = False  # inside refuse(): a give-up names the refusal
         #: the exception a Python entry caught, until fail() raises it
         self.pending_error = None
         #: a started split-phase all-reduce (harmpi.distributed's async work)
@@ -308,8 +309,8 @@ class Context:
         self.transport_reason = "one node: no cross-node transport needed"
         if self.topo.node_count > 1:
             self._rail_transport, self.transport_reason = self._open_transport(self.rail_comm)
-            self.log_once(f"cross-node transport: {self._rail_transport.name} "
-                          f"({self.transport_reason})")
+            transports.announce(self._rail_transport.name, self.transport_reason,
+                                self.topo.rank)
         self._har2 = None
         self.entry, self.entry_cfunc = self._default_entry()
         self.gather = self._gather_entry()
@@ -573,6 +574,14 @@ class Context:
         for any disagreement, whether the context stays usable."""
         if self.topo.size == 1 or self.broken is not None:
             return None
+        if coll == kind.COLL_ALLTOALL and isinstance(self.alltoall, MpiAlltoall):
+            # its peers meet in MPI on the set-up communicator, not in the flags
+            try:
+                if self.alltoall.refuse():
+                    return None
+            except HarmpiError as exc:
+                return exc
+            return HarmpiMismatchError("a peer made the call for real: it fails there")
         c = self.ctl[0]
         auto = int(c["auto_code"])
         code = kind.refusal_code(coll, auto)
@@ -587,11 +596,14 @@ class Context:
             c["auto_code"] = auto
         if rc == OK:
             return None
+        self._refusing = True  # a give-up now tells the peers why (_give_up)
         try:
             self.fail(rc, Call(buf.ctypes.data, 1, dtypes.F64, code | dtypes.F64,
                                f"refusal of {kind.COLL_NAMES.get(coll, 'a collective')}"))
         except HarmpiError as exc:
             return exc
+        finally:
+            self._refusing = False
         return None
 
     def stage_or_remember(self, call, addr, m, copy=True):
@@ -667,6 +679,8 @@ class Context:
                       getattr(exc, "culprit", -1))
 
     def _give_up(self, why, culprit=-1):
+        if culprit == -1 and self._refusing:
+            culprit = node.CULPRIT_REFUSED
         node.abandon(self.ctl, culprit)
         self.broken = self.broken or why
         self._gave_up = True
@@ -772,6 +786,9 @@ class Context:
         if culprit == node.CULPRIT_INTERRUPTED:
             why = ("this rank was interrupted (SIGINT) while it waited" if peer ==
                    self.topo.local_rank else f"{gave_up} was interrupted (SIGINT) while it waited")
+        elif culprit == node.CULPRIT_REFUSED:
+            why = (f"{gave_up} refused its own arguments to this call (its HarmpiArgumentError "
+                   "says why) while a peer made it for real")
         elif culprit == self.topo.rank:
             why = f"{gave_up} gave up waiting for this rank: it arrived after the deadline"
         elif culprit == self._rank_of(peer):

@@ -254,9 +254,6 @@ LOG_JOB = f"""
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="harmpi/context.py still logs the choice per context: "
-                   "its log_once('cross-node transport: ...') is to become "
-                   "transports.announce(name, reason, self.topo.rank)")
 def test_cross_node_transport_is_logged_once_per_process(tmp_path):
     proc = run_job(tmp_path, LOG_JOB, work_s=10.0, mpi4py_main=True,
                    extra_env={"HARMPI_TRANSPORT": "tcp", "HARMPI_RANKS_PER_NODE": "1"})

@@ -57,7 +57,7 @@ import numba
 import numpy as np
 from numba import types
 
-from .. import node
+from .. import kind, node
 from ..control import ARRAY as _ctl
 from ..control import (
     MISMATCH,
@@ -674,6 +674,10 @@ def pair_error(rank, what, sender, receiver):
         "sizes; ranks of the communicator). No rank's output is written.")
 
 
+#: the row bytes a refusal posts in MpiAlltoall's first exchange (no call has them)
+REFUSED_ROW_NBYTES = -1
+
+
 class MpiAlltoall:
     """Nodes of different sizes (rails do not span every node): a polled
     MPI_Ialltoallv on harmpi's duplicate of the communicator, after a polled
@@ -692,6 +696,22 @@ class MpiAlltoall:
                "fail on every node, which one rail exchange cannot tell)")
         ctx.log_once(f"alltoall: {why}; using MPI_Ialltoallv on the communicator")
 
+    def refuse(self):
+        """This rank refused its own arguments to an all-to-all (harmpi.api.refuse):
+        take part in the first exchange of the call its peers may be in, with
+        row bytes REFUSED_ROW_NBYTES, so they fail it at once, naming this
+        rank. Returns whether every rank refused (the context goes on)."""
+        from ..topology import check_arrivals, gather_records  # noqa: PLC0415
+
+        ctx = self.ctx
+        comm, timeout_s = ctx.setup_comm, ctx.config.timeout_s
+        label = "refused alltoall (MPI_Alltoallv for uneven nodes)"
+        code = kind.refusal_code(kind.COLL_ALLTOALL, 0)
+        stamps, kinds = gather_records(comm, timeout_s, label,
+                                       (("call", f"{REFUSED_ROW_NBYTES} {code}"),))
+        check_arrivals(comm, stamps, timeout_s, label)
+        return all(k == kinds[0] for k in kinds)
+
     def run(self, call, row_nb, plan, make_out):
         from mpi4py import MPI  # noqa: PLC0415
 
@@ -708,6 +728,10 @@ class MpiAlltoall:
         check_arrivals(comm, stamps, timeout_s, label)
         if any(k != kinds[0] for k in kinds):
             shown = [tuple(int(v) for v in k.split("=", 1)[1].split()) for k in kinds]
+            refused = [r for r, k in enumerate(shown) if k[0] == REFUSED_ROW_NBYTES]
+            if refused:
+                raise mismatch_error(me, what, f"rank {refused[0]} refused its own arguments to "
+                                     "this call (its HarmpiArgumentError says why)")
             raise mismatch_error(me, what, f"(row bytes, kind) by rank: {shown}")
         pairs = np.ascontiguousarray(np.stack([plan[:P], plan[P:2 * P]], axis=1))  # [dest, 2]
         got = np.empty_like(pairs)  # [src, 2]: (rows src sends me, rows src expects from me)

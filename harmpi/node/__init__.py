@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from .abandon import (
     CULPRIT_INTERRUPTED,
+    CULPRIT_REFUSED,
     abandon,
     abandoned_by,
     interrupted,
@@ -122,8 +123,8 @@ __all__ = [
     "memcpy", "stream_copy", "done_reading", "streams", "publish_copy", "copy_bytes",
     "STREAM_MIN_NBYTES", "sigs", "format_itemsize",
     # profiling stamps (stamps) and giving up (abandon)
-    "begin", "heard", "abandon", "CULPRIT_INTERRUPTED", "interrupted", "abandoned_by",
-    "peers_abandoned", "who_abandoned",
+    "begin", "heard", "abandon", "CULPRIT_INTERRUPTED", "CULPRIT_REFUSED", "interrupted",
+    "abandoned_by", "peers_abandoned", "who_abandoned",
     # the flag protocol (flags)
     "publish_wait", "publish_wait_status", "stage", "stage_meta", "stage_at", "stage_post",
     "stage_check",
