@@ -132,16 +132,17 @@ class GroupChannel(dist.ProcessGroup):
         if self._broken is not None:
             raise HarmpiError(f"harmpi backend: this process group is unusable: {self._broken}")
 
-    def _wait(self, reqs, what, peer=None):
+    def _wait(self, reqs, what, peer=None, nbytes=None):
         """Complete ``reqs`` under the deadline (wait_requests); a collective
         that times out or fails leaves the group unusable (its peers may still
-        be inside it), a message that times out is cancelled."""
+        be inside it), a message that times out is cancelled. ``nbytes``: a
+        receive's buffer size, for the error of a message too large for it."""
         try:
             return wait_requests(reqs, self._timeout_s,
                                  lambda pending: self._timed_out(pending, what, peer),
                                  statuses=peer is not None)
         except MPI.Exception as exc:
-            err = self._mpi_error(exc, what, peer)
+            err = self._mpi_error(exc, what, peer, nbytes)
         except KeyboardInterrupt:
             # a message is cancelled; a collective cannot be: its request
             # stays with MPI and may still complete with the peers' data,
@@ -156,13 +157,19 @@ class GroupChannel(dist.ProcessGroup):
             self._broken = str(err)
         raise err
 
-    def _mpi_error(self, exc, what, peer):
+    def _mpi_error(self, exc, what, peer, nbytes=None):
         me = self._who()
         if exc.Get_error_class() == MPI.ERR_TRUNCATE:
-            src = "" if peer is None else f" from world rank {self._world_rank(peer)}"
+            # the status names the sender (a receive from any rank has no peer)
+            status = getattr(exc, "status", None)
+            source = status.Get_source() if status is not None else peer
+            src = "a peer" if source is None or source < 0 else \
+                f"world rank {self._world_rank(source)}"
+            holds = "" if nbytes is None else f" ({nbytes} bytes)"
             return HarmpiMismatchError(
-                f"{me}: harmpi backend {what}: a message{src} is larger than this rank's tensor; "
-                "the ranks passed tensors of different sizes")
+                f"{me}: harmpi backend {what}: {src} sent a message larger than this rank's "
+                f"tensor{holds}; the ranks passed tensors of different sizes (the message is "
+                "consumed; the tensor holds its first bytes)")
         return HarmpiError(f"{me}: harmpi backend {what}: MPI failed: {exc}")
 
     def _timed_out(self, reqs, what, peer, late=None):

@@ -55,6 +55,7 @@ communicator is refused with a clear error; ``wait()`` first.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -69,26 +70,30 @@ from ..torch import describe
 from .channel import GroupChannel
 from .tables import (
     AVG,
-    BOOL_OPS,
-    DTYPES,
-    FLOAT_REDUCE,
+    CALLS,
+    DTYPE_BY_CODE,
     FLOATS,
-    INT_OPS,
     MONITOR_TAG,
     RED,
     STRIDED,
     SUM,
     SYNC_SUM,
+    dtype_code,
+    fold_of,
     op_name,
     reduce_opts,
 )
 from .tensors import (
+    RowUnits,
+    as_units,
     bytes_of,
+    columns,
     contiguous_cpu,
     copy_back,
     cpu_tensor,
     float_tensor,
     is_async,
+    last_units,
     mpi_buffer,
     one_tensor,
     split_bytes,
@@ -197,37 +202,62 @@ class ProcessGroupHarmpi(GroupChannel):
         if kind == RED.PREMUL_SUM:
             raise HarmpiArgumentError("harmpi backend: all_reduce with PREMUL_SUM is not "
                                       "supported (gloo lacks it too); scale, then SUM")
-        if t.dtype in FLOATS:
-            return self._allreduce_float(t, kind, async_op)
-        entry = DTYPES.get(t.dtype)
-        ops = BOOL_OPS if t.dtype == torch.bool else INT_OPS
-        mpi_op = ops.get(kind) if entry is not None and entry[1] is not None else None
-        if mpi_op is None:
+        if kind == RED.AVG and t.dtype in FLOATS:
+            api.allreduce(t, comm=self._harmpi_comm)
+            t.div_(self.size())
+            return DoneWork([t]) if async_op else DONE
+        fold = fold_of(t.dtype, kind)
+        if fold is None:
             raise HarmpiArgumentError(
                 f"harmpi backend: all_reduce with {op_name(kind)} of {t.dtype} is not "
                 "supported; integer and bool tensors take SUM, PRODUCT, MIN, MAX, BAND, BOR "
                 "and BXOR, floats SUM, AVG, PRODUCT, MIN and MAX")
-        self._agree("all_reduce", t.dtype, t.numel() * t.element_size(), int(kind))
-        buf = t if t.is_contiguous() else t.contiguous()
-        req = self._mpi.Iallreduce(MPI.IN_PLACE, [buf.numpy(), entry[1]], mpi_op)
-        return self._run([req], copy_back(buf, t), [t], "all_reduce", async_op)
-
-    def _allreduce_float(self, t, kind, async_op):
-        if kind == RED.AVG:
-            api.allreduce(t, comm=self._harmpi_comm)
-            t.div_(self.size())
-            return DoneWork([t]) if async_op else DONE
-        reduce = FLOAT_REDUCE.get(kind)
-        if reduce is None:
-            raise HarmpiArgumentError(
-                f"harmpi backend: all_reduce with {op_name(kind)} of {t.dtype} is not "
-                f"supported; floats take SUM, AVG, PRODUCT, MIN and MAX")
-        # gathered in harmpi (exact), reduced in rank order: the same bits everywhere
-        self._agree("all_reduce", t.dtype, t.numel() * t.element_size(), int(kind))
-        if t.numel():
-            gathered = api.allgather(t.reshape(1, -1).contiguous(), comm=self._harmpi_comm)
-            t.copy_(reduce(gathered).view(t.shape))
+        self._fold(t, kind, fold)
         return DoneWork([t]) if async_op else DONE
+
+    def _fold(self, t, kind, fold):
+        """all_reduce by gathering: every rank's bytes, behind a header of
+        (call, dtype, op, elements), through harmpi's allgather on this
+        group's context, then folded with ``fold`` in rank order, so every
+        rank computes the same bits (and integers wrap as torch's do). Going
+        through harmpi's context, a rank that calls this while a peer sums
+        floats there fails at once on both (the collectives' kind words
+        differ), where an MPI reduction would wait for the deadline."""
+        n, nbytes = self.size(), t.numel() * t.element_size()
+        header = torch.tensor([CALLS["all_reduce"], dtype_code(t.dtype), int(kind), t.numel()],
+                              dtype=torch.int64)
+        try:
+            gathered = api.allgather(as_units(header.view(torch.uint8), t),
+                                     comm=self._harmpi_comm)
+        except HarmpiMismatchError as exc:
+            raise HarmpiMismatchError(
+                f"{exc} (harmpi backend all_reduce {op_name(kind)} of {t.numel()} elements of "
+                f"{t.dtype} on {self._who()}: harmpi gathers them as {nbytes} raw bytes behind a "
+                "32-byte header, the 'bf16' units above; a peer that differs there passed "
+                "another size or dtype, or called another collective)",
+                culprit=exc.culprit) from exc
+        rows = gathered.view(n, -1).view(torch.uint8)
+        headers = columns(rows, 0, header.nbytes, torch.int64)
+        if not torch.equal(headers, header.expand(n, -1)):
+            raise HarmpiMismatchError(
+                f"{self._who()}: harmpi backend all_reduce: ranks disagree: "
+                + "; ".join(self._describe_fold(r, headers[r]) for r in range(n)
+                            if r == 0 or not torch.equal(headers[r], headers[0]))
+                + ". Every rank must pass a tensor of the same size and dtype, with the same "
+                "op; no rank's tensor was written.")
+        if not nbytes:
+            return
+        parts = columns(rows, header.nbytes, header.nbytes + nbytes, t.dtype)
+        acc = parts[0]
+        for r in range(1, n):
+            acc = fold(acc, parts[r])
+        t.copy_(acc.view(t.shape))
+
+    def _describe_fold(self, r, header):
+        _, code, kind, count = (int(v) for v in header)
+        dtype = DTYPE_BY_CODE.get(code, f"dtype #{code}")
+        return f"world rank {self._world_rank(r)} passes {count} elements of {dtype} " \
+               f"({op_name(RED(kind)) if 0 <= kind < 16 else kind})"
 
     def _allreduce_sparse(self, t, opts):
         """A sparse COO SUM, as gloo computes it: every rank's coalesced indices
@@ -337,9 +367,27 @@ class ProcessGroupHarmpi(GroupChannel):
         return DoneWork(output_lists)
 
     def _gather_uneven(self, t, outs):
+        """all_gather of shards whose last dimension differs between ranks:
+        harmpi.logits.gather_uneven; other dtypes than harmpi's floats as
+        the raw bytes of that dimension, in 16-bit units (tensors.last_units)."""
         from .. import logits  # noqa: PLC0415 - only for uneven vocabulary shards
 
-        logits.gather_uneven(t, outs, self._harmpi_comm)
+        if t.dtype in FLOATS:
+            logits.gather_uneven(t, outs, self._harmpi_comm)
+            return DoneWork([outs])
+        for q, o in enumerate(outs):
+            if o.dtype != t.dtype or o.dim() != t.dim() or o.dim() == 0:
+                raise HarmpiArgumentError(
+                    f"harmpi backend: all_gather: output {q} is {o.dtype} of shape "
+                    f"{tuple(o.shape)}, the input {t.dtype} of shape {tuple(t.shape)}; outputs "
+                    "that differ from the input in size must have its dtype and differ in the "
+                    "last dimension only")
+        scratch = [last_units(o, False) for o in outs]
+        logits.gather_uneven(last_units(t, True), scratch, self._harmpi_comm)
+        for o, units in zip(outs, scratch):
+            raw = units.view(torch.uint8)[..., :o.shape[-1] * o.element_size()]
+            if raw.data_ptr() != o.data_ptr() or not o.is_contiguous():
+                o.copy_(raw.contiguous().view(o.dtype))
         return DoneWork([outs])
 
     def all_gather_single(self, output, input, opts=None):
@@ -375,34 +423,56 @@ class ProcessGroupHarmpi(GroupChannel):
     # -- reduce-scatter ----------------------------------------------------------------
 
     def reduce_scatter_single(self, output, input, opts=None):
+        """Before: rank r holds ``input`` of n x k elements. After: rank r's
+        ``output`` (k elements) holds block r of the reduction of every
+        rank's input."""
         self._settle()
-        cpu_tensor(input, "reduce_scatter_tensor")
-        contiguous_cpu(output, "reduce_scatter_tensor")
-        n = output.numel()
-        if input.numel() != n * self.size() or output.dtype != input.dtype:
+        what = "reduce_scatter_tensor"
+        cpu_tensor(input, what)
+        contiguous_cpu(output, what)
+        k = output.numel()
+        if input.numel() != k * self.size() or output.dtype != input.dtype:
             raise HarmpiArgumentError(
-                f"harmpi backend: reduce_scatter_tensor: input must have {self.size()} x "
-                f"{n} elements of the output's dtype (got {input.numel()}, {input.dtype})")
-        full = input.contiguous().clone()
-        scratch = [full]
-        self.allreduce(scratch, reduce_opts(opts))
-        r = self.rank()
-        output.view(-1).copy_(full.view(-1)[r * n:(r + 1) * n])
+                f"harmpi backend: {what}: input must have {self.size()} x {k} elements of the "
+                f"output's dtype (got {input.numel()}, {input.dtype})")
+        self._reduce_block(output, input.reshape(-1).clone(), self.rank() * k, opts)
         return DoneWork([output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter(self, output_tensors, input_lists, opts=None):
-        out = one_tensor(output_tensors, "reduce_scatter")
-        inputs = one_tensor(input_lists, "reduce_scatter")
-        if len(inputs) != self.size():
-            raise HarmpiArgumentError(f"harmpi backend: reduce_scatter needs {self.size()} "
-                                      f"input tensors, got {len(inputs)}")
-        flat = torch.cat([i.reshape(-1) for i in inputs])
-        result = torch.empty(flat.numel() // self.size(), dtype=flat.dtype)
-        self.reduce_scatter_single(result, flat, opts)
-        out.copy_(result.view(out.shape))
+        """Before: rank r holds inputs[0..n-1] (block j's size the same on
+        every rank; blocks may differ in size, or be empty). After: rank
+        r's output holds the reduction of every rank's inputs[r]."""
+        self._settle()
+        what = "reduce_scatter"
+        out = cpu_tensor(one_tensor(output_tensors, what), what)
+        inputs = one_tensor(input_lists, what)
+        n, r = self.size(), self.rank()
+        if len(inputs) != n:
+            raise HarmpiArgumentError(f"harmpi backend: {what} needs {n} input tensors, got "
+                                      f"{len(inputs)}")
+        for j, x in enumerate(inputs):
+            cpu_tensor(x, what)
+            if x.dtype != out.dtype:
+                raise HarmpiArgumentError(
+                    f"harmpi backend: {what}: input {j} is {x.dtype}, the output {out.dtype}; "
+                    "every tensor must have one dtype")
+        if inputs[r].numel() != out.numel():
+            raise HarmpiArgumentError(
+                f"harmpi backend: {what}: this rank's output has {out.numel()} elements, its "
+                f"block (input {r}) {inputs[r].numel()}; they must be equal")
+        # the blocks one after another: block j starts where the ones before end
+        offset = sum(x.numel() for x in inputs[:r])
+        self._reduce_block(out, torch.cat([x.reshape(-1) for x in inputs]), offset, opts)
         return DoneWork([out])
+
+    def _reduce_block(self, out, full, offset, opts):
+        """``out`` = elements offset.. of the all_reduce of ``full`` (1-d, this
+        call's own copy; with opts' op): every rank reduces every block and
+        keeps its own."""
+        self.allreduce([full], reduce_opts(opts))
+        out.copy_(full[offset:offset + out.numel()].view(out.shape))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
@@ -521,34 +591,40 @@ class ProcessGroupHarmpi(GroupChannel):
         if output.dtype != input.dtype:
             raise HarmpiArgumentError("harmpi backend: all_to_all_single: output and input "
                                       "dtypes differ")
-        send_counts = split_bytes(input, input_split_sizes, n, "input")
-        recv_counts = split_bytes(output, output_split_sizes, n, "output")
+        split_bytes(input, input_split_sizes, n, "input")
+        split_bytes(output, output_split_sizes, n, "output")
         src = input.contiguous()
         dst = output if output.is_contiguous() else output.contiguous()
-        finish = copy_back(dst, output)
-        if input.dtype in FLOATS:
-            # harmpi's own all-to-all: rows through the node's slots, every
-            # pair's count checked against its receiver's split size
-            if not input_split_sizes and not output_split_sizes:
-                api.alltoall(src, comm=self._harmpi_comm, out=dst)  # even: no count lists
-            else:
-                rows = list(input_split_sizes) or [input.size(0) // n] * n
-                want = list(output_split_sizes) or [output.size(0) // n] * n
-                api.alltoall(src, rows, comm=self._harmpi_comm, out=dst, recv_counts=want)
-            if finish is not None:
-                finish(None)
-            return DoneWork([output])
+        # every dtype through harmpi's own all-to-all: rows through the
+        # node's slots, every pair's count checked against its receiver's
+        # split size; other dtypes than harmpi's floats as raw bytes
+        # (tensors.RowUnits), so a float on one rank and an int on another
+        # fail at once on both (the collectives' kind words differ)
+        units = None if input.dtype in FLOATS else RowUnits(src, dst, dtype_code(input.dtype))
+        x, out = (src, dst) if units is None else (units.src, units.dst)
         if not input_split_sizes and not output_split_sizes:
-            # even splits: one header agreement covers every pair
-            nbytes = input.numel() * input.element_size()
-            problem = None if nbytes == output.numel() * output.element_size() else \
-                "input and output sizes differ (even splits)"
-            self._agree("all_to_all_single", input.dtype, nbytes, 0, problem)
-            req = self._mpi.Ialltoall(mpi_buffer(src), mpi_buffer(dst))
-            return self._run([req], finish, [output], "all_to_all_single", is_async(opts),
-                             keep=(src, dst))
-        return self._alltoallv("all_to_all_single", src, dst, send_counts, recv_counts,
-                               finish, [output], is_async(opts))
+            rows = want = None
+        else:
+            rows = list(input_split_sizes) or [input.size(0) // n] * n
+            want = list(output_split_sizes) or [output.size(0) // n] * n
+        try:
+            if rows is None:
+                api.alltoall(x, comm=self._harmpi_comm, out=out)  # even: no count lists
+            else:
+                api.alltoall(x, rows, comm=self._harmpi_comm, out=out, recv_counts=want)
+        except HarmpiMismatchError as exc:
+            raise HarmpiMismatchError(
+                f"{exc} (harmpi backend all_to_all_single of {input.dtype} on {self._who()}"
+                + ("" if rows is None else
+                   f": this rank sends {rows} rows and expects {want}, its input and output "
+                   "split sizes")
+                + "; the backend moves dtypes other than harmpi's floats as raw bytes, the "
+                "'bf16' units above)", culprit=exc.culprit) from exc
+        if units is not None:
+            units.finish()
+        if dst is not output:
+            output.copy_(dst)
+        return DoneWork([output])
 
     alltoall_base = all_to_all_single
 
@@ -612,19 +688,28 @@ class ProcessGroupHarmpi(GroupChannel):
                 copy(statuses)
 
         return MpiWork(self, [req], finish, tensors, what,
-                        peer=src if src != MPI.ANY_SOURCE else -1)
+                        peer=src if src != MPI.ANY_SOURCE else -1, nbytes=nbytes)
 
     # -- barriers ----------------------------------------------------------------------------
 
     def barrier(self, opts=None):
         self._settle()
+        started = time.monotonic()
         try:
             api.barrier(comm=self._harmpi_comm)
-        except HarmpiTimeoutError as exc:
-            # the words torch's callers (and its own tests) look for
-            raise HarmpiTimeoutError(
-                f"{self._who()}: harmpi backend barrier: timeout after "
-                f"{self._ctx.config.timeout_s:g} s: {exc}", culprit=exc.culprit) from exc
+        except HarmpiError as exc:
+            # harmpi's barrier is an all-reduce of one float32: its error
+            # speaks of one, so say which call it was; "timeout after" (the
+            # words torch's callers and its own tests look for) only when
+            # this rank did wait that long, not for a failure it met at once
+            timeout_s = self._ctx.config.timeout_s
+            waited_s = time.monotonic() - started
+            timed_out = isinstance(exc, HarmpiTimeoutError) and waited_s >= timeout_s
+            raise type(exc)(
+                f"{self._who()}: harmpi backend barrier (an all-reduce of one float32): "
+                + (f"timeout after {timeout_s:g} s: " if timed_out else
+                   f"failed after {waited_s:.3f} s: ") + str(exc),
+                culprit=exc.culprit) from exc
         return DoneWork()
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):

@@ -1,17 +1,17 @@
 """What the ranks of a harmpi process group agree on, and every fact about a
 dtype or a reduction the backend needs, in one place: the torch dtypes
 harmpi reduces itself (``FLOATS``), the codes ranks exchange in their
-headers (calls, dtypes), and the reductions MPI does for integers and bools."""
+headers (calls, dtypes), and the element-wise torch ops that fold every
+other reduction in rank order (``FOLDS``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
-__all__ = ["AVG", "BOOL_OPS", "CALLS", "CALL_NAMES", "DTYPES", "DTYPE_BY_CODE", "FLOATS",
-           "FLOAT_REDUCE", "HEADER_TAG", "INT_OPS", "MONITOR_TAG", "RED", "STRIDED", "SUM",
-           "SYNC_SUM", "dtype_code", "op_name", "reduce_opts"]
+__all__ = ["AVG", "CALLS", "CALL_NAMES", "DTYPES", "DTYPE_BY_CODE", "FLOATS", "HEADER_TAG",
+           "MONITOR_TAG", "RED", "STRIDED", "SUM", "SYNC_SUM", "dtype_code", "fold_of",
+           "op_name", "reduce_opts"]
 
 #: the dtypes harmpi itself reduces and gathers (its format names)
 FLOATS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
@@ -38,45 +38,66 @@ MONITOR_TAG = 2
 
 
 def _dtype_table():
-    """torch dtype -> (code agreed between ranks, MPI datatype for MPI's own
-    reductions or None). Floats reduce in harmpi or in rank order here, never
-    in MPI (whose float reductions may differ between ranks)."""
-    ints = [(torch.int8, MPI.INT8_T), (torch.uint8, MPI.UINT8_T), (torch.int16, MPI.INT16_T),
-            (torch.int32, MPI.INT32_T), (torch.int64, MPI.INT64_T), (torch.bool, MPI.C_BOOL)]
-    for name, mpi_type in (("uint16", MPI.UINT16_T), ("uint32", MPI.UINT32_T),
-                           ("uint64", MPI.UINT64_T)):
-        if hasattr(torch, name):
-            ints.append((getattr(torch, name), mpi_type))
-    others = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex64,
-              torch.complex128, getattr(torch, "float8_e4m3fn", None),
-              getattr(torch, "float8_e5m2", None)]
-    table = {dt: (code, mpi_type) for code, (dt, mpi_type) in enumerate(ints, 1)}
-    for dt in others:
-        if dt is not None:
-            table[dt] = (len(table) + 1, None)
-    return table
+    """torch dtype -> the code ranks agree on (1, 2, ... in this order)."""
+    names = ("int8", "uint8", "int16", "int32", "int64", "bool", "uint16", "uint32", "uint64",
+             "bfloat16", "float16", "float32", "float64", "complex64", "complex128",
+             "float8_e4m3fn", "float8_e5m2")
+    dts = [getattr(torch, name) for name in names if hasattr(torch, name)]
+    return {dt: code for code, dt in enumerate(dts, 1)}
 
 
 #: every fact about a dtype the MPI channel needs, in one table
 DTYPES = _dtype_table()
-DTYPE_BY_CODE = {code: dt for dt, (code, _) in DTYPES.items()}
+DTYPE_BY_CODE = {code: dt for dt, code in DTYPES.items()}
 
-#: reductions MPI does for integers and bools (torch op -> MPI op); AVG has no
-#: integer meaning (gloo refuses it too)
-INT_OPS = {RED.SUM: MPI.SUM, RED.PRODUCT: MPI.PROD, RED.MIN: MPI.MIN, RED.MAX: MPI.MAX,
-           RED.BAND: MPI.BAND, RED.BOR: MPI.BOR, RED.BXOR: MPI.BXOR}
+#: all_reduce ops other than harmpi's float SUM/AVG: the element-wise torch
+#: op each rank folds the gathered tensors with, in rank order. Never MPI's
+#: reduction ops: Open MPI 5.0's AVX component saturates int8 sums, where
+#: torch (and gloo) wrap; a torch op of the tensor's own dtype wraps as torch
+#: does, and every rank folds the same bytes in the same order, so every
+#: rank gets the same bits. AVG has no integer meaning (gloo refuses it too).
+FOLDS = {RED.SUM: torch.add, RED.PRODUCT: torch.mul, RED.MIN: torch.minimum,
+         RED.MAX: torch.maximum, RED.BAND: torch.bitwise_and, RED.BOR: torch.bitwise_or,
+         RED.BXOR: torch.bitwise_xor}
 #: the same on bool tensors, as gloo computes them (a sum of bools is their OR)
-BOOL_OPS = {RED.SUM: MPI.LOR, RED.PRODUCT: MPI.LAND, RED.MIN: MPI.LAND, RED.MAX: MPI.LOR,
-            RED.BAND: MPI.LAND, RED.BOR: MPI.LOR, RED.BXOR: MPI.LXOR}
-#: float reductions other than SUM/AVG: gather every rank's tensor, reduce in rank order
-FLOAT_REDUCE = {RED.MIN: lambda g: g.amin(dim=0), RED.MAX: lambda g: g.amax(dim=0),
-                RED.PRODUCT: lambda g: g.prod(dim=0, dtype=g.dtype)}
+BOOL_FOLDS = {RED.SUM: torch.logical_or, RED.PRODUCT: torch.logical_and,
+              RED.MIN: torch.logical_and, RED.MAX: torch.logical_or,
+              RED.BAND: torch.logical_and, RED.BOR: torch.logical_or,
+              RED.BXOR: torch.logical_xor}
+#: floats: harmpi sums them (SUM, AVG); these fold in rank order
+FLOAT_FOLDS = {RED.PRODUCT: torch.mul, RED.MIN: torch.minimum, RED.MAX: torch.maximum}
+
+
+
+def _works(fold, dtype):
+    """Whether torch has ``fold`` for ``dtype`` (uint32 has no minimum, for
+    one), tried on empty tensors."""
+    try:
+        empty = torch.empty(0, dtype=dtype)
+        return fold(empty, empty).dtype == dtype
+    except (RuntimeError, TypeError):
+        return False
+
+
+#: (dtype, op) -> the element-wise op all_reduce folds it with: the pairs
+#: torch serves, so a call is refused before anything moves
+_FOLD_BY_DTYPE = {
+    (dt, kind): fold
+    for dt in DTYPES if dt in FLOATS or not (dt.is_floating_point or dt.is_complex)
+    for kind, fold in (FLOAT_FOLDS if dt in FLOATS else
+                       BOOL_FOLDS if dt == torch.bool else FOLDS).items()
+    if _works(fold, dt)}
+
+
+def fold_of(dtype, kind):
+    """The element-wise op all_reduce ``kind`` folds ``dtype`` with, or None."""
+    return _FOLD_BY_DTYPE.get((dtype, kind))
 
 
 def dtype_code(dtype):
     """The code ranks compare for ``dtype`` (one outside the table: a code of its name's length)."""
-    entry = DTYPES.get(dtype)
-    return entry[0] if entry is not None else 1000 + len(str(dtype))
+    code = DTYPES.get(dtype)
+    return code if code is not None else 1000 + len(str(dtype))
 
 
 def op_name(kind):

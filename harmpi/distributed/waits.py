@@ -29,22 +29,41 @@ def wait_requests(reqs, timeout_s, on_timeout, statuses=True):
     polls = 0
     deadline = calm = None
     pause = 1e-5
-    while not MPI.Request.Testall(reqs, statuses):
-        polls += 1
-        if polls < _SPIN_POLLS:
-            continue
-        now = time.monotonic()
-        if deadline is None:
-            deadline, calm = now + timeout_s, now + _YIELD_S
-        elif now > deadline:
-            on_timeout(reqs)
-            deadline = now + timeout_s  # on_timeout found everything complete after all
-        if now < calm:
-            os.sched_yield()
-        else:
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+    try:
+        while not MPI.Request.Testall(reqs, statuses):
+            polls += 1
+            if polls < _SPIN_POLLS:
+                continue
+            now = time.monotonic()
+            if deadline is None:
+                deadline, calm = now + timeout_s, now + _YIELD_S
+            elif now > deadline:
+                on_timeout(reqs)
+                deadline = now + timeout_s  # on_timeout found everything complete after all
+            if now < calm:
+                os.sched_yield()
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+    except MPI.Exception as exc:
+        raise _status_error(exc, statuses) from None
     return statuses
+
+
+def _status_error(exc, statuses):
+    """The error a request failed with: MPI_Testall says only "an error in
+    a status" (MPI_ERR_IN_STATUS); the failing request's status holds the
+    real one (MPI_ERR_TRUNCATE: a message larger than the buffer). The
+    returned error carries that ``status`` (its source)."""
+    if exc.Get_error_class() != MPI.ERR_IN_STATUS or not statuses:
+        return exc
+    for status in statuses:
+        code = status.Get_error()
+        if code not in (MPI.SUCCESS, MPI.ERR_PENDING):
+            err = MPI.Exception(code)
+            err.status = status
+            return err
+    return exc
 
 
 def unfinished(reqs):

@@ -123,7 +123,7 @@ class MpiWork(_OnceWork):
     ``keep``: what the requests' buffers point into (tensors made by the
     call, buffers made from addresses), kept alive until they complete."""
 
-    def __init__(self, pg, reqs, finish, result, what, peer=None, keep=None):
+    def __init__(self, pg, reqs, finish, result, what, peer=None, keep=None, nbytes=None):
         super().__init__(pg)
         self._reqs = reqs
         self._keep = keep
@@ -131,11 +131,12 @@ class MpiWork(_OnceWork):
         self._result = result
         self._what = what
         self._peer = peer           # a message's peer (group rank); None: a collective
+        self._nbytes = nbytes       # a receive's buffer size (its truncation error says it)
         self._source = -1
 
     def _run(self):
         try:
-            statuses = self._pg._wait(self._reqs, self._what, self._peer)
+            statuses = self._pg._wait(self._reqs, self._what, self._peer, self._nbytes)
             self._source = statuses[0].Get_source() if statuses else -1
             if self._finish is not None:
                 self._finish(statuses)
