@@ -11,19 +11,23 @@ all_reduce SUM             harmpi's all-reduce, in place (the hot path: the
                            the others; nothing is cached per call)
 all_reduce AVG             the sum, then divided by the group size (bf16/f16:
                            two roundings)
-all_reduce MAX / MIN       allgather, then max/min over ranks (exact)
+all_reduce other ops,      every rank's bytes gathered in harmpi, folded in
+integer and bool dtypes    rank order with torch's op of the dtype (exact;
+                           integers wrap as torch's; never MPI's ops)
 all_gather(_single)        harmpi's hierarchical allgather (exact); outputs of
                            uneven sizes along the last dimension: gather_logits'
-                           route (harmpi.logits)
-reduce_scatter_single      all-reduce of a copy, then this rank's block
+                           route (harmpi.logits; other dtypes as raw bytes)
+all_to_all_single          harmpi's all-to-all (other dtypes as raw bytes)
+reduce_scatter(_single)    all-reduce of a copy, then this rank's block (blocks
+                           of any size in the list form)
 broadcast, scatter         MPI_Bcast / MPI_Scatter of the bytes (exact, any dtype)
 barrier                    harmpi's barrier
 sparse all_reduce SUM      as gloo: every rank's coalesced indices and values
                            gathered (MPI_Iallgatherv), summed, coalesced
 =========================  ==================================================
 
-The rest of what gloo serves on CPU (integer and bool reductions, gather,
-reduce, all_to_all, point to point, monitored_barrier, other dtypes) goes
+The rest of what gloo serves on CPU (gather, all_to_all of tensor lists,
+point to point, monitored_barrier, other dtypes' gathers) goes
 over private duplicates of the group's communicator with MPI's
 non-blocking calls, the ranks agreeing on sizes and dtypes first. What
 none of these serve raises ``HarmpiArgumentError`` naming what is
