@@ -34,6 +34,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -346,11 +347,31 @@ at::Tensor& all_reduce_functionalize(at::Tensor& self, c10::string_view group) {
 
 }  // namespace
 
-// all_reduce_: in place, returning its input (tagged inplace, whose
-// functional variant is all_reduce). all_reduce: out of place, for graphs
-// that want a value rather than a mutation (vLLM's compiled model).
+// at::Tag::inplace where this torch has it (newer releases; torch 2.11
+// lacks it), found by the enum's members rather than a version guess: the
+// schema's Tensor(a!) and trailing underscore say "in place" to older ones.
+template <typename T, typename = void>
+struct HasInplaceTag : std::false_type {};
+template <typename T>
+struct HasInplaceTag<T, std::void_t<decltype(T::inplace)>> : std::true_type {};
+
+template <typename T = at::Tag>
+std::vector<at::Tag> inplace_tags() {
+  if constexpr (HasInplaceTag<T>::value) {
+    return {T::inplace};
+  } else {
+    return {};
+  }
+}
+
+// all_reduce_: in place, returning its input (tagged inplace where torch
+// has the tag; its functional variant is all_reduce). all_reduce: out of
+// place, for graphs that want a value rather than a mutation (vLLM's
+// compiled model).
 TORCH_LIBRARY(harmpi, m) {
-  m.def("all_reduce_(Tensor(a!) self, str group=\"\") -> Tensor(a!)", {at::Tag::inplace});
+  // (a named const vector: an rvalue would pick def's (schema, function) overload)
+  const std::vector<at::Tag> tags = inplace_tags();
+  m.def("all_reduce_(Tensor(a!) self, str group=\"\") -> Tensor(a!)", tags);
   m.def("all_reduce(Tensor x, str group=\"\") -> Tensor");
 }
 
