@@ -69,6 +69,7 @@ from mpi4py import MPI
 from .. import api
 from ..context import AUTO_CODE
 from ..errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError, HarmpiTimeoutError
+from ..kind import COLL_ALLGATHER, COLL_ALLREDUCE, COLL_ALLTOALL
 from ..registry import STATE
 from ..torch import describe
 from .channel import GroupChannel
@@ -396,15 +397,19 @@ class ProcessGroupHarmpi(GroupChannel):
 
     def all_gather_single(self, output, input, opts=None):
         self._settle()
-        contiguous_cpu(output, "all_gather_into_tensor")
-        if input.numel() * self.size() != output.numel():
-            raise HarmpiArgumentError(
-                f"harmpi backend: all_gather_into_tensor: output has {output.numel()} elements, "
-                f"expected {self.size()} x {input.numel()}")
-        if input.dtype in FLOATS:
-            if output.dtype != input.dtype:
+        try:
+            contiguous_cpu(output, "all_gather_into_tensor")
+            if input.numel() * self.size() != output.numel():
+                raise HarmpiArgumentError(
+                    f"harmpi backend: all_gather_into_tensor: output has {output.numel()} "
+                    f"elements, expected {self.size()} x {input.numel()}")
+            if input.dtype in FLOATS and output.dtype != input.dtype:
                 raise HarmpiArgumentError("harmpi backend: all_gather_into_tensor: output and "
                                           "input dtypes differ")
+        except HarmpiArgumentError as exc:
+            self._refuse(COLL_ALLGATHER, exc)
+            raise
+        if input.dtype in FLOATS:
             api.allgather(input.contiguous(), comm=self._harmpi_comm, out=output)
             return DoneWork([output])
         cpu_tensor(input, "all_gather_into_tensor")
@@ -432,13 +437,17 @@ class ProcessGroupHarmpi(GroupChannel):
         rank's input."""
         self._settle()
         what = "reduce_scatter_tensor"
-        cpu_tensor(input, what)
-        contiguous_cpu(output, what)
         k = output.numel()
-        if input.numel() != k * self.size() or output.dtype != input.dtype:
-            raise HarmpiArgumentError(
-                f"harmpi backend: {what}: input must have {self.size()} x {k} elements of the "
-                f"output's dtype (got {input.numel()}, {input.dtype})")
+        try:
+            cpu_tensor(input, what)
+            contiguous_cpu(output, what)
+            if input.numel() != k * self.size() or output.dtype != input.dtype:
+                raise HarmpiArgumentError(
+                    f"harmpi backend: {what}: input must have {self.size()} x {k} elements of "
+                    f"the output's dtype (got {input.numel()}, {input.dtype})")
+        except HarmpiArgumentError as exc:
+            self._refuse(COLL_ALLREDUCE, exc)
+            raise
         self._reduce_block(output, input.reshape(-1).clone(), self.rank() * k, opts)
         return DoneWork([output])
 
@@ -584,19 +593,29 @@ class ProcessGroupHarmpi(GroupChannel):
         return self._alltoallv("all_to_all", sendbuf, recvbuf, send_counts, recv_counts,
                                finish, output_tensors, is_async(opts))
 
+    def _refuse(self, coll, exc):
+        """A check of this rank's arguments to a call on the group's harmpi
+        context failed before anything moved: the peers may be in the call,
+        so they are told (harmpi.api.refuse) and fail it too, at once."""
+        api.refuse(self._harmpi_comm, coll, exc)
+
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
         """Rows of ``input`` (dim 0) to each rank: split evenly, or by the split sizes."""
         if self._pending is not None:
             self._settle()
         n = self._size
-        cpu_tensor(output, "all_to_all_single")
-        cpu_tensor(input, "all_to_all_single")
-        if output.dtype != input.dtype:
-            raise HarmpiArgumentError("harmpi backend: all_to_all_single: output and input "
-                                      "dtypes differ")
-        split_bytes(input, input_split_sizes, n, "input")
-        split_bytes(output, output_split_sizes, n, "output")
+        try:
+            cpu_tensor(output, "all_to_all_single")
+            cpu_tensor(input, "all_to_all_single")
+            if output.dtype != input.dtype:
+                raise HarmpiArgumentError("harmpi backend: all_to_all_single: output and input "
+                                          "dtypes differ")
+            split_bytes(input, input_split_sizes, n, "input")
+            split_bytes(output, output_split_sizes, n, "output")
+        except HarmpiArgumentError as exc:
+            self._refuse(COLL_ALLTOALL, exc)
+            raise
         src = input.contiguous()
         dst = output if output.is_contiguous() else output.contiguous()
         # every dtype through harmpi's own all-to-all: rows through the
