@@ -370,7 +370,16 @@ def _counts(counts, P, name):
         raise HarmpiArgumentError(f"{name} must be {P} integers (one per rank), got {counts!r}")
     if (values < 0).any():
         raise HarmpiArgumentError(f"{name} must be >= 0, got {values.tolist()}")
+    if (values > _COUNT_MAX).any():
+        # (larger counts overflow the sums and sizes derived from them)
+        raise HarmpiArgumentError(f"{name} must be at most 2**48 rows each, got "
+                                  f"{values.tolist()}")
     return values
+
+
+#: the most rows one count may name (2**48: far beyond any memory, and the
+#: sums of a communicator's counts times a row's bytes stay within int64)
+_COUNT_MAX = 1 << 48
 
 
 def _rows_out(x, out, total_rows, row_n, fmt, is_torch, dtype, x_addr, x_n):

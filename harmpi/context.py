@@ -660,9 +660,12 @@ class Context:
         try:
             self._raise(rc, call, state)
         except HarmpiMismatchError as exc:
-            if not self._mismatch_is_clean(rc) or getattr(exc, "unclean", False):
+            if rc == ABANDONED:  # a peer gave up after a disagreement (_abandoned_error)
+                self._give_up(str(exc))
+            elif not self._mismatch_is_clean(rc) or getattr(exc, "unclean", False):
                 self._give_up(f"{exc} (after a disagreement across nodes or between "
-                              "algorithms, the ranks' step counters may differ)")
+                              "algorithms, the ranks' step counters may differ)",
+                              node.CULPRIT_DISAGREED)
             raise
         except (HarmpiTimeoutError, HarmpiTransportError, KeyboardInterrupt) as exc:
             self._give_up(str(exc) or type(exc).__name__, getattr(exc, "culprit", -1))
@@ -786,9 +789,18 @@ class Context:
         if culprit == node.CULPRIT_INTERRUPTED:
             why = ("this rank was interrupted (SIGINT) while it waited" if peer ==
                    self.topo.local_rank else f"{gave_up} was interrupted (SIGINT) while it waited")
-        elif culprit == node.CULPRIT_REFUSED:
+        elif culprit in (node.CULPRIT_REFUSED, node.CULPRIT_DISAGREED):
+            # not a late rank: the ranks disagreed, and that rank said so at once
             why = (f"{gave_up} refused its own arguments to this call (its HarmpiArgumentError "
-                   "says why) while a peer made it for real")
+                   "says why) while a peer made it for real"
+                   if culprit == node.CULPRIT_REFUSED else
+                   f"{gave_up} saw the ranks disagree (another size, dtype, op, collective or "
+                   "algorithm) and gave up")
+            return HarmpiMismatchError(
+                f"{self._who()}: {call}: step {epoch}: {why}. No rank completes this "
+                "collective; this context is unusable now (the ranks' step counters may "
+                "differ). Every rank must make the same calls, with the same sizes and dtypes, "
+                "in the same order.")
         elif culprit == self.topo.rank:
             why = f"{gave_up} gave up waiting for this rank: it arrived after the deadline"
         elif culprit == self._rank_of(peer):

@@ -662,16 +662,18 @@ class HierAlltoall:
                    "its own arguments")
         return HarmpiMismatchError(
             f"rank {topo.rank} (node {topo.node_index}, local rank {topo.local_rank}): "
-            f"{call.op}: ranks disagree: {why} (seen by local rank {peer}). No rank's output "
-            "is complete; every rank must pass the same row shape and dtype, and counts that "
-            "match what their receivers expect.")
+            f"{call.op}: ranks disagree: {why} (seen by local rank {peer}). This rank's output "
+            "is not complete (every rank that raises this leaves its output unwritten); every "
+            "rank must pass the same row shape and dtype, and counts that match what their "
+            "receivers expect.")
 
 
 def pair_error(rank, what, sender, receiver):
     return HarmpiMismatchError(
         f"rank {rank}: {what}: split sizes disagree: rank {sender} sends rank {receiver} a "
         f"number of rows other than rank {receiver} expects (its recv_counts / output split "
-        "sizes; ranks of the communicator). No rank's output is written.")
+        "sizes; ranks of the communicator). This rank's output is not written (every rank "
+        "that raises this leaves its output unwritten).")
 
 
 #: the row bytes a refusal posts in MpiAlltoall's first exchange (no call has them)

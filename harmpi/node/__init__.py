@@ -30,6 +30,7 @@ The names other modules use are re-exported here (``node.stage``,
 from __future__ import annotations
 
 from .abandon import (
+    CULPRIT_DISAGREED,
     CULPRIT_INTERRUPTED,
     CULPRIT_REFUSED,
     abandon,
@@ -123,7 +124,8 @@ __all__ = [
     "memcpy", "stream_copy", "done_reading", "streams", "publish_copy", "copy_bytes",
     "STREAM_MIN_NBYTES", "sigs", "format_itemsize",
     # profiling stamps (stamps) and giving up (abandon)
-    "begin", "heard", "abandon", "CULPRIT_INTERRUPTED", "CULPRIT_REFUSED", "interrupted",
+    "begin", "heard", "abandon", "CULPRIT_INTERRUPTED", "CULPRIT_REFUSED", "CULPRIT_DISAGREED",
+    "interrupted",
     "abandoned_by", "peers_abandoned", "who_abandoned",
     # the flag protocol (flags)
     "publish_wait", "publish_wait_status", "stage", "stage_meta", "stage_at", "stage_post",

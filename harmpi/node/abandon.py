@@ -20,7 +20,8 @@ from ..sync import ABANDONED as FLAG_ABANDONED
 from ..sync import cpu_relax, fence, load_acquire, store_release
 from .layout import flag_addr, wake
 
-__all__ = ["abandon", "CULPRIT_INTERRUPTED", "CULPRIT_REFUSED", "interrupted", "abandoned_by",
+__all__ = ["abandon", "CULPRIT_INTERRUPTED", "CULPRIT_REFUSED", "CULPRIT_DISAGREED",
+           "interrupted", "abandoned_by",
            "peers_abandoned", "who_abandoned"]
 
 _LINE = FLAG_LINE_NBYTES
@@ -33,6 +34,9 @@ CULPRIT_INTERRUPTED = -2
 #: culprit word of a rank that gave up after refusing its own arguments
 #: (its refusal met a real call across nodes: harmpi.context.Context.refuse)
 CULPRIT_REFUSED = -3
+#: culprit word of a rank that gave up after the ranks disagreed in a way
+#: that may have left step counters apart (harmpi.context.Context.fail)
+CULPRIT_DISAGREED = -4
 
 
 @numba.njit(_i64(_ctl, _i64), cache=True, nogil=True)

@@ -172,3 +172,40 @@ def test_torch_all_to_all_single_with_a_bad_split_on_one_rank(world, topo):
         want = torch.tensor([10.0 * k + 2 * r + j for k in range(size) for j in range(2)])
         assert torch.equal(out, want), out
     assert len(set(world.allgather(ok))) == 1
+
+
+def test_counts_beyond_any_memory_are_refused_clearly(world):
+    """recv_counts of 2**62 overflowed into a raw torch error (finding 11);
+    every rank refuses them the same way, so the context goes on."""
+    comm = _comm(world)
+    size = comm.Get_size()
+    x = torch.zeros(size)
+    for kw in (dict(recv_counts=[2 ** 62] * size), dict()):
+        counts = [1] * size if kw else [2 ** 62] * size
+        with pytest.raises(harmpi.HarmpiArgumentError, match=r"at most 2\*\*48 rows"):
+            harmpi.alltoall(x, counts, comm=comm, **kw)
+    assert _after(comm, world) == "usable"
+
+
+def test_a_count_disagreement_says_which_outputs_are_unwritten(world, topo):
+    """The pair error spoke for every rank ("No rank's output is written")
+    where ranks whose own rows all matched may complete (finding 11)."""
+    comm = _comm(world)
+    size, r = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    x = torch.zeros(2 * size)
+    want = [2] * size
+    if r == 0:
+        want = [1, 3] + [2] * (size - 2)
+    x = torch.arange(2 * size, dtype=torch.float32) + 100 * r
+    try:
+        got, _ = harmpi.alltoall(x, [2] * size, comm=comm, recv_counts=want)
+    except harmpi.HarmpiError as exc:
+        assert "No rank's output" not in str(exc) and "This rank's output" in str(exc), exc
+    else:
+        # (across nodes, a node whose own pairs all match completes: its rows are right)
+        assert r != 0 and topo.node_index != 0
+        want_rows = torch.tensor([100.0 * k + 2 * r + j for k in range(size) for j in range(2)])
+        assert torch.equal(got, want_rows), got
+    _after(comm, world)
