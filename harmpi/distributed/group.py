@@ -146,7 +146,7 @@ class ProcessGroupHarmpi(GroupChannel):
         """all_reduce past the hot path: a pending collective settled, or a
         call the hot path does not take (async, sparse, another op or dtype)."""
         if len(tensors) != 1:
-            one_tensor(tensors, "all_reduce")
+            self._one_tensor(tensors, "all_reduce", COLL_ALLREDUCE)
         t = tensors[0]
         if opts is None:
             opts = SYNC_SUM
@@ -201,22 +201,26 @@ class ProcessGroupHarmpi(GroupChannel):
     def _allreduce_other(self, t, op, async_op):
         """all_reduce beyond harmpi's sums: exact, the same bits on every rank."""
         kind = op.op if isinstance(op, dist.ReduceOp) else op
-        if t.device.type != "cpu":
-            raise HarmpiArgumentError(f"harmpi backend: all_reduce: tensor is on {t.device}; "
-                                      "harmpi works on CPU tensors")
-        if kind == RED.PREMUL_SUM:
-            raise HarmpiArgumentError("harmpi backend: all_reduce with PREMUL_SUM is not "
-                                      "supported (gloo lacks it too); scale, then SUM")
-        if kind == RED.AVG and t.dtype in FLOATS:
+        try:
+            if t.device.type != "cpu":
+                raise HarmpiArgumentError(f"harmpi backend: all_reduce: tensor is on "
+                                          f"{t.device}; harmpi works on CPU tensors")
+            if kind == RED.PREMUL_SUM:
+                raise HarmpiArgumentError("harmpi backend: all_reduce with PREMUL_SUM is not "
+                                          "supported (gloo lacks it too); scale, then SUM")
+            average = kind == RED.AVG and t.dtype in FLOATS
+            fold = None if average else fold_of(t.dtype, kind)
+            if fold is None and not average:
+                raise HarmpiArgumentError(
+                    f"harmpi backend: all_reduce with {op_name(kind)} of {t.dtype} is not "
+                    "supported; integer and bool tensors take SUM, PRODUCT, MIN, MAX, BAND, "
+                    "BOR and BXOR, floats SUM, AVG, PRODUCT, MIN and MAX")
+        except HarmpiArgumentError as exc:
+            self._refuse(COLL_ALLREDUCE, exc)
+        if average:
             api.allreduce(t, comm=self._harmpi_comm)
             t.div_(self.size())
             return DoneWork([t]) if async_op else DONE
-        fold = fold_of(t.dtype, kind)
-        if fold is None:
-            raise HarmpiArgumentError(
-                f"harmpi backend: all_reduce with {op_name(kind)} of {t.dtype} is not "
-                "supported; integer and bool tensors take SUM, PRODUCT, MIN, MAX, BAND, BOR "
-                "and BXOR, floats SUM, AVG, PRODUCT, MIN and MAX")
         self._fold(t, kind, fold)
         return DoneWork([t]) if async_op else DONE
 
@@ -336,11 +340,12 @@ class ProcessGroupHarmpi(GroupChannel):
 
     def allgather(self, output_lists, input_tensors, opts=None):
         self._settle()
-        outs = one_tensor(output_lists, "all_gather")
-        t = one_tensor(input_tensors, "all_gather")
+        outs = self._one_tensor(output_lists, "all_gather", COLL_ALLGATHER)
+        t = self._one_tensor(input_tensors, "all_gather", COLL_ALLGATHER)
         if len(outs) != self.size():
-            raise HarmpiArgumentError(f"harmpi backend: all_gather needs {self.size()} output "
-                                      f"tensors, got {len(outs)}")
+            self._refuse(COLL_ALLGATHER, HarmpiArgumentError(
+                f"harmpi backend: all_gather needs {self.size()} output tensors, got "
+                f"{len(outs)}"))
         if any(o.shape != t.shape for o in outs):
             return self._gather_uneven(t, outs)
         if t.dtype in FLOATS:
@@ -408,7 +413,6 @@ class ProcessGroupHarmpi(GroupChannel):
                                           "input dtypes differ")
         except HarmpiArgumentError as exc:
             self._refuse(COLL_ALLGATHER, exc)
-            raise
         if input.dtype in FLOATS:
             api.allgather(input.contiguous(), comm=self._harmpi_comm, out=output)
             return DoneWork([output])
@@ -447,7 +451,6 @@ class ProcessGroupHarmpi(GroupChannel):
                     f"the output's dtype (got {input.numel()}, {input.dtype})")
         except HarmpiArgumentError as exc:
             self._refuse(COLL_ALLREDUCE, exc)
-            raise
         self._reduce_block(output, input.reshape(-1).clone(), self.rank() * k, opts)
         return DoneWork([output])
 
@@ -594,10 +597,19 @@ class ProcessGroupHarmpi(GroupChannel):
                                finish, output_tensors, is_async(opts))
 
     def _refuse(self, coll, exc):
-        """A check of this rank's arguments to a call on the group's harmpi
-        context failed before anything moved: the peers may be in the call,
-        so they are told (harmpi.api.refuse) and fail it too, at once."""
+        """Raise ``exc``: a check of this rank's arguments to a call on the
+        group's harmpi context failed before anything moved. The peers may be
+        in the call, so they are told first (harmpi.api.refuse) and fail it
+        too, at once."""
         api.refuse(self._harmpi_comm, coll, exc)
+        raise exc
+
+    def _one_tensor(self, tensors, what, coll):
+        """one_tensor(tensors, what), refused as :meth:`_refuse` says."""
+        try:
+            return one_tensor(tensors, what)
+        except HarmpiArgumentError as exc:
+            self._refuse(coll, exc)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
@@ -615,7 +627,6 @@ class ProcessGroupHarmpi(GroupChannel):
             split_bytes(output, output_split_sizes, n, "output")
         except HarmpiArgumentError as exc:
             self._refuse(COLL_ALLTOALL, exc)
-            raise
         src = input.contiguous()
         dst = output if output.is_contiguous() else output.contiguous()
         # every dtype through harmpi's own all-to-all: rows through the

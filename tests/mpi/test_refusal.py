@@ -209,3 +209,52 @@ def test_a_count_disagreement_says_which_outputs_are_unwritten(world, topo):
         want_rows = torch.tensor([100.0 * k + 2 * r + j for k in range(size) for j in range(2)])
         assert torch.equal(got, want_rows), got
     _after(comm, world)
+
+
+def _torch_group():
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_initialized():
+        dist.init_process_group("harmpi", init_method="mpi://")
+    return dist, dist.new_group(list(range(dist.get_world_size())))
+
+
+def _bad_all_reduce(dist, g, size):
+    t = torch.ones(4)
+    dist.all_reduce(t, op=dist.ReduceOp.BAND, group=g)  # BAND of floats: refused
+
+
+def _bad_all_gather(dist, g, size):
+    dist.all_gather([torch.empty(4) for _ in range(size + 1)], torch.ones(4), group=g)
+
+
+def _good_all_reduce(dist, g, size):
+    dist.all_reduce(torch.ones(4), group=g)
+
+
+def _good_all_gather(dist, g, size):
+    dist.all_gather([torch.empty(4) for _ in range(size)], torch.ones(4), group=g)
+
+
+@pytest.mark.parametrize("bad, good", [(_bad_all_reduce, _good_all_reduce),
+                                       (_bad_all_gather, _good_all_gather)],
+                         ids=["all_reduce-op", "all_gather-outputs"])
+def test_torch_backend_refusals_reach_the_peers(world, bad, good):
+    dist, g = _torch_group()
+    size, r = dist.get_world_size(), dist.get_rank()
+    if size == 1:
+        return
+    t0 = time.monotonic()
+    with pytest.raises(harmpi.HarmpiError) as info:
+        (bad if r == 0 else good)(dist, g, size)
+    assert time.monotonic() - t0 < 60, info.value
+    if r == 0:
+        assert isinstance(info.value, harmpi.HarmpiArgumentError), info.value
+    ok = True
+    t = torch.full((3,), float(r + 1))
+    try:
+        dist.all_reduce(t, group=g)
+    except harmpi.HarmpiError:
+        ok = False
+    if ok:
+        assert (t == size * (size + 1) / 2).all(), t
+    assert len(set(world.allgather(ok))) == 1
