@@ -24,10 +24,11 @@ from .algorithms.base import Call
 from .args import check_op as _check_op
 from .args import context as _context
 from .args import describe as _describe
+from .args import refuse
 from .args import shape_digest as _shape_digest
 from .config import Config
 from .context import AUTO_CODE
-from .errors import HarmpiArgumentError, HarmpiError
+from .errors import HarmpiArgumentError
 from .logits import allgather_dim, gather_logits, normalize_dim
 from .registry import STATE
 from .version import __version__
@@ -127,25 +128,6 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
         ctx.interrupted()
         raise
     return x
-
-
-def refuse(comm, coll, exc):
-    """``exc``, a HarmpiArgumentError this rank raises before moving anything
-    in a ``coll`` call (kind.COLL_*) on ``comm``: the peers may be in that
-    call, so this rank takes part in it as a refusal (Context.refuse): they
-    fail it at once, naming this rank, and every rank's next call pairs with
-    the peers' next one. Once per error (a call that refuses inside another
-    one is told once); an error about the communicator itself tells no one."""
-    if getattr(exc, "refused", False):
-        return
-    exc.refused = True
-    try:
-        ctx = _STATE.get(comm)
-    except HarmpiError:  # no usable context (COMM_NULL, finalized, a failed set-up)
-        return
-    failed = ctx.refuse(coll)
-    if failed is not None:
-        exc.add_note(f"its peers were told, and this call ended on this rank with: {failed}")
 
 
 def native_failed(x, rc):

@@ -19,7 +19,7 @@ from .errors import HarmpiArgumentError, HarmpiError
 from .registry import STATE
 
 __all__ = ["BF16_NAMES", "byte_order_refusal", "check_op", "context", "describe",
-           "describe_array", "describe_subclass", "shape_digest", "torch_module"]
+           "describe_array", "describe_subclass", "refuse", "shape_digest", "torch_module"]
 
 #: the dtype= spellings of bfloat16 for numpy uint16 arrays
 BF16_NAMES = ("bf16", "bfloat16")
@@ -123,3 +123,22 @@ def shape_digest(shape):
             _SHAPE_DIGESTS.clear()
         digest = _SHAPE_DIGESTS[shape] = kind.shape_digest(shape)
     return digest
+
+
+def refuse(comm, coll, exc):
+    """``exc``, a HarmpiArgumentError this rank raises before moving anything
+    in a ``coll`` call (kind.COLL_*) on ``comm``: the peers may be in that
+    call, so this rank takes part in it as a refusal (Context.refuse): they
+    fail it at once, naming this rank, and every rank's next call pairs with
+    the peers' next one. Once per error (a call that refuses inside another
+    one is told once); an error about the communicator itself tells no one."""
+    if getattr(exc, "refused", False):
+        return
+    exc.refused = True
+    try:
+        ctx = STATE.get(comm)
+    except HarmpiError:  # no usable context (COMM_NULL, finalized, a failed set-up)
+        return
+    failed = ctx.refuse(coll)
+    if failed is not None:
+        exc.add_note(f"its peers were told, and this call ended on this rank with: {failed}")

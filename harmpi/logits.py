@@ -120,7 +120,7 @@ import numpy as np
 from numba import types
 
 from . import dtypes, kind, node
-from .args import context, describe, shape_digest
+from .args import context, describe, refuse, shape_digest
 from .context import AUTO_CODE
 from .control import voidptr as _voidptr
 from .errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError
@@ -489,10 +489,14 @@ def gather_logits(shard, comm=None, route=None):
     On the allreduce route the result is a view of a slightly longer buffer
     (the check tail, 3 elements per rank, follows it); it is contiguous.
     """
-    addr, fmt, is_torch, shape = _check_shard(shard)
-    ctx = context(comm)
+    try:
+        addr, fmt, is_torch, shape = _check_shard(shard)
+        ctx = context(comm)
+        check_route(route)
+    except HarmpiArgumentError as exc:
+        refuse(comm, kind.COLL_ALLGATHER, exc)  # the peers may be in the call: tell them
+        raise
     cfg = ctx.config
-    check_route(route)
     st = _state(ctx)
     st.enter("gather_logits")
     try:
@@ -551,6 +555,37 @@ def gather_uneven(t, outs, comm=None, route=None):
     ``outs`` (no exchange); ranks whose lists disagree raise
     HarmpiMismatchError on every rank. ``route`` as in :func:`gather_logits`.
     """
+    try:
+        ctx, addr, fmt, shape, addrs, widths = _uneven_args(t, outs, comm, route)
+    except HarmpiArgumentError as exc:
+        refuse(comm, kind.COLL_ALLGATHER, exc)  # the peers may be in the call: tell them
+        raise
+    rank, lead, n = ctx.topo.rank, shape[:-1], ctx.topo.size
+    st = _state(ctx)
+    st.enter("gather_uneven")
+    try:
+        table = st.uneven_table(tuple(widths), rank)
+        rows, V = math.prod(lead), table.total
+        isz = dtypes.FORMATS[fmt].itemsize
+        cfg = ctx.config
+        chosen = choose_route(route, cfg.logits_route, ctx.topo.node_count, rows * V * isz,
+                              cfg.logits_allreduce_max_nbytes)
+        dst_off, dst_row = np.array(addrs, np.int64), np.array(widths, np.int64) * isz
+        if chosen == "allgather":
+            _allgather_route(ctx, st, table, addr, rows, lead, fmt, isz, 0, (dst_off, dst_row))
+            return outs
+        full = st.scratch((rows * V + TAIL_PER_RANK * n) * isz)
+        _allreduce_route(ctx, st, table, addr, rows, lead, fmt, isz, full)
+        copy_rows(full, 0, rows, make_plan(dst_row, np.array(table.offsets) * isz, V * isz,
+                                           dst_off, dst_row))
+        return outs
+    finally:
+        st.lock.release()
+
+
+def _uneven_args(t, outs, comm, route):
+    """gather_uneven's checks, before anything moves: (ctx, t's address,
+    format, shape, the outputs' addresses, their widths)."""
     addr, fmt, is_torch, shape = _check_shard(t)
     ctx = context(comm)
     n, rank = ctx.topo.size, ctx.topo.rank
@@ -572,26 +607,7 @@ def gather_uneven(t, outs, comm=None, route=None):
         raise HarmpiArgumentError(f"outs[{rank}] (this rank's) has width {widths[rank]} but t has "
                                   f"{shape[-1]}")
     check_route(route)
-    st = _state(ctx)
-    st.enter("gather_uneven")
-    try:
-        table = st.uneven_table(tuple(widths), rank)
-        rows, V = math.prod(lead), table.total
-        isz = dtypes.FORMATS[fmt].itemsize
-        cfg = ctx.config
-        chosen = choose_route(route, cfg.logits_route, ctx.topo.node_count, rows * V * isz,
-                              cfg.logits_allreduce_max_nbytes)
-        dst_off, dst_row = np.array(addrs, np.int64), np.array(widths, np.int64) * isz
-        if chosen == "allgather":
-            _allgather_route(ctx, st, table, addr, rows, lead, fmt, isz, 0, (dst_off, dst_row))
-            return outs
-        full = st.scratch((rows * V + TAIL_PER_RANK * n) * isz)
-        _allreduce_route(ctx, st, table, addr, rows, lead, fmt, isz, full)
-        copy_rows(full, 0, rows, make_plan(dst_row, np.array(table.offsets) * isz, V * isz,
-                                           dst_off, dst_row))
-        return outs
-    finally:
-        st.lock.release()
+    return ctx, addr, fmt, shape, addrs, widths
 
 
 def allgather_dim(x, dim, comm, dtype, out):

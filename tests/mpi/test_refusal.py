@@ -115,6 +115,18 @@ def test_a_wrong_allgather_output_on_one_rank(world, topo):
         assert outcome == "usable"
 
 
+def test_a_bad_logits_route_on_one_rank(world, topo):
+    comm = _comm(world)
+    if comm.Get_size() == 1:
+        return
+    shard = torch.ones(2, 5)
+    outcome = _refused_on_rank0(
+        comm, world, lambda: harmpi.gather_logits(shard, comm=comm),
+        lambda: harmpi.gather_logits(shard, comm=comm, route="bogus"), topo)
+    if topo.node_count == 1:
+        assert outcome == "usable"
+
+
 def test_a_refusal_meets_a_zero_element_call(world, topo):
     """A zero-element all-reduce moves nothing, yet it must not pair with a
     refusal as if both had called the same thing."""
