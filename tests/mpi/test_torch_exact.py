@@ -39,6 +39,11 @@ def world():
     dist.destroy_process_group()
 
 
+#: a test of what peers see of each other: nothing to see on one rank (the
+#: world size is the same on every rank, so every rank skips alike)
+needs_two = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() < 2, reason="needs two ranks")
+
+
 def _fresh_group(timeout_s=DEADLINE_S):
     """A group of every rank, for a test that may leave it unusable."""
     return dist.new_group(list(range(dist.get_world_size())),
@@ -165,6 +170,7 @@ def _fails_at_once(call, what):
     return str(exc) if isinstance(exc, harmpi.HarmpiMismatchError) else mismatches[0]
 
 
+@needs_two
 def test_float_and_int_all_reduce_fail_at_once(world):
     dtype = torch.float32 if dist.get_rank() == 0 else torch.int32
     msg = _fails_at_once(lambda g: dist.all_reduce(torch.ones(8, dtype=dtype), group=g),
@@ -172,6 +178,7 @@ def test_float_and_int_all_reduce_fail_at_once(world):
     assert "disagree" in msg
 
 
+@needs_two
 def test_float_and_int_all_to_all_single_fail_at_once(world):
     n = dist.get_world_size()
     dtype = torch.float32 if dist.get_rank() == 0 else torch.int32
@@ -181,6 +188,7 @@ def test_float_and_int_all_to_all_single_fail_at_once(world):
     assert "disagree" in msg and "all_to_all_single" in msg
 
 
+@needs_two
 def test_int8_and_int16_of_one_byte_size_fail_at_once(world):
     # the same bytes on every rank: only the dtype differs
     wide = dist.get_rank() % 2 == 1
@@ -193,6 +201,7 @@ def test_int8_and_int16_of_one_byte_size_fail_at_once(world):
                    "int8/int16 all_to_all_single")
 
 
+@needs_two
 def test_int_sum_and_max_fail_at_once(world):
     op = R.SUM if dist.get_rank() == 0 else R.MAX
     msg = _fails_at_once(lambda g: dist.all_reduce(torch.ones(8, dtype=torch.int64), op=op,
@@ -220,6 +229,7 @@ def test_int_all_to_all_single_of_odd_rows_is_exact(world):
 # -- (8) a received message larger than the tensor --------------------------------------
 
 
+@needs_two
 def test_recv_of_a_larger_message_says_the_sizes(world):
     me = dist.get_rank()
     if me == 0:
@@ -242,6 +252,7 @@ def test_recv_of_a_larger_message_says_the_sizes(world):
 # -- (11) messages that mislead -----------------------------------------------------------
 
 
+@needs_two
 def test_barrier_failure_met_at_once_is_not_called_a_timeout(world):
     """Rank 1 comes after the deadline: the others time out (and say so),
     rank 1 fails at once and must not say "timeout after"."""
@@ -261,6 +272,7 @@ def test_barrier_failure_met_at_once_is_not_called_a_timeout(world):
         assert took >= 2, msg
 
 
+@needs_two
 def test_float_split_mismatch_names_the_counts(world):
     n, me = dist.get_world_size(), dist.get_rank()
     group = _fresh_group()
