@@ -23,7 +23,7 @@ from mpi4py import MPI
 from .errors import HarmpiArgumentError, HarmpiMismatchError, HarmpiTimeoutError
 
 __all__ = ["Topology", "discover", "arrive", "agree", "vote", "gather_records", "check_arrivals",
-           "wait_polled", "LATE_FRACTION"]
+           "wait_polled", "world_ranks", "LATE_FRACTION"]
 
 
 #: bytes per rank in a set-up agreement: the arrival stamp, then the settings
@@ -194,6 +194,21 @@ class Topology:
     @property
     def is_leader(self) -> bool:
         return self.local_rank == 0
+
+
+def world_ranks(comm, ranks=None):
+    """The COMM_WORLD rank of each of ``ranks`` (default: every rank) of
+    ``comm``, for errors that name ranks users know. The two groups it asks
+    MPI for are freed again: a group never freed outlives its communicator
+    (the tcp rail leaked its rail communicator's group this way, one per
+    multi-node context: issue 35, finding 9)."""
+    ranks = list(range(comm.Get_size())) if ranks is None else list(ranks)
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return MPI.Group.Translate_ranks(group, ranks, world)
+    finally:
+        group.Free()
+        world.Free()
 
 
 def discover(comm, ranks_per_node=None):

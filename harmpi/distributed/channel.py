@@ -34,7 +34,7 @@ from ..errors import (
     HarmpiTimeoutError,
 )
 from ..registry import STATE
-from ..topology import arrive
+from ..topology import arrive, world_ranks
 from .tables import CALL_NAMES, CALLS, DTYPE_BY_CODE, HEADER_TAG, dtype_code
 from .waits import STRANDED, cancel, unfinished, wait_requests
 from .work import MpiWork
@@ -69,7 +69,7 @@ class GroupChannel(dist.ProcessGroup):
         #: private duplicates: the backend's own collectives and headers, and
         #: users' messages (send/recv), kept apart from the application's MPI
         self._mpi, self._p2p = _private_comms(comm, self._timeout_s)
-        self._world_ranks = _world_ranks(comm)
+        self._world_ranks = world_ranks(comm)
         self._size, self._rank = size, rank
         #: the other ranks of the group, to which headers go
         self._peers = [r for r in range(size) if r != rank]
@@ -364,16 +364,6 @@ def _private_comms(comm, timeout_s):
 
     wait_requests([ra, rb], timeout_s, late)
     return a, b
-
-
-def _world_ranks(comm):
-    """COMM_WORLD rank of each rank of ``comm`` (errors name ranks users know)."""
-    group, world = comm.Get_group(), _WORLD.Get_group()
-    try:
-        return MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world)
-    finally:
-        group.Free()
-        world.Free()
 
 
 def _native_sum():

@@ -21,7 +21,7 @@ import logging
 from mpi4py import MPI
 
 from ..errors import HarmpiTransportError
-from ..topology import arrive, vote
+from ..topology import arrive, vote, world_ranks
 from .base import MAX_TAG, POISON_TAG, Pending, Transport
 from .mpi import MpiTransport
 from .tcp import TcpTransport
@@ -97,8 +97,7 @@ def _verbs_everywhere(comm, config, local_rank):
         return choice, f"verbs: every rank has an ACTIVE port (this rank: {why})"
     whys = comm.allgather(None if choice is not None else why)
     try:  # errors name the ranks users know
-        names = MPI.Group.Translate_ranks(comm.Get_group(), list(range(len(whys))),
-                                          MPI.COMM_WORLD.Get_group())
+        names = world_ranks(comm)
     except MPI.Exception:
         names = list(range(len(whys)))
     bad = [f"rank {names[r]}: {w}" for r, w in enumerate(whys) if w is not None]

@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from ..errors import HarmpiMismatchError, HarmpiTimeoutError
 from ..kind import ABANDON_TAG
+from ..topology import world_ranks
 from .base import NAP_FIRST_S, Pending, Transport, idle
 
 _EMPTY = np.empty(0, np.uint8)
@@ -150,8 +151,7 @@ class MpiTransport(Transport):
     def _world_rank(self, peer):
         """The COMM_WORLD rank of ``peer`` (errors should name ranks users know)."""
         try:
-            (w,) = MPI.Group.Translate_ranks(self.comm.Get_group(), [peer],
-                                             MPI.COMM_WORLD.Get_group())
+            (w,) = world_ranks(self.comm, [peer])
             return w
         except MPI.Exception:
             return peer

@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 from .. import mpiprogress
 from ..errors import HarmpiTimeoutError, HarmpiTransportError
-from ..topology import arrive, wait_polled
+from ..topology import arrive, wait_polled, world_ranks
 from . import sockio
 from .base import Pending, Transport, timeout_error
 
@@ -123,8 +123,7 @@ class TcpTransport(Transport):
     @staticmethod
     def _world_ranks(comm):
         try:
-            return MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
-                                             MPI.COMM_WORLD.Get_group())
+            return world_ranks(comm)
         except MPI.Exception:
             return list(range(comm.Get_size()))
 

@@ -85,7 +85,7 @@ from mpi4py import MPI
 
 from ..errors import HarmpiTimeoutError, HarmpiTransportError
 from ..kind import ABANDON_TAG
-from ..topology import arrive
+from ..topology import arrive, world_ranks
 from . import verbs_proto as proto
 from .base import NAP_FIRST_S, Pending, Transport, idle, timeout_error
 
@@ -471,7 +471,6 @@ class VerbsTransport(Transport):
 
 def _world_ranks(comm):
     try:
-        return MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
-                                         MPI.COMM_WORLD.Get_group())
+        return world_ranks(comm)
     except (MPI.Exception, AttributeError):  # (tests' stand-in communicators have no group)
         return list(range(comm.Get_size()))
