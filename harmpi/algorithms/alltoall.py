@@ -47,6 +47,11 @@ rank, since here a pair that disagrees is seen by its two nodes only): rank
   Node g's "more" flag reaches every rank of every node, so all ranks run
   the same number of steps. Both ends of a rail check the counts that
   cross it against the receiver's expectation.
+  A late rank: its node's ranks time out in step 1, before their messages,
+  while their rail peers wait in step 3. So a rank that gives up before
+  its message sends a *told* message instead (the rank it waited for), and
+  a rail wait gives its peer one more deadline to send it: every rank of
+  both nodes names the late rank, as the all-reduce's ranks do.
 Cost per step: two flag rounds and one message to each other node per
 rank (G - 1 per rank, all rails in parallel): rows cross the network once.
 """
@@ -58,19 +63,24 @@ import numpy as np
 from numba import types
 
 from .. import kind, node
-from ..control import ARRAY as _ctl
 from ..control import (
+    ABANDONED,
     MISMATCH,
     OK,
     POISONED,
     RAIL_FAILED,
+    RAIL_LATE,
+    RAIL_TIMEOUT,
     control_at,
 )
+from ..control import ARRAY as _ctl
 from ..control import voidptr as _voidptr
-from ..errors import HarmpiMismatchError
+from ..errors import HarmpiError, HarmpiMismatchError, HarmpiTimeoutError, HarmpiTransportError
 from ..kind import POISON_TAG, rail_tag
+from ..shm import FLAG_LINE_NBYTES, W_CULPRIT
+from ..sync import load_acquire, monotonic_ns
 from ..transports import sockio
-from .har_latency import rail_complete, rail_views
+from .har_latency import rail_views
 
 __all__ = ["PLAN_FIELDS", "plan_words", "geometry", "ALLTOALL_STEP", "ALLTOALL_START", "warm_up",
            "ALLTOALL_FINISH", "ALLTOALL_CFUNC", "HierAlltoall", "new_plan", "pair_mismatch"]
@@ -394,6 +404,98 @@ def _scan_headers(c, counts, ranks, g, P, L, me, recv):
 _RAIL_ROWS = 2  # (har_latency's rows: row 0 receives, row 1 sends)
 
 
+# -- a rank that gave up before its rail message ---------------------------------
+#
+# Its rail peer waits for that message while it waits, in its node's flag
+# round, for a rank that never came: it sends the rank it waited for in a
+# told message (tag POISON_TAG) in place of its part, and the peer's rail
+# wait lasts one more deadline, so that the told message reaches it first.
+
+#: a told message's int64 words: TOLD_MAGIC, the culprit word the sender
+#: posted (harmpi.node.abandon), the rank of its node that gave up first
+TOLD_WORDS = 3
+TOLD_NBYTES = 8 * TOLD_WORDS
+#: a step message's first word is 0 or 1 (node g has more steps), never this
+TOLD_MAGIC = 0x48524D5054454C4C
+#: the extra deadline's wait, in slices: between them it looks for a local
+#: rank that gave up (its culprit word names the rank it waited for)
+_EXTRA_SLICE_NS = 10_000_000
+
+
+@numba.njit(cache=True, nogil=True)
+def _told_words(c, rc, words):
+    """The told message of a step this rank gave up with status ``rc``:
+    its own culprit word, and who gave up first (the local rank whose flag
+    it found abandoned, else itself)."""
+    words[0] = TOLD_MAGIC
+    words[1] = load_acquire(c.flags + c.local_rank * FLAG_LINE_NBYTES + W_CULPRIT * 8)
+    words[2] = node.local_rank_of(c, c.err_peer if rc == ABANDONED else c.local_rank)
+
+
+@numba.njit(cache=True, nogil=True)
+def _tell_rail_peer(ctl, rc, msg_addr):
+    """Send the rail peer the told message of status ``rc`` (in msg_addr)
+    from sockio row 0; returns rc. Best effort: a send that cannot start
+    now is left to the give-up's closed socket (no notice follows a half-sent
+    message)."""
+    c = ctl[0]
+    _told_words(c, rc, numba.carray(_voidptr(msg_addr), (TOLD_WORDS,), np.int64))
+    ops, _pollfds, scratch = rail_views(c)
+    sockio.set_send(ops, 0, c.rail_fd, msg_addr, TOLD_NBYTES, POISON_TAG,
+                    sockio.realtime_ns() + c.timeout_ns)
+    sockio.kick(ops, 1, scratch)
+    return rc
+
+
+@numba.njit(cache=True, nogil=True)
+def _heard_told(ctl, ops, state):
+    """Whether receive row 0 got a told message (into rail_recv): then give
+    up, posting its culprit (or, if that is no rank, the rank that gave up
+    first), with state[4:7] = (1, culprit word, that rank)."""
+    c = ctl[0]
+    if (ops[0, sockio.OP_DONE] < sockio.HEADER_NBYTES + TOLD_NBYTES
+            or ops[0, sockio.OP_HDR_TAG] != POISON_TAG or ops[0, sockio.OP_HDR_N] != TOLD_NBYTES):
+        return False
+    words = numba.carray(_voidptr(c.rail_recv), (TOLD_WORDS,), np.int64)
+    if words[0] != TOLD_MAGIC:
+        return False
+    state[4], state[5], state[6] = 1, words[1], words[2]
+    node.abandon(ctl, words[1] if words[1] >= 0 else words[2])
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _rail_wait(ctl, ops, pollfds, scratch, state):
+    """har_latency.rail_complete, with one more deadline for a rail peer that
+    gives up and tells (ended early by a local rank that gave up). Returns
+    OK or the status of a step this rank gives up on; RAIL_FAILED with
+    state[4] = 1 after a told message (_heard_told)."""
+    c = ctl[0]
+    io = sockio.progress(ops, _RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
+                         node.hook_addr(ctl), c.wait_yield, node.wait_addr(ctl))
+    end = monotonic_ns() + c.timeout_ns
+    while io == sockio.IO_TIMEOUT:
+        left = end - monotonic_ns()
+        if left <= 0:
+            break
+        rc = node.peers_abandoned(ctl)
+        if rc != OK:
+            return rc
+        io = sockio.progress(ops, _RAIL_ROWS, 0, min(left, _EXTRA_SLICE_NS), pollfds, scratch,
+                             node.hook_addr(ctl), 0, node.wait_addr(ctl))
+    if _heard_told(ctl, ops, state):
+        return RAIL_FAILED
+    if io == sockio.IO_INTERRUPTED:
+        return node.interrupted(ctl)
+    if io != sockio.IO_OK:
+        node.abandon(ctl, c.rail_peer)
+        return RAIL_TIMEOUT if io == sockio.IO_TIMEOUT else RAIL_FAILED
+    if sockio.realtime_ns() > ops[0, sockio.OP_HDR_DL]:
+        node.abandon(ctl, c.rail_peer)  # (see rail_complete)
+        return RAIL_LATE
+    return OK
+
+
 _ROUND_SIG = _i64(_ctl, types.intp, _i64, types.int64[::1], _i64, _i64, types.int64[:, ::1],
                   types.int64[:, ::1], _i64, types.intp, _i64, types.int64[::1])
 _COPY_SIG = types.void(_ctl, types.intp, types.intp, _i64, types.int64[::1], _i64,
@@ -403,22 +505,24 @@ _COPY_SIG = types.void(_ctl, types.intp, types.intp, _i64, types.int64[::1], _i6
 @numba.njit(_ROUND_SIG, cache=True, nogil=True)
 def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, tag, state):  # noqa: C901 - one compiled step: its branches are the round's outcomes, taken in the order every rank takes them
     """Step k of the two-node all-to-all up to its status round. ``state``
-    (int64[4]) in: [longest rows through a slot (k > 0)]; out: [longest,
-    bad local pair or -1, any node has more steps, the rail's status].
-    Returns OK, or the failed round's status (MISMATCH after a poisoned
-    exchange keeps the node's verdict in err_*)."""
+    (int64[7]) in: [longest rows through a slot (k > 0)]; out: [longest,
+    bad local pair or -1, any node has more steps, the rail's status, then
+    1 and the told message's culprit word and first giver when the rail
+    peer told, else 0]. Returns OK, or the failed round's status (MISMATCH
+    after a poisoned exchange keeps the node's verdict in err_*)."""
     c = ctl[0]
     L, me = c.local_size, c.local_rank
     P = ranks.shape[0] * L
     rank = ranks[g, me]
     head, block = geometry(c.slot_nbytes, P)
+    state[4] = 0
     rc = node.peers_abandoned(ctl)
     if rc != OK:
-        return rc
+        return _tell_rail_peer(ctl, rc, msg_addr)
     _fill(c, x_addr, row_nb, plan, P, rank, k, head, block, k == 0)
     rc = node.stage_at(ctl, 0, 0, 0, 0, row_nb, code, _W, 0)
     if rc != OK and rc != MISMATCH:
-        return rc
+        return _tell_rail_peer(ctl, rc, msg_addr)
     local_bad = rc == MISMATCH
     if local_bad:
         c.saved_peer, c.saved_a, c.saved_b = c.err_peer, c.err_a, c.err_b
@@ -434,12 +538,15 @@ def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, 
                    plan[P:2 * P], more)
         send_tag = tag
     sockio.set_recv(ops, 0, c.rail_fd, c.rail_recv, c.rail_recv_cap)
+    # (the give-up time a receiver checks: this rank's wait, with its extra deadline)
     sockio.set_send(ops, 1, c.rail_fd, msg_addr, nb, send_tag,
-                    sockio.realtime_ns() + c.timeout_ns)
+                    sockio.realtime_ns() + 2 * c.timeout_ns)
     if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
+        if _heard_told(ctl, ops, state):
+            return RAIL_FAILED
         node.abandon(ctl, c.rail_peer)
         return RAIL_FAILED
-    rc = rail_complete(ctl, ops, pollfds, scratch)
+    rc = _rail_wait(ctl, ops, pollfds, scratch, state)
     if rc != OK:
         return rc
     got_nb, got_tag = ops[0, sockio.OP_HDR_N], ops[0, sockio.OP_HDR_TAG]
@@ -515,8 +622,12 @@ class HierAlltoall:
         #: two-node all-reduce set up in the control block (its rows too)
         har2 = ctx.har2()
         self.compiled = har2 is not None and har2.compiled
-        self.state = np.zeros(4, np.int64)
+        self.state = np.zeros(7, np.int64)
         self.roff = np.zeros(self.P, np.int64)
+        #: the told message this rank sends when it gives up before its rail
+        #: message (the Python path), and the sends posted, kept to their end
+        self.told = np.zeros(TOLD_WORDS, np.int64)
+        self.told_sent = []
 
     def run(self, call, row_nb, plan, make_out):
         """The whole collective (``call``: x and the kind word); ``make_out(
@@ -534,6 +645,7 @@ class HierAlltoall:
             _fill(ctl[0], x_addr, row_nb, plan, P, me, k, self.head, self.block, k == 0)
             rc = node.stage_meta(ctl, 0, row_nb, code, _W)
             if rc not in (OK, MISMATCH):
+                self._tell_peers(rc)
                 ctx.fail(rc, call)  # a timeout or a peer that gave up: no going on
             local = ctx.error_state() if rc else None
             if k == 0 and local is None:
@@ -570,10 +682,8 @@ class HierAlltoall:
         while True:
             rc = A2A2_ROUND(ctl, call.addr, row_nb, plan, call.code, k, self.counts, self.ranks,
                             self.g, send.ctypes.data, tag, state)
-            if rc == POISONED:
-                raise self._rail_mismatch(call, int(state[3]), int(ctl[0]["err_peer"]))
             if rc:
-                ctx.fail(rc, call)
+                self._round_failed(call, rc)
             if k == 0:
                 if state[1] >= 0:  # (see run())
                     failed = pair_error(ctx.topo.rank, call.op, *divmod(int(state[1]), P))
@@ -586,6 +696,19 @@ class HierAlltoall:
                 if failed is not None:
                     raise failed
                 return out
+
+    def _round_failed(self, call, rc):
+        """Raise for A2A2_ROUND's failed status ``rc``."""
+        ctx, state = self.ctx, self.state
+        if rc == POISONED:
+            raise self._rail_mismatch(call, int(state[3]), int(ctx.ctl[0]["err_peer"]))
+        if rc == RAIL_FAILED and state[4]:
+            raise self._told_error(call, int(state[5]), int(state[6]))
+        if rc == RAIL_TIMEOUT:  # (after the extra deadline: say how long it waited)
+            peer = self.peers[0]
+            self.transport.raise_timeout(_RAIL_ROWS, 1, (peer, peer), 2 * ctx.config.timeout_s,
+                                         call, ops=ctx.har2().ops)
+        ctx.fail(rc, call)
 
     def _send_offsets(self, plan):
         """The plan's send counts (one count for every rank if the plan
@@ -627,7 +750,10 @@ class HierAlltoall:
         they fail too, and their messages are still received (the rails
         stay clean for the next call)."""
         ctx, P, L = self.ctx, self.P, self.L
-        ctx.guard(call)
+        rc = node.peers_abandoned(ctx.ctl)  # (ctx.guard, telling the rail peers first)
+        if rc != OK:
+            self._tell_peers(rc)
+            ctx.fail(rc, call)
         sends, recvs = [], []
         for p in self.peers:
             if counts is None:
@@ -637,8 +763,21 @@ class HierAlltoall:
                            row_nb, k, self.head, self.block, counts, plan[P:2 * P], more)
                 sends.append((p, self.send_bufs[p][:nb], tag))
             recvs.append((p, self.recv_bufs[p]))
-        got = self.transport.complete(self.transport.post(sends, recvs), ctx.config.timeout_s,
-                                      call)
+            self.recv_bufs[p][:8] = 0  # (no told magic left from an earlier step)
+        pending = self.transport.post(sends, recvs)
+        try:
+            # one more deadline: a peer that gave up first tells why (_tell_peers)
+            got = self.transport.complete(pending, 2 * ctx.config.timeout_s, call)
+        except (HarmpiTimeoutError, HarmpiTransportError) as exc:
+            # (its notice may end this wait before its told message is looked at)
+            told = self._told_in(call, self.peers)
+            if told is None:
+                raise
+            raise told from exc
+        told = self._told_in(call, [p for p, (nb, t) in zip(self.peers, got)
+                                    if t == POISON_TAG and nb == TOLD_NBYTES])
+        if told is not None:
+            raise told
         status, anyone_more = 0, more
         for p, (nb, t) in zip(self.peers, got):
             if t != tag or nb < self.msg_head:
@@ -651,6 +790,59 @@ class HierAlltoall:
             if bad:
                 status = status or RAIL_COUNTS_BAD
         return status, anyone_more
+
+    def _tell_peers(self, rc):
+        """This rank gives up on the step (status ``rc``) before its rail
+        messages: send each rail peer the told message instead (best effort:
+        the give-up that follows tells them anyway, without the culprit)."""
+        _told_words(self.ctx.ctl[0], rc, self.told)
+        for p in self.peers:
+            try:
+                self.told_sent.append(self.transport.post([(p, self.told.view(np.uint8),
+                                                            POISON_TAG)], []))
+            except HarmpiError:
+                return
+
+    def _told_in(self, call, peers):
+        """The error for a told message in the receive buffer of one of
+        ``peers``, else None. The culprit this rank's give-up posts is the
+        rank the teller waited for, or the rank that gave up first if that
+        is not a rank (an interrupt, a refusal)."""
+        for p in peers:
+            words = self.recv_bufs[p][:TOLD_NBYTES].view(np.int64)
+            if words[0] == TOLD_MAGIC:
+                return self._told_error(call, int(words[1]), int(words[2]), p)
+        return None
+
+    def _told_error(self, call, culprit, giver, p=None):
+        """A rail peer (of node ``p``) told this rank that ``giver`` gave up
+        first, waiting for ``culprit`` (its culprit word)."""
+        topo = self.ctx.topo
+        peer = self.ranks[self.peers[0] if p is None else p, self.l]
+        if culprit >= 0:
+            why = f"rank {giver} gave up waiting for rank {culprit}: it did not arrive in time"
+        elif culprit == node.CULPRIT_INTERRUPTED:
+            why = f"rank {giver} was interrupted (SIGINT) while it waited"
+        elif culprit == node.CULPRIT_REFUSED:
+            why = (f"rank {giver} refused its own arguments to this call (its "
+                   "HarmpiArgumentError says why) while a peer made it for real")
+        elif culprit == node.CULPRIT_DISAGREED:
+            why = (f"rank {giver} saw the ranks disagree (another size, dtype, op, collective "
+                   "or algorithm) and gave up")
+        else:
+            why = f"rank {giver} gave up (its transport failed, it timed out or was interrupted)"
+        text = (f"rank {topo.rank} (node {topo.node_index}, local rank {topo.local_rank}): "
+                f"{call}: {why}; its rail peer rank {peer} told this rank so instead of "
+                "sending its part. No rank completes this collective")
+        if culprit in (node.CULPRIT_REFUSED, node.CULPRIT_DISAGREED):
+            err = HarmpiMismatchError(
+                f"{text}; this context is unusable now (the ranks' step counters may differ). "
+                "Every rank must make the same calls, with the same sizes and dtypes, in the "
+                "same order.", culprit=giver)
+            err.unclean = True  # (the context gives up: its peers are mid-collective)
+            return err
+        return HarmpiTimeoutError(f"{text} (HARMPI_TIMEOUT_S sets the deadline); this context "
+                                  "is unusable now.", culprit=culprit if culprit >= 0 else giver)
 
     def _rail_mismatch(self, call, status, peer):
         topo = self.ctx.topo
@@ -797,3 +989,6 @@ def warm_up():
     _take_header(msg, 1, L, 0, ranks, plan, counts, recv, True)
     _prefix(plan[:P], plan[3 * P:4 * P], P)
     _prefix(recv, roff, P)
+    flags = np.zeros(FLAG_LINE_NBYTES * L // 8, np.int64)
+    c["flags"] = flags.ctypes.data
+    _told_words(ctl[0], OK, np.zeros(TOLD_WORDS, np.int64))
