@@ -67,7 +67,7 @@ FLAG_LINE_NBYTES = 64
 W_EPOCH = 0   # word index of the epoch in a flag line
 W_META = 1    # first meta word; parity p uses words W_META + 2p, W_META + 2p + 1
 W_STATUS = 5  # parity p uses word W_STATUS + p
-W_CULPRIT = 7  # written before the epoch word turns ABANDONED
+W_CULPRIT = 7  # written before the epoch word turns ABANDONED (until then: node.flags.ENTERED_BASE)
 STAMP_WORDS = 3  # words per parity in a stamp line: epoch, time, rank
 _PAGE = 4096
 

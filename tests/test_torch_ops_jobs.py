@@ -93,6 +93,12 @@ def test_a_rank_that_never_comes_is_named_within_the_deadline(tmp_path):
             assert 1.8 <= took < 60, (op, took)    # the deadline, with a generous margin
             if op == "rendezvous":  # (a collective on COMM_WORLD: who is missing is unknown)
                 assert "rendezvous over MPI" in message and "did not arrive" in message, message
+            elif op in ("all_reduce MAX int64", "all_to_all_single"):
+                # harmpi's own allgather (integers are folded from it) and
+                # all-to-all: their errors name the rank each waited for, the
+                # absent one
+                assert re.search(rf"(waiting for |from |\(|world )rank {np_ - 1}\b", message), \
+                    message
             else:  # the absent rank alone (its peers came; they are not named)
                 assert re.search(rf"world rank {np_ - 1} ", message), message
     assert proc.stdout.count("exits") == np_

@@ -20,9 +20,10 @@ from numba.extending import intrinsic
 
 from .. import control, copytune, dtypes, kind, profrec
 from ..control import ABANDONED, BUSY, OK, WRONG_THREAD
+from ..shm import FLAG_LINE_NBYTES, W_CULPRIT
 from ..sync import compare_exchange, store_release
 from .dispatch import format_itemsize
-from .flags import stage_check, stage_post
+from .flags import ENTERED_BASE, stage_check, stage_post
 from .layout import part_bounds, ring_pos
 from .stamps import begin
 from .steps import gather_node, reduce_scatter_allgather, shm_allreduce, sum_slots, tune_state
@@ -79,7 +80,13 @@ def enter(ctl):
         return WRONG_THREAD
     if compare_exchange(ctl.ctypes.data + _BUSY_OFFSET, 0, 1) != 0:
         return BUSY
-    ctl[0].coll_epoch = ctl[0].epoch
+    c = ctl[0]
+    c.coll_epoch = c.epoch
+    # the culprit word says "inside the collective that starts at this epoch"
+    # until this rank gives up (flags.ENTERED_BASE): a peer waiting for this
+    # rank's publish then gives it one more deadline to name whom it waits for
+    store_release(c.flags + c.local_rank * FLAG_LINE_NBYTES + W_CULPRIT * 8,
+                  ENTERED_BASE - c.coll_epoch)
     return OK
 
 

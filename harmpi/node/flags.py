@@ -50,11 +50,17 @@ from .dispatch import sigs
 from .layout import flag_addr, hook_addr, local_rank_of, slots2d, step_parity, wait_addr, wake
 from .stamps import post_stamp, read_stamps
 
-__all__ = ["publish_wait", "publish_wait_status", "stage", "stage_meta", "stage_at",
+__all__ = ["ENTERED_BASE", "publish_wait", "publish_wait_status", "stage", "stage_meta", "stage_at",
            "stage_post", "stage_check"]
 
 _LINE = FLAG_LINE_NBYTES
 _WORD = 8
+
+#: what a rank's culprit word holds while it has not given up: ENTERED_BASE
+#: minus the epoch at which it entered its current collective (entries.enter),
+#: so a peer's wait can tell a rank inside this collective that has not
+#: published yet (stuck on its rail, say) from one that never came
+ENTERED_BASE = -(1 << 40)
 _i64 = types.int64
 _ctl = control.ARRAY
 
@@ -99,10 +105,12 @@ def _await(ctl):
             return abandoned_by(ctl, j, epoch)
         if seen >= epoch:
             continue
-        if seen > c.coll_epoch and not extended:
-            # it is inside this collective, stuck on something else (a rail
-            # peer, say): give it one more deadline to give up itself and
-            # name the rank it waited for
+        inside = seen > c.coll_epoch or load_acquire(
+            c.flags + j * _LINE + W_CULPRIT * _WORD) == ENTERED_BASE - c.coll_epoch
+        if inside and not extended:
+            # it is inside this collective (it published in it, or entered
+            # it), stuck on something else (a rail peer, say): give it one
+            # more deadline to give up itself and name the rank it waited for
             extended = True
             continue
         # blame the late rank (its culprit word), then take its flag from it

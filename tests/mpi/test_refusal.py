@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import harmpi
-import harmpi.distributed  # noqa: F401 - backend "harmpi", mpi://
 
 #: a refusal must end every rank's call long before this deadline
 TIMEOUT_S = 20.0
@@ -153,11 +152,21 @@ def test_every_rank_refusing_keeps_the_context(world, topo):
     assert _after(comm, world) == "usable"
 
 
-def test_torch_all_to_all_single_with_a_bad_split_on_one_rank(world, topo):
+@pytest.fixture(scope="module")
+def torch_dist():
+    """The default process group on backend harmpi for this file's torch
+    tests, destroyed after them (the torch files after this one make their own)."""
+    import torch.distributed as dist  # noqa: PLC0415
+    from conftest import harmpi_process_group  # noqa: PLC0415
+
+    harmpi_process_group()
+    yield dist
+    dist.destroy_process_group()
+
+
+def test_torch_all_to_all_single_with_a_bad_split_on_one_rank(world, topo, torch_dist):
     """The issue's own case, through the torch backend."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_initialized():
-        dist.init_process_group("harmpi", init_method="mpi://")
+    dist = torch_dist
     size, r = dist.get_world_size(), dist.get_rank()
     if size == 1:
         return
@@ -223,10 +232,7 @@ def test_a_count_disagreement_says_which_outputs_are_unwritten(world, topo):
     _after(comm, world)
 
 
-def _torch_group():
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_initialized():
-        dist.init_process_group("harmpi", init_method="mpi://")
+def _torch_group(dist):
     return dist, dist.new_group(list(range(dist.get_world_size())))
 
 
@@ -250,8 +256,8 @@ def _good_all_gather(dist, g, size):
 @pytest.mark.parametrize("bad, good", [(_bad_all_reduce, _good_all_reduce),
                                        (_bad_all_gather, _good_all_gather)],
                          ids=["all_reduce-op", "all_gather-outputs"])
-def test_torch_backend_refusals_reach_the_peers(world, bad, good):
-    dist, g = _torch_group()
+def test_torch_backend_refusals_reach_the_peers(world, bad, good, torch_dist):
+    dist, g = _torch_group(torch_dist)
     size, r = dist.get_world_size(), dist.get_rank()
     if size == 1:
         return
