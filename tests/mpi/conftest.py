@@ -4,10 +4,16 @@ Every rank runs every test; collectives inside a test must be reached by all
 ranks, so tests never skip on some ranks only. ``python -m mpi4py`` turns an
 uncaught exception into MPI_Abort and pytest-timeout ends a hung test, so a
 failing rank ends the job instead of hanging it.
+
+A test that fails on one rank would leave its peers in later tests whose
+collectives no longer pair (each waiting its deadline, the job ending at
+make test's cap with nothing said), so a failed test prints its report
+with the rank's number and aborts the whole job (pytest_runtest_logreport).
 """
 
 import dataclasses
 import math
+import sys
 import zlib
 
 import numpy as np
@@ -123,3 +129,15 @@ def harmpi_process_group():
 
     if not dist.is_initialized():
         dist.init_process_group("harmpi", init_method="mpi://")
+
+
+def pytest_runtest_logreport(report):
+    """End the MPI job at the first failure on any rank, saying which test
+    failed on which rank and why (the peers are killed by MPI_Abort)."""
+    if not report.failed:
+        return
+    rank = MPI.COMM_WORLD.Get_rank()
+    sys.stderr.write(f"\n==== rank {rank} of {MPI.COMM_WORLD.Get_size()}: {report.nodeid} "
+                     f"failed in {report.when}; aborting the job\n{report.longreprtext}\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
