@@ -11,13 +11,25 @@ group of more than one rank; harmpi itself is imported only for a TP group.
 from __future__ import annotations
 
 import os
+import socket
 
 import torch.distributed as dist
 from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
 from .group import HarmpiGroup, rank_view
 
-__all__ = ["HarmpiCpuCommunicator"]
+__all__ = ["HarmpiCpuCommunicator", "node_of"]
+
+#: each MPI's local rank variable (harmpi's virtual nodes split a host by it)
+_LOCAL_RANK = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK")
+
+
+def node_of(environ) -> tuple:
+    """(host, virtual node) of this process: ranks that share memory for
+    harmpi share both (HARMPI_RANKS_PER_NODE=K: every K local ranks a node)."""
+    per_node = int(environ.get("HARMPI_RANKS_PER_NODE") or 0)
+    local = next((int(environ[v]) for v in _LOCAL_RANK if environ.get(v, "").isdigit()), 0)
+    return socket.gethostname(), local // per_node if per_node > 0 else 0
 
 
 class HarmpiCpuCommunicator(CpuCommunicator):
@@ -33,6 +45,15 @@ class HarmpiCpuCommunicator(CpuCommunicator):
                 views, rank_view(self.global_rank, self.global_world_size, os.environ),
                 group=self.cpu_group)
             self.harmpi = HarmpiGroup.make(unique_name, self.ranks, views)
+
+    def _all_group_ranks_share_shm_group_name(self) -> bool:
+        """vLLM builds its shared-memory op for a group only where this is
+        true: never for one that spans hosts or harmpi's virtual nodes."""
+        if not super()._all_group_ranks_share_shm_group_name():
+            return False
+        nodes = [None] * self.world_size
+        dist.all_gather_object(nodes, node_of(os.environ), group=self.device_group)
+        return len(set(nodes)) == 1
 
     def all_reduce(self, input_):
         """Out of place for a TP group (vLLM uses the returned tensor);
