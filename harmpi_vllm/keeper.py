@@ -1,0 +1,212 @@
+"""The keeper of :class:`harmpi_vllm.executor.MpiExecutor`'s MPI job: a small
+process outside vLLM's process tree that runs mpirun and cleans up after it.
+
+Why a process of its own: on Ctrl-C or SIGTERM, vLLM's API server stops its
+engine process with a grace of ``shutdown_timeout`` (0 by default) and then
+kills the engine's whole process tree (``kill_process_tree``). An mpirun
+started by the engine would die with it, SIGKILLed with its ranks, and
+leave Open MPI's and vLLM's /dev/shm files behind. The keeper is started
+by the engine and at once leaves its tree (it forks, and its parent exits:
+init adopts it); mpirun is the keeper's child, in a session of its own,
+and receives SIGTERM if the keeper dies.
+
+    python -m harmpi_vllm.keeper ENGINE_PID EVENTS_FD -- MPIRUN_ARGV...
+
+mpirun writes to the keeper's stdout and stderr, which are the engine's.
+stdin (from the engine), one command a line; its end (the engine closed it,
+or died) means stop:
+
+- ``job PATH``: a /dev/shm file a rank made that the engine maps too (a
+  rank's response queue), to remove if it is left;
+- ``stop``: stop now.
+
+EVENTS_FD (a pipe to the engine), one event a line: ``mpirun PID``, ``exit STATUS``
+(mpirun ended), ``forced TEXT`` (what stopping had to force), ``stopped``.
+
+Stopping: the ranks leave by themselves when their channel to the engine
+ends (harmpi_vllm.worker), and mpirun then exits; after :data:`GRACE_S`
+mpirun gets SIGTERM, after twice that what is left of its session is
+killed; then every /dev/shm file that still exists of those the job's
+processes had mapped and the engine had not (the engine's own, which
+vLLM's resource tracker removes), and of those named by ``job``, is
+removed. All of it ends well within vLLM's 30 s.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+__all__ = ["main", "GRACE_S", "SNAPSHOT_S"]
+
+#: how long the ranks get to leave by themselves before mpirun gets SIGTERM
+GRACE_S = 8.0
+#: how often the job's mapped /dev/shm files are listed
+SNAPSHOT_S = 2.0
+SHM = "/dev/shm/"
+
+
+def _mapped(pids) -> set[str]:
+    files = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as fh:
+                for line in fh:
+                    parts = line.split(None, 5)
+                    path = parts[5].strip() if len(parts) == 6 else ""
+                    if path.startswith(SHM) and not path.endswith("(deleted)"):
+                        files.add(path)
+        except OSError:
+            continue
+    return files
+
+
+_events: list[int] = []  # the engine's pipe (set once, in main)
+
+
+def _running(pid: int) -> bool:
+    """Not a zombie (a rank's helper whose parent is gone waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _say(line: str) -> None:
+    """Tell the engine; what had to be forced also goes to stderr (the
+    server's log: the engine may be gone)."""
+    if line.startswith("forced "):
+        print(f"harmpi keeper: {line[len('forced '):]}", file=sys.stderr, flush=True)
+    try:
+        os.write(_events[0], (line + "\n").encode())
+    except OSError:  # the engine is gone
+        pass
+
+
+class Keeper:
+    def __init__(self, engine_pid: int, argv):
+        from harmpi_launch.runner import _die_with_launcher, _session  # noqa: PLC0415
+
+        self._session = _session
+        self.engine_pid = engine_pid
+        self.engine_files: set[str] = set()
+        self.job_files: set[str] = set()  # named by the engine: removed even if it maps them
+        self.proc = subprocess.Popen(argv, start_new_session=True, stdin=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_launcher())
+        _say(f"mpirun {self.proc.pid}")
+        self.exited = False
+        self.mapped: set[str] = set()
+
+    def _engine_alive(self) -> bool:
+        try:
+            os.kill(self.engine_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    def snapshot(self) -> None:
+        """Add the /dev/shm files the job's and the engine's processes map."""
+        if self._engine_alive():
+            self.engine_files |= _mapped([self.engine_pid])
+        self.mapped |= _mapped(self._session(self.proc.pid))
+
+    def _poll_mpirun(self) -> None:
+        if not self.exited and self.proc.poll() is not None:
+            self.exited = True
+            _say(f"exit {self.proc.returncode}")
+
+    def serve(self) -> None:
+        """Until the engine says stop or goes."""
+        stdin = sys.stdin.buffer
+        buffered = b""
+        while True:
+            self._poll_mpirun()
+            if not self.exited:
+                self.snapshot()
+            ready, _, _ = select.select([stdin], [], [], SNAPSHOT_S)
+            if not ready:
+                continue
+            chunk = os.read(stdin.fileno(), 4096)
+            if not chunk:
+                return
+            buffered += chunk
+            while b"\n" in buffered:
+                line, buffered = buffered.split(b"\n", 1)
+                command, _, arg = line.decode().partition(" ")
+                if command == "job":
+                    self.job_files.add(arg)
+                elif command == "stop":
+                    return
+
+    def stop(self) -> None:
+        from harmpi_launch.runner import _end_session  # noqa: PLC0415
+
+        if not self.exited:
+            self.snapshot()
+        t0 = time.monotonic()
+        for sig, until in ((None, GRACE_S), (signal.SIGTERM, 2 * GRACE_S)):
+            if sig is not None and self.proc.poll() is None:
+                _say(f"forced mpirun was still running {GRACE_S:.0f} s after the stop: "
+                     f"sent it {sig.name}")
+                self.proc.send_signal(sig)
+            try:
+                self.proc.wait(max(0.0, t0 + until - time.monotonic()))
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        ended, removed = (), ()
+        if any(_running(pid) for pid in self._session(self.proc.pid)):
+            ended, removed = _end_session(self.proc.pid, grace_s=1.0)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._poll_mpirun()
+        if ended:
+            _say(f"forced killed {len(ended)} process(es) the job left: {list(ended)}")
+        leftovers = (self.mapped - self.engine_files) | self.job_files
+        for path in sorted(leftovers - set(removed)):
+            try:
+                os.unlink(path)
+                _say(f"forced removed {path}")
+            except OSError:
+                pass
+        _say("stopped")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) < 4 or argv[2] != "--":
+        print("usage: python -m harmpi_vllm.keeper ENGINE_PID EVENTS_FD -- MPIRUN_ARGV...",
+              file=sys.stderr)
+        return 2
+    _events.append(int(argv[1]))
+    # leave the engine's process tree: the parent returns at once, init adopts the child
+    if os.fork():
+        os._exit(0)
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the engine's to handle
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    keeper = Keeper(int(argv[0]), argv[3:])
+    try:
+        keeper.serve()
+    except SystemExit:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop itself runs to its end
+        keeper.stop()
+    os._exit(0)  # nothing left to flush to an engine that may be gone
+
+
+def _exit_on_signal(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
