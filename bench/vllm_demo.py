@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -77,7 +78,7 @@ def launcher() -> str:
 
 
 def run_job(model, layout, mode, comm, out, *, runs, warmup, prompts, max_tokens, count,
-            timeout, tp=2):
+            timeout, tp=2, profile=False):
     """One vLLM job of ``tp`` ranks; returns bench/vllm_job.py's result (rank 0)."""
     cmd = [launcher(), "-np", str(tp), *LAYOUTS[layout], "--",
            sys.executable, os.path.join(HERE, "vllm_job.py"), "--model", model,
@@ -86,12 +87,19 @@ def run_job(model, layout, mode, comm, out, *, runs, warmup, prompts, max_tokens
            "--tp", str(tp)]
     if count:
         cmd.append("--count")
+    if profile:
+        cmd.append("--profile")
     env = dict(os.environ)
     env.pop("HARMPI_VLLM", None)
     if comm == "harmpi":
         env["HARMPI_VLLM"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    print(f"  {layout} {mode:8} {comm:6} job started ({time.strftime('%H:%M:%S')})",
+          flush=True)
+    t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    print(f"  {layout} {mode:8} {comm:6} job ended in {time.monotonic() - t0:.0f} s, exit "
+          f"{proc.returncode}", flush=True)
     if proc.returncode != 0 or not os.path.exists(out):
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
         raise RuntimeError(f"job failed ({' '.join(cmd)}), exit {proc.returncode}:\n{tail}")
@@ -121,7 +129,8 @@ def measure(a):
                     want_count = counts is None and mode == "eager" and comm == "harmpi"
                     r = run_job(a.model, layout, mode, comm, os.path.join(tmp, "r.json"),
                                 runs=a.runs, warmup=a.warmup, prompts=a.prompts,
-                                max_tokens=a.max_tokens, count=want_count, timeout=a.timeout)
+                                max_tokens=a.max_tokens, count=want_count, timeout=a.timeout,
+                                profile=comm == "harmpi")
                     r["layout"] = layout
                     results.append(r)
                     done[comm] = r
@@ -132,6 +141,8 @@ def measure(a):
                 rows += [(layout, mode, comm, r, done["harmpi"]) for comm, r in done.items()]
                 if layout == "1x2" and all(r["path"] != "vllm shm op" for r in done.values()):
                     rows.append((layout, mode, "note", None, None))
+                if layout != "1x2":
+                    rows.append((layout, mode, "nodes", None, None))
     return rows, results, counts
 
 
@@ -139,6 +150,10 @@ def report(a, rows, counts):
     print(f"\n{'layout':7}{'mode':10}{'communicator':40}{'tokens/s median (min-max)':28}"
           f"{'harmpi ratio':>13}  tokens")
     for layout, mode, comm, r, h in rows:
+        if comm == "nodes":
+            print(f"{layout:7}{mode:10}(vLLM's shm op is no rival across nodes: it cannot "
+                  "leave a host; vLLM uses Gloo there)")
+            continue
         if r is None:
             print(f"{layout:7}{mode:10}(vLLM's shm all-reduce op is not in this CPU's vLLM "
                   "library (it needs AVX-512): vLLM uses Gloo here)")
@@ -148,6 +163,19 @@ def report(a, rows, counts):
                                              else "DIFFERENT")
         print(f"{layout:7}{mode:10}{comm + ': ' + r['path']:40}{_fmt(tokens_per_s(r)):28}"
               f"{'' if comm == 'harmpi' else f'{ratio:.2f}x':>13}  {same}")
+    shares = [(layout, mode, r["share"]) for layout, mode, comm, r, _ in rows
+              if comm == "harmpi" and r.get("share")]
+    if shares:
+        print("\nharmpi's share of a decode step (one more generation under harmpi.profile(), "
+              "rank mean) beside a microbenchmark of the same calls in the same job:")
+        for layout, mode, sh in shares:
+            micro = ", ".join(f"{name} {nb} B x {n:.2f} at {us:.1f} us"
+                              for name, nb, n, us in sh["micro"])
+            total = sh["wait_us_per_step"] + sh["own_us_per_step"]
+            print(f"  {layout} {mode:9} {total:7.1f} us/step in {sh['calls_per_step']:.2f} "
+                  f"collectives (waiting for the last rank {sh['wait_us_per_step']:.1f}, own "
+                  f"{sh['own_us_per_step']:.1f}); microbenchmark {sh['micro_us_per_step']:.1f} "
+                  f"us/step ({micro})")
     if counts:
         print(f"\nTP collectives of one generation ({a.prompts} sequence(s) x {a.max_tokens} "
               f"tokens = {a.max_tokens} forward steps), per rank:")

@@ -43,6 +43,9 @@ def _args(argv):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--count", action="store_true", help="count collectives (eager only)")
+    p.add_argument("--profile", action="store_true",
+                   help="harmpi: one more generation under harmpi.profile(); its collectives' "
+                        "time per step beside a microbenchmark of the same calls")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -91,6 +94,56 @@ def _tp_path() -> str:
     return "vllm shm op" if type(dc.dist_module).__name__ == "_CPUSHMDistributed" else "gloo"
 
 
+def _micro_us(fn, iters=400) -> float:
+    """Median µs of ``fn()`` (a collective; every rank runs the same loop)."""
+    import statistics  # noqa: PLC0415
+
+    for _ in range(50):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _harmpi_share(llm, batch, params, steps) -> dict:
+    """harmpi's share of a decode step: one generation under harmpi.profile()
+    (its collectives' mean time per step on a rank: waiting for the last
+    rank's arrival, then their own work), and the same calls timed back to
+    back in this process (the microbenchmark: mean sizes from the profile,
+    the vLLM TP group's all-reduce operator and harmpi.allgather)."""
+    import torch  # noqa: PLC0415
+    from vllm.distributed.parallel_state import get_tp_group  # noqa: PLC0415
+
+    import harmpi  # noqa: PLC0415
+
+    group = get_tp_group().device_communicator.harmpi
+    with harmpi.profile(group.comm) as prof:
+        llm.generate(batch, params, use_tqdm=False)
+    st = prof.stats()
+    ranks = st["ranks"]
+    out = {"steps": steps, "calls_per_step": st["calls"] / steps,
+           "wait_us_per_step": st["wait_s"] / ranks / steps * 1e6,
+           "own_us_per_step": st["own_s"] / ranks / steps * 1e6, "micro": []}
+    micro_total = 0.0
+    for name, c in sorted(st["collectives"].items()):
+        if not c["calls"]:
+            continue
+        nbytes = int(round(c["bytes"] / c["calls"]))
+        x = torch.ones(max(1, nbytes // 2), dtype=torch.bfloat16)
+        if name == "allreduce":
+            us = _micro_us(lambda: group.all_reduce(x))
+        else:
+            us = _micro_us(lambda: group.all_gather(x, 0))
+        per_step = c["calls"] / steps
+        micro_total += us * per_step
+        out["micro"].append([name, nbytes, per_step, us])
+    out["micro_us_per_step"] = micro_total
+    return out
+
+
 def main(argv=None):
     a = _args(argv)
     if a.comm == "gloo":
@@ -111,13 +164,15 @@ def main(argv=None):
         t0 = time.perf_counter()
         outs = llm.generate(batch, params, use_tqdm=False)
         seconds.append(time.perf_counter() - t0)
+    share = _harmpi_share(llm, batch, params, a.max_tokens) \
+        if a.profile and a.comm == "harmpi" else None
     if int(os.environ.get("RANK", "0")) == 0:
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         with open(a.out, "w") as f:
             json.dump({"comm": a.comm, "mode": a.mode, "path": _tp_path(), "tokens": tokens,
                        "output_tokens": sum(map(len, tokens)), "seconds": seconds,
                        "counts": [[k, n, c] for (k, n), c in sorted(counts.items())],
-                       "prompts": a.prompts, "max_tokens": a.max_tokens}, f)
+                       "prompts": a.prompts, "max_tokens": a.max_tokens, "share": share}, f)
     return 0
 
 

@@ -57,6 +57,13 @@ def test_tp2_generation_through_harmpi_equals_vllms_own(tmp_path):
         assert h["tokens"] == v["tokens"], (mode, h["tokens"], v["tokens"])
         if (mode, "gloo") in by:                            # where vLLM's shm op exists
             assert h["tokens"] == by[(mode, "gloo")]["tokens"]
+        # harmpi's profile of one generation: 9 all-reduces and a gather a step
+        share = h["share"]
+        assert share["calls_per_step"] == 10, share
+        assert share["micro_us_per_step"] > 0 and share["own_us_per_step"] > 0, share
+    # the demo says what it is doing, and harmpi's share of a step
+    assert text.count("job started") == len(jobs) == text.count("job ended in"), text[-3000:]
+    assert re.search(r"1x2 compiled +[\d.]+ us/step in 10\.00 collectives", text), text[-3000:]
     # the eager harmpi job counted the collectives: 9 all-reduces per step
     # (4 layers x 2, the vocabulary-parallel embedding) and one logits gather
     counts = by[("eager", "harmpi")]["counts"]
