@@ -61,8 +61,9 @@ $(STAMP): requirements.txt requirements-deepspeed.txt pyproject.toml setup.py \
 	@# builds harmpi._C (setup.py: the native part, harmpi/native.py) against the
 	@# installed torch; without a C++ compiler harmpi keeps its Python path
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-	@# compile every numba kernel a job uses (multi-node and rail ones too) once, in one
-	@# process, before ranks need them (harmpi/precompile.py)
+	@# compile every numba kernel a job uses (multi-node and rail ones too) once, before
+	@# ranks need them, by one worker process per CPU (harmpi/compilepool.py); it prints
+	@# the time it took
 	$(PY) -m harmpi.precompile
 	$(PY) -c "from harmpi import native; native.load(); print('harmpi native:', native.status())"
 	@# DeepSpeed, the rival `--impl deepspeed` times (optional, harmpi[deepspeed]):
@@ -265,7 +266,7 @@ $(VLLM_HARMPI_STAMP): $(VLLM_STAMP) $(HARMPI_SOURCES)
 # missing vLLM venv fails the test instead of skipping it).
 vllm-test: setup vllm-venv
 	HARMPI_VLLM_REQUIRED=1 $(PY) -m pytest -q -p no:cacheprovider --color=no \
-	  tests/test_vllm_generation.py
+	  tests/test_vllm_generation.py tests/test_vllm_serve.py
 
 # tokens/s at TP=2: vLLM's shm op, Gloo and harmpi, 1 node x 2 and 2 virtual nodes x 1
 vllm-demo: vllm-venv

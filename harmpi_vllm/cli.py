@@ -15,6 +15,11 @@ Before vLLM starts, a ``serve`` that names harmpi's executor is checked for
 the mistakes that would otherwise surface only in the engine process, or in
 vLLM's words: ``HARMPI_VLLM`` not 1, and ``--nnodes`` (this executor starts
 every host's ranks from the head host: name them in HARMPI_VLLM_LAUNCH).
+
+vLLM's server exits 0 after its engine stopped on a dead worker. Here the
+executor leaves what ended it in the file named by :data:`FAILURE_ENV`
+(this process sets it; the engine process inherits it), and the command
+repeats it and exits 1.
 """
 
 from __future__ import annotations
@@ -22,13 +27,29 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
+import tempfile
 
 from . import ENV, enabled
 from .mpijob import LAUNCH_ENV
 
-__all__ = ["main", "refusal"]
+__all__ = ["main", "refusal", "FAILURE_ENV", "record_failure"]
 
 EXECUTOR = "harmpi_vllm.executor.MpiExecutor"
+#: the file where the executor leaves why it failed (set by main for the engine)
+FAILURE_ENV = "HARMPI_VLLM_FAILURE_FILE"
+
+
+def record_failure(text: str, environ=None) -> None:
+    """Leave ``text`` for :func:`main` (the executor calls this when a rank
+    ends the job; nothing happens outside ``harmpi-vllm``)."""
+    path = (os.environ if environ is None else environ).get(FAILURE_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "a") as f:
+            f.write(text + "\n")
+    except OSError:
+        pass
 
 
 def _version(name, _original=importlib.metadata.version):
@@ -83,10 +104,22 @@ def main(argv=None) -> int:
         return 2
     importlib.metadata.version = _version
     sys.argv = ["harmpi-vllm", *argv]
+    failure = os.path.join(tempfile.gettempdir(), f"harmpi-vllm-failure-{os.getpid()}")
+    os.environ[FAILURE_ENV] = failure
     from vllm.entrypoints.cli.main import main as vllm_main  # noqa: PLC0415 - after the fix
 
-    vllm_main()
-    return 0
+    code = 0
+    try:
+        vllm_main()
+    except SystemExit as exc:
+        code = exc.code
+    if os.path.exists(failure):
+        with open(failure) as f:
+            why = f.read().strip()
+        os.unlink(failure)
+        print(f"harmpi-vllm: error: the server stopped: {why}", file=sys.stderr)
+        return code if isinstance(code, int) and code else 1
+    return code
 
 
 if __name__ == "__main__":

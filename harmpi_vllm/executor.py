@@ -53,6 +53,7 @@ from vllm.utils.torch_utils import set_torch_threads_for_runtime
 from vllm.v1.executor.multiproc_executor import FutureWrapper, MultiprocExecutor, WorkerProc
 
 from . import ENV, VllmLaunchError, channel, enabled
+from .cli import record_failure
 from .mpijob import LAUNCH_ENV, plan_job
 from .ranks import RankJob
 
@@ -256,8 +257,10 @@ class MpiExecutor(MultiprocExecutor):
             executor = self_ref()
             if failure is None or executor is None or executor.shutting_down:
                 return
-            executor.is_failed, executor.failure = True, f"harmpi: {failure}"
+            executor.failure = f"harmpi: {failure}"
+            executor.is_failed = True
             logger.error("%s; shutting down the executor", executor.failure)
+            record_failure(executor.failure)
             executor.shutdown()
             callback, executor.failure_callback = executor.failure_callback, None
             if callback is not None:
