@@ -55,13 +55,11 @@ from typing import Callable
 
 from numba.core import event
 
-__all__ = ["LOCKS", "RUN_PREFIX", "WORKER_DEADLINE_S", "MAX_PROCESSES", "WORKER_MB", "host_cpus",
+__all__ = ["LOCKS", "WORKER_DEADLINE_S", "MAX_PROCESSES", "WORKER_MB", "host_cpus",
            "workers_here", "compile_parallel", "worker"]
 
 #: the directory, beside the cache's record, of one lock file per kernel and signature
 LOCKS = "harmpi-kernels.locks"
-#: a compile's own directory (claims, the workers' figures), removed at its end
-RUN_PREFIX = "harmpi-kernels.run."
 #: a worker still running after this long is ended, and its share compiled
 #: by its parent (a full compile takes ~80 s of CPU)
 WORKER_DEADLINE_S = 1800.0
@@ -148,9 +146,7 @@ def compile_parallel(target: Callable, directory: Path, processes: int,
     "max_rss_mb" (the largest child this process has had, workers included)}."""
     locks = directory / LOCKS
     locks.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob(RUN_PREFIX + "*"):  # a killed compile's (the host lock is ours)
-        shutil.rmtree(stale, ignore_errors=True)
-    run = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=directory))
+    run = Path(tempfile.mkdtemp(prefix="harmpi-kernels.run.", dir=directory))
     (run / "claims").mkdir()
     failed = []
     try:

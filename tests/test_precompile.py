@@ -203,8 +203,7 @@ def test_workers_past_their_deadline_are_ended_and_the_parent_compiles(tmp_path)
 @pytest.mark.timeout(200)
 def test_workers_die_with_their_parent(tmp_path):
     """A killed parent (its host lock then goes to a waiting rank, which
-    starts workers of its own) leaves no worker writing to the cache, and
-    the next compile clears what it left."""
+    starts workers of its own) leaves no worker writing to the cache."""
     pkg = _package(tmp_path)
     (pkg / "build.py").write_text(BUILD_HANGS)
     pids = tmp_path / "pids"
@@ -228,15 +227,6 @@ def test_workers_die_with_their_parent(tmp_path):
     while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(pid) for pid in workers)
-    # the next process to take the host lock clears the dead run's directory and
-    # finds every kernel the dead workers saved (they hung after compile_all's imports)
-    cache = tmp_path / "cache"
-    assert len(list(cache.glob(compilepool.RUN_PREFIX + "*"))) == 1
-    (pkg / "build.py").write_text(BUILD)
-    out, err = _run(tmp_path, script)
-    assert out["how"] == "loaded" and not list(cache.glob(compilepool.RUN_PREFIX + "*")), err
-    fresh, err = _run(tmp_path, FRESH)
-    assert fresh["compiles"] == [] and fresh["plus_one"] == 5, err
 
 
 def test_the_estimate_shares_the_cpu_seconds_among_processes():
