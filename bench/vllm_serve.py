@@ -13,8 +13,10 @@ then ``--requests`` streamed ``/v1/completions`` of ``--max-tokens`` tokens
 each (temperature 0, ``ignore_eos``; ``--concurrency`` at a time, distinct
 prompts), and stops it with SIGTERM. Reported per server: output tokens/s
 (all tokens over the wall time of all requests), time to first token
-(median, min-max), and whether every request's token ids equal those of
-vLLM's own executor in the same layout.
+(median, min-max), and, one request at a time, whether every request's
+token ids equal those of vLLM's own executor (with several in flight,
+which share a step varies run to run, and so does the rounding: not
+compared).
 
 The rivals: vLLM's own executor (``mp``; its workers bound to the host's
 cores split in two with VLLM_CPU_OMP_THREADS_BIND, one core kept for the
@@ -330,6 +332,8 @@ def report(a, rows) -> int:
         ttft = [t * 1e3 for t in r["ttft_s"]]
         rate = r["output_tokens"] / r["wall_s"]
         same = "-" if r is ref else "identical" if r["tokens"] == ref["tokens"] else "DIFFERENT"
+        if a.concurrency > 1 and r is not ref:
+            same = "not compared"  # which requests share a step varies run to run
         bad += same == "DIFFERENT"
         ratio = ""
         if r is not ref and ref is not None:
@@ -340,6 +344,10 @@ def report(a, rows) -> int:
               f"{'':>4}  {same}{ratio}")
         if r["left_shm"]:
             print(f"        left in /dev/shm after SIGTERM (removed): {', '.join(r['left_shm'])}")
+    if a.concurrency > 1:
+        print("tokens not compared: with requests in flight together, which of them share a "
+              "step varies from run to run, and with it the rounding (vLLM's own executor "
+              "against itself: 8 of 16 requests differed at --concurrency 4)")
     return 1 if bad else 0
 
 
