@@ -55,6 +55,9 @@ def _args(argv):
                    help="where the random model is made (kept between runs)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per job")
     p.add_argument("--json", help="also write every job's result here")
+    p.add_argument("--serve", default="1x2",
+                   help="then the serve rows: vLLM's OpenAI server with vLLM's own executor and "
+                        "with harmpi's at these layouts (bench/vllm_serve.py; '' for none)")
     a = p.parse_args(argv)
     if a.runs < 3:
         p.error("--runs must be >= 3 (a median and a spread)")
@@ -197,12 +200,23 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+    serve_rc = serve(a) if a.serve else 0
     bad = [(lay, m, c) for lay, m, c, r, h in rows
            if r is not None and c != "harmpi" and r["tokens"] != h["tokens"]]
     if bad:
         print(f"\nsampled tokens differ from harmpi's: {bad}")
         return 1
-    return 0
+    return serve_rc
+
+
+def serve(a) -> int:
+    """The serve rows: bench/vllm_serve.py (its own table) on the same model."""
+    print(f"\nvLLM's OpenAI server (vllm serve) at {a.serve}: vLLM's own executor and harmpi's "
+          f"(harmpi_vllm.executor.MpiExecutor), 8 requests of {a.max_tokens} tokens one at a "
+          f"time ({time.strftime('%H:%M:%S')})", flush=True)
+    cmd = [sys.executable, os.path.join(HERE, "vllm_serve.py"), "--layouts", a.serve,
+           "--requests", "8", "--max-tokens", str(a.max_tokens), "--model", a.model]
+    return subprocess.run(cmd, timeout=4 * a.timeout).returncode
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def test_tp2_generation_through_harmpi_equals_vllms_own(tmp_path):
         [VLLM_PY, os.path.join(REPO, "bench", "vllm_demo.py"), "--layouts", "1x2",
          "--modes", "eager,compiled", "--runs", "3", "--warmup", "0", "--prompts", "2",
          "--max-tokens", "8", "--model", str(tmp_path / "model"), "--json", str(out),
-         "--timeout", "600"],
+         "--timeout", "600", "--serve", ""],  # (the serve rows: tests/test_vllm_serve.py)
         env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=1450)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-6000:]
