@@ -6,6 +6,7 @@ take as an interrupt. finalize, MPI_Finalize and fork give the program its
 own handler and the wakeup fd back. (Between ranks:
 tests/mpi/test_handled_sigint.py.)"""
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -67,8 +68,12 @@ CODE = """
 
 def test_harmpis_sigint_handler_drains_the_pipe_and_steps_aside(tmp_path):
     env, _ = shm_env(tmp_path)
+    # a program whose Ctrl-C is live: a shell's background job (make test
+    # under `nohup ... &`) inherits SIGINT ignored, which Python keeps and
+    # harmpi leaves alone (and then this test failed: "default: False")
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CODE)], env=env,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=180,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-2000:])
     assert proc.stdout.splitlines() == [
         "default: True raised empty",
