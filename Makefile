@@ -61,8 +61,9 @@ $(STAMP): requirements.txt requirements-deepspeed.txt pyproject.toml setup.py \
 	@# builds harmpi._C (setup.py: the native part, harmpi/native.py) against the
 	@# installed torch; without a C++ compiler harmpi keeps its Python path
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-	@# compile every numba kernel a job uses (multi-node and rail ones too) once, in one
-	@# process, before ranks need them (harmpi/precompile.py)
+	@# compile every numba kernel a job uses (multi-node and rail ones too) once, before
+	@# ranks need them, by one worker process per idle CPU (harmpi/compilepool.py); it
+	@# prints the time it took
 	$(PY) -m harmpi.precompile
 	$(PY) -c "from harmpi import native; native.load(); print('harmpi native:', native.status())"
 	@# DeepSpeed, the rival `--impl deepspeed` times (optional, harmpi[deepspeed]):

@@ -17,18 +17,23 @@ harmpi`` before any kernel module loads, prevents that:
    block there until it is done.
 3. holding the lock, read the record again: another process may have
    compiled meanwhile (then this one only loads from the cache). Else
-   log one warning (logger "harmpi", shown on stderr without any logging
-   set up), compile every kernel (harmpi.precompile.compile_all: the
-   import-time ones and the ones Python calls lazily, multi-node and rail
-   kernels included), then write the record with the time it took.
+   compile every kernel (:func:`compile_all`: the import-time ones and
+   the ones Python calls lazily, multi-node and rail kernels included)
+   over the host's idle CPUs: one worker process per CPU the load leaves
+   idle (as many as memory holds, at most 16: harmpi.compilepool) shares
+   them out, then this process loads them from the cache; on a busy host
+   it compiles them itself. At the first real compile it logs one
+   warning (logger "harmpi", shown on stderr without any logging set up),
+   at the end one line with the time it took, and it writes the record.
 
 The warning's estimate is measured on this host: the CPU seconds the last
 compile here took (kept in the record across source changes), scaled by
 the load average; before any compile here, a probe kernel is compiled
 and timed and scaled by the ratio measured on the development machine:
 
-    compiling harmpi kernels (numba cache is cold), once per host, ~95 s
-      (estimate: the longest compile here took 80 s of CPU; load 1.2 on 2 CPUs)
+    compiling harmpi kernels (numba cache is cold), once per host, ~50 s
+      (estimate: the longest compile here took 80 s of CPU; load 0.2 on 2 CPUs, 2 processes)
+    harmpi kernels compiled in 46 s by 2 processes (75 s of CPU); later imports load them ...
 
 pip cannot run code after installing a wheel, so the compile cannot move to
 install time; ``make setup`` runs ``python -m harmpi.precompile``.
@@ -62,6 +67,11 @@ LOCK = "harmpi-kernels.lock"
 #: a full compile's CPU seconds over the probe's (numba 0.68, 2-core Xeon VM:
 #: compile_all ~75 s of CPU, the probe ~0.5 s)
 PROBE_RATIO = 150
+#: the longest chain of harmpi's kernels that compile one after another (a
+#: caller after its callees), over a full compile's CPU seconds: the least
+#: share of them a compile over many processes takes (numba 0.68, 2-core
+#: Xeon VM: 11.3 s of 87, from a serial compile's call graph)
+CHAIN_SHARE = 0.13
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 def _probe(x):
@@ -217,12 +227,15 @@ def _probe_cpu_s() -> float:
 
 
 def estimate(record: dict, load1: float, cpus: int,
-             probe: Callable[[], float] = _probe_cpu_s) -> tuple[float, str]:
+             probe: Callable[[], float] = _probe_cpu_s, processes: int = 1) -> tuple[float, str]:
     """(seconds, how they were measured) a full compile will take here now:
     the longest compile's CPU seconds here (``record``: a full compile; a
     source edit recompiles only some kernels) or a timed probe compile
-    scaled by PROBE_RATIO, times the processes per CPU (pure but ``probe``)."""
-    share = max(1.0, (load1 + 1) / max(cpus, 1))
+    scaled by PROBE_RATIO, shared by ``processes`` processes that each get
+    at most a CPU, less when the load leaves less, and never below the
+    longest chain of kernels (CHAIN_SHARE; pure but ``probe``)."""
+    share = max(1.0, (load1 + processes) / max(cpus, 1))
+    least = max(1 / processes, CHAIN_SHARE)
     cpu_s = record.get("most_cpu_s")
     if cpu_s:
         how = f"the longest compile here took {cpu_s:.0f} s of CPU"
@@ -230,7 +243,8 @@ def estimate(record: dict, load1: float, cpus: int,
         probe_s = probe()
         cpu_s = probe_s * PROBE_RATIO
         how = f"a test compile here took {probe_s:.2f} s"
-    return cpu_s * share, f"{how}; load {load1:.1f} on {cpus} CPUs"
+    over = f", {processes} processes" if processes > 1 else ""
+    return cpu_s * share * least, f"{how}; load {load1:.1f} on {cpus} CPUs{over}"
 
 
 def message(seconds: float, how: str) -> str:
@@ -256,13 +270,18 @@ def _host_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def compile_once(compile_all: Callable[[], None], package_dir: Path = PACKAGE_DIR,
-                 directory: Path | None = None) -> str:
-    """Make sure the kernels are in numba's cache, compiling them in one
-    process of the host: "warm" (nothing to do), "waited" (another process
-    compiled them while this one waited), "compiled" (this one did), or
-    "loaded" (the sources changed but every kernel was still in the cache);
-    "no jit" under NUMBA_DISABLE_JIT=1."""
+def compile_once(compile_all: Callable[..., None], package_dir: Path = PACKAGE_DIR,
+                 directory: Path | None = None, processes: int | None = 1) -> str:
+    """Make sure the kernels are in numba's cache, compiled by one process
+    of the host: "warm" (nothing to do), "waited" (another process compiled
+    them while this one waited), "compiled" (this one did), or "loaded" (the
+    sources changed but every kernel was still in the cache); "no jit"
+    under NUMBA_DISABLE_JIT=1. ``processes`` > 1 (None: one per idle CPU of
+    the host, compilepool.workers_here()): that many worker processes
+    compile first (harmpi.compilepool), then this one loads what they
+    compiled. ``compile_all`` is then a module's function taking ``claim=``,
+    in a module that imports no kernel module itself (its importer would
+    compile those before this starts)."""
     from numba.core import config
 
     if config.DISABLE_JIT:  # NUMBA_DISABLE_JIT=1: nothing compiles, and no record is written
@@ -280,23 +299,52 @@ def compile_once(compile_all: Callable[[], None], package_dir: Path = PACKAGE_DI
         stamps = file_stamps(package_dir)
         if record.get("key"):  # sources changed since the last compile here
             drop_stale(package_dir, changed_files(record.get("files"), stamps))
-        load1, cpus = os.getloadavg()[0], os.cpu_count() or 1
-        note = _ColdCacheNote(package_dir.name, lambda: message(*estimate(record, load1, cpus)))
-        wall0, cpu0 = time.monotonic(), time.process_time()
-        event.register("numba:compile", note)
-        try:
-            compile_all()
-        finally:
-            event.unregister("numba:compile", note)
-        if note.compiles:  # else every kernel loaded: keep the last compile's figures
-            cpu_s = round(time.process_time() - cpu0, 2)
-            record = {"compile_cpu_s": cpu_s, "most_cpu_s": max(cpu_s, record.get("most_cpu_s", 0)),
-                      "compile_wall_s": round(time.monotonic() - wall0, 2), "load1": load1,
-                      "cpus": cpus, "kernels": note.compiles}
+        record, compiled = _compile(compile_all, package_dir, directory, processes, record)
         tmp = record_path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({**record, "key": key, "files": stamps, "at": time.time()}))
         os.replace(tmp, record_path)
-    return "compiled" if note.compiles else "loaded"
+    return "compiled" if compiled else "loaded"
+
+
+def _compile(compile_all: Callable[..., None], package_dir: Path, directory: Path,
+             processes: int | None, record: dict) -> tuple[dict, bool]:
+    """compile_once's compile, under the host lock: (the new record, whether
+    any kernel compiled); the old record if every kernel loaded."""
+    if processes != 1:  # (a single process needs no package: tests load this file alone)
+        from . import compilepool
+    load1, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if processes is None:
+        processes = compilepool.workers_here(load1)
+    note = _ColdCacheNote(package_dir.name,
+                          lambda: message(*estimate(record, load1, cpus, processes=processes)))
+    wall0, cpu0 = time.monotonic(), time.process_time()
+    spread = {"compiled": False, "compiles": 0, "cpu_s": 0.0, "failed": []}
+    if processes > 1:
+        spread = compilepool.compile_parallel(compile_all, directory, processes, note.say)
+        for failure in spread["failed"]:
+            log.warning("harmpi: a kernel compile worker failed (this process compiles "
+                        "its share): %s", failure)
+    event.register("numba:compile", note)
+    try:
+        compile_all()  # after the workers: loads what they compiled
+    finally:
+        event.unregister("numba:compile", note)
+    compiles = spread["compiles"] + note.compiles
+    if not (compiles or spread["compiled"]):  # every kernel loaded: keep the last figures
+        return record, False
+    cpu_s = round(time.process_time() - cpu0 + spread["cpu_s"], 2)
+    wall_s = round(time.monotonic() - wall0, 2)
+    log.warning("%s", f"harmpi kernels compiled in {wall_s:.0f} s by {_processes(processes)} "
+                      f"({cpu_s:.0f} s of CPU); later imports load them from the cache")
+    return {"compile_cpu_s": cpu_s, "most_cpu_s": max(cpu_s, record.get("most_cpu_s", 0)),
+            "compile_wall_s": wall_s, "load1": load1, "cpus": cpus, "processes": processes,
+            "kernels": compiles, "compiled_here": note.compiles,
+            "worker_failures": len(spread["failed"]),
+            "worker_max_rss_mb": spread.get("max_rss_mb", 0)}, True
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
 
 
 class _ColdCacheNote(event.Listener):
@@ -307,6 +355,7 @@ class _ColdCacheNote(event.Listener):
         self.package, self.text = package, text
         self.compiles = 0
         self.measuring = False  # text() may compile a probe: not a kernel
+        self.said = False
 
     def on_start(self, ev):
         dispatcher = (ev.data or {}).get("dispatcher")
@@ -315,11 +364,17 @@ class _ColdCacheNote(event.Listener):
             return
         self.compiles += 1
         if self.compiles == 1:
-            self.measuring = True
-            try:
-                log.warning("%s", self.text())
-            finally:
-                self.measuring = False
+            self.say()
+
+    def say(self):
+        """Log the line, once (a worker's first compile calls this too)."""
+        if self.said:
+            return
+        self.said = self.measuring = True
+        try:
+            log.warning("%s", self.text())
+        finally:
+            self.measuring = False
 
     def on_end(self, ev):
         pass
@@ -367,14 +422,28 @@ def _rail_arithmetic():
     kind.rail_tag(2048, 1)
 
 
-def compile_all() -> None:
-    """Import every kernel module and run the lazily typed kernels once."""
+def _reduce_warm_up():
+    importlib.import_module("harmpi.reduce").warm_up()
+
+
+def _alltoall_warm_up():
+    importlib.import_module("harmpi.algorithms.alltoall").warm_up()
+
+
+#: compile_all's steps after the imports: (name, the lazily typed kernels they call)
+WARM_STEPS = (("reduce", _reduce_warm_up), ("rail socket steps", _rail_socket_steps),
+              ("rail arithmetic", _rail_arithmetic), ("alltoall", _alltoall_warm_up))
+
+
+def compile_all(claim: Callable[[str], bool] | None = None) -> None:
+    """Import every kernel module and run the lazily typed kernels once.
+    ``claim(name)``: whether this process runs step ``name`` (harmpi.compilepool's
+    workers share the steps); every step without it."""
     for name in KERNEL_MODULES:
         importlib.import_module(name)
-    importlib.import_module("harmpi.reduce").warm_up()
-    _rail_socket_steps()
-    _rail_arithmetic()
-    importlib.import_module("harmpi.algorithms.alltoall").warm_up()
+    for name, step in WARM_STEPS:
+        if claim is None or claim(name):
+            step()
 
 
 #: what install() found at ``import harmpi`` (compile_once's answer)
@@ -385,5 +454,5 @@ def install() -> str:
     """``import harmpi``'s first step: the kernels compiled once per host (see
     the module docstring); returns (and keeps in ``outcome``) what compile_once did."""
     global outcome
-    outcome = compile_once(compile_all)
+    outcome = compile_once(compile_all, processes=None)
     return outcome

@@ -1,14 +1,16 @@
-"""Compile every harmpi kernel a job can use, in this one process.
+"""Compile every harmpi kernel a job can use, over the host's CPUs.
 
-    python -m harmpi.precompile      # make setup runs it; prints what it did
+    python -m harmpi.precompile      # make setup runs it; prints what it did, and how long
 
 Every kernel: those that compile at import and those Python calls with
 types known only at the first call (the multi-node and tcp-rail ones);
 harmpi.compilenote.compile_all lists them.
 
 ``import harmpi`` runs compile_all (it lives in harmpi.compilenote, which
-runs it in one process per host when numba's cache is cold); this module
-is the command line: it says whether it compiled, and how long it took.
+has one process per host run it when numba's cache is cold, with one
+worker process per CPU: harmpi.compilepool); this module is the command
+line: it says whether it compiled, how long it took and in how many
+processes.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ def main() -> int:
     # ``import harmpi`` (this module's package) has run compile_once already
     how = compilenote.outcome or compilenote.compile_once(compile_all)
     record = compilenote.read_record(compilenote.cache_dir() / compilenote.RECORD)
-    took = {"compiled": f"compiled in {record.get('compile_wall_s', 0):.0f} s",
+    processes = record.get("processes", 1)
+    took = {"compiled": f"compiled in {record.get('compile_wall_s', 0):.0f} s by {processes} "
+                        + ("process" if processes == 1 else "processes"),
             "waited": "compiled by another process (waited for it)",
             "loaded": "all loaded from the cache (sources changed, kernels did not)",
             "warm": "already in the cache",
