@@ -143,18 +143,19 @@ class Server:
 
     def __init__(self, python: str, model: str, log_path: str, *, executor: str = "harmpi",
                  launch: str = "", tp: int = 2, mode: str = "eager", max_num_seqs: int = 4,
-                 seed: int = 0, extra_env=None):
+                 seed: int = 0, extra_env=None, prefix=()):
         self.python, self.model, self.log_path = python, model, log_path
         self.executor, self.launch, self.tp, self.mode = executor, launch, tp, mode
         self.max_num_seqs, self.seed = max_num_seqs, seed
         self.extra_env = dict(extra_env or {})
+        self.prefix = list(prefix)  # what runs the server (e.g. in a network namespace)
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
 
     def argv(self) -> list[str]:
         cli = os.path.join(os.path.dirname(self.python), "harmpi-vllm")
-        argv = [cli, "serve", self.model, "--tensor-parallel-size", str(self.tp),
+        argv = [*self.prefix, cli, "serve", self.model, "--tensor-parallel-size", str(self.tp),
                 "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs",
                 str(self.max_num_seqs), "--kv-cache-memory-bytes", str(256 << 20),
                 "--seed", str(self.seed), "--port", str(self.port)]

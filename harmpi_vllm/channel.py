@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client
 
 __all__ = ["ENGINE_ENV", "AUTHKEY_ENV", "PROBE_ENV", "Hello", "Env", "Ready", "Failed", "Bye",
-           "connect", "read_probe", "SHM_DIR"]
+           "connect", "local_ip", "read_probe", "SHM_DIR"]
 
 #: host:port of the executor's listener
 ENGINE_ENV = "HARMPI_VLLM_ENGINE"
@@ -96,6 +96,15 @@ def connect(environ, timeout_s: float = 60.0):
                 raise ConnectionError(f"cannot reach vLLM's engine at {environ[ENGINE_ENV]} "
                                       f"({ENGINE_ENV}) for {timeout_s:.0f} s: {exc}") from None
             time.sleep(0.2)
+
+
+def local_ip(conn) -> str:
+    """This end's address of ``conn`` (a :func:`connect` connection): the
+    address by which this host reaches the engine, so the one the engine can
+    reach it by (VLLM_HOST_IP, where the job's environment carries the head
+    host's, would name another host)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        return sock.getsockname()[0]
 
 
 def read_probe(environ) -> bytes | None:

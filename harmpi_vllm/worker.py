@@ -48,18 +48,18 @@ def _worker_proc_class():
     vLLM's RayWorkerProc has them): the scheduler queue from the engine's
     handle, the response queue local (shm) or remote (TCP) to the engine."""
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: PLC0415
-    from vllm.utils.network_utils import get_ip  # noqa: PLC0415
     from vllm.v1.executor.multiproc_executor import WorkerProc  # noqa: PLC0415
 
     class MpiWorkerProc(WorkerProc):
         engine_shares_shm = True
+        reply_ip: str | None = None  # this host's address facing the engine (TCP replies)
 
         def _init_message_queues(self, input_shm_handle, vllm_config) -> None:
             self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle,
                                                                     self.worker.rank)
             local = self.engine_shares_shm
             self.worker_response_mq = MessageQueue(1, 1 if local else 0,
-                                                   connect_ip=None if local else get_ip())
+                                                   connect_ip=None if local else self.reply_ip)
             self.peer_response_handles = []
 
     return MpiWorkerProc
@@ -113,6 +113,7 @@ def _serve(conn, kwargs) -> None:
         configure_logging(logging_config)
     proc_class = _worker_proc_class()
     proc_class.engine_shares_shm = kwargs.pop("engine_shares_shm")
+    proc_class.reply_ip = channel.local_ip(conn)
     proc = None
     try:
         try:

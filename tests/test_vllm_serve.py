@@ -2,9 +2,8 @@
 the TP workers as one MPI job of harmpi's launcher, driven by vLLM's queues.
 
 Without vLLM (any pytest run): the job's launcher line on one host, across
-virtual nodes and across named hosts (the cross-host form cannot run here:
-one host), the refusals made before anything starts, the harmpi-vllm
-command's checks.
+virtual nodes and across named hosts, the refusals made before anything
+starts, the harmpi-vllm command's checks.
 
 With .venv-vllm (`make vllm-test` sets HARMPI_VLLM_REQUIRED=1; elsewhere
 these skip, as they start vLLM servers: ~4 min on 2 cores): the executor's
@@ -16,7 +15,9 @@ rank 0's log naming harmpi's communicator; the first server is stopped by
 SIGINT to its process group (a Ctrl-C) and the second by killing rank 1:
 every process of the job must be gone within 30 s and no /dev/shm file
 they had mapped left, and the dead rank must end the server non-zero with
-a message naming it, /health reporting it meanwhile.
+a message naming it, /health reporting it meanwhile. A third server runs
+across two hosts (network namespaces, tests/support/netns.py: its rank on
+the second host reads vLLM's queues over TCP) and is stopped by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -324,3 +325,56 @@ def test_serve_two_virtual_nodes_then_a_rank_dies(model, offline_tokens, tmp_pat
     assert f"harmpi: {named}" in log, log[-4000:]                      # the engine's log
     assert f"harmpi-vllm: error: the server stopped: harmpi: {named}" in log  # the last word
     assert 503 in health, health
+
+
+def test_serve_across_two_hosts(model, offline_tokens, tmp_path):
+    """The executor's cross-host form: the server on host a of two network-
+    namespace hosts (tests/support/netns.py), ``HARMPI_VLLM_LAUNCH="--hosts
+    a:1,b:1 ..."``, rank 1 started on host b by mpirun's rsh agent. Host b has
+    a /dev/shm of its own, as another machine has: its rank reads vLLM's
+    scheduler queue and answers over TCP (vLLM's network path), and harmpi's
+    communicator spans 2 nodes over its tcp rail."""
+    from support import netns  # noqa: PLC0415
+
+    ok, why = netns.can_make_namespaces()
+    if not ok:
+        pytest.skip(f"two-host netns harness unavailable: {why}")
+    vs = _bench()
+    mpirun = os.path.join(os.path.dirname(VLLM_PY), "mpirun")
+    with netns.TwoHosts(ranks_per_host=1, own_shm=True, mpirun=mpirun) as hosts:
+        a, b = hosts.names
+        # the harness's Open MPI settings (rsh agent, the veth's subnet) through
+        # the launcher's own --mpi-arg; unbound: both "hosts" see the same cores
+        mca = " ".join(f"--mca {k} {v}" for k, v in hosts.default_mca().items())
+        launch = f"--hosts {a}:1,{b}:1 --bind-to none --transport tcp --mpi-arg '{mca}'"
+        env = hosts.env({"VLLM_HOST_IP": hosts.addresses[0], "NO_COLOR": "1",
+                         "PATH": os.path.dirname(VLLM_PY) + os.pathsep + os.environ["PATH"]})
+        srv = vs.Server(VLLM_PY, model, str(tmp_path / "hosts.log"), executor="harmpi",
+                        launch=launch, max_num_seqs=PROMPTS, extra_env=env,
+                        prefix=hosts.host_argv(a, []))
+        srv.start()
+        try:
+            health_s = hosts.call_in(a, srv.wait_healthy, 600)
+            prompts = vs.vllm_model.prompts(PROMPTS, PROMPT_LEN)
+            data = hosts.call_in(a, srv.complete, prompts, MAX_TOKENS)
+        except BaseException:
+            srv.stop(signal.SIGKILL, group=True)
+            raise
+        t0 = time.monotonic()
+        status = srv.stop(signal.SIGINT, group=True, timeout_s=30)
+        took = time.monotonic() - t0
+        log = ANSI.sub("", srv.log())
+        while hosts.pids() and time.monotonic() - t0 < 30:  # rank 1 and prted on b
+            time.sleep(0.25)
+        left = hosts.pids()
+    print(f"2 hosts x 1: /health after {health_s:.0f} s; Ctrl-C: exit {status} in {took:.1f} s")
+    tokens = [c["token_ids"] for c in sorted(data["choices"], key=lambda c: c["index"])]
+    assert tokens == offline_tokens
+    assert re.search(rf"vLLM worker rank 0 connected: pid \d+ on {a} \(shared memory\)", log), \
+        log[-4000:]
+    assert re.search(rf"vLLM worker rank 1 connected: pid \d+ on {b} \(TCP\)", log), log[-4000:]
+    assert "harmpi carries vLLM's all-reduce and all_gather in group tp:0: vLLM/MPI ranks " \
+           "[0, 1], 2 node(s)" in log, log[-4000:]
+    assert log.count("CPU SHM communicator disabled for group tp:0") == 2, log[-4000:]
+    assert not left, f"still running in the two hosts 30 s after Ctrl-C: {left}"
+    assert hosts.last_cleanup == {}, hosts.last_cleanup

@@ -84,6 +84,7 @@ package ``iproute2``), ``unshare`` (``util-linux``), ``sh``, and Open MPI's
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import glob
 import itertools
@@ -117,6 +118,12 @@ _SEQ = itertools.count()
 _LIVE: "set[TwoHosts]" = set()
 _LOCK = threading.Lock()
 _SET_HOSTNAME = 'echo "$0" > /proc/sys/kernel/hostname && exec "$@"'
+_CLONE_NEWNET = 0x40000000
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def find_tool(name: str) -> str | None:
@@ -362,8 +369,12 @@ case "$host" in
   *) echo "netns rsh agent: refusing host '$host' (not one of: {hosts})" >&2; exit 255 ;;
 esac
 exec {ip} netns exec "$host" {unshare} --uts /bin/sh -c \\
-  'echo "$0" > /proc/sys/kernel/hostname && exec /bin/sh -c "$1"' "$host" "$*"
+  'echo "$0" > /proc/sys/kernel/hostname && {own_shm}exec /bin/sh -c "$1"' "$host" "$*"
 """
+# host b's /dev/shm of its own (TwoHosts(own_shm=True)): a fresh tmpfs in the mount
+# namespace `ip netns exec` made for this command, seen by it and its children only
+_OWN_SHM = 'case "$0" in {b}) mount -t tmpfs -o mode=1777,size=1g harmpi-netns /dev/shm ;; esac && '
+
 
 
 class TwoHosts:
@@ -375,12 +386,13 @@ class TwoHosts:
     """
 
     def __init__(self, ranks_per_host: int = 2, *, subnet: str = "10.213.7",
-                 mpirun: str | None = None) -> None:
+                 mpirun: str | None = None, own_shm: bool = False) -> None:
         if ranks_per_host < 1:
             raise ValueError("ranks_per_host must be >= 1")
         if not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}", subnet):
             raise ValueError("subnet must be the first three octets of a private 10.x.y.0/24")
         self.ranks_per_host = ranks_per_host
+        self.own_shm = own_shm
         self.subnet = subnet
         self.cidr = f"{subnet}.0/24"
         self.addresses = (f"{subnet}.1", f"{subnet}.2")
@@ -450,8 +462,9 @@ class TwoHosts:
                     time.sleep(0.05)
         self.agent = os.path.join(self.tmpdir, "rsh_agent.sh")
         with open(self.agent, "w") as f:
+            own_shm = _OWN_SHM.format(b=self.names[1]) if self.own_shm else ""
             f.write(_AGENT.format(hosts="|".join(self.names), ip=shlex.quote(ip),
-                                  unshare=shlex.quote(self._unshare)))
+                                  unshare=shlex.quote(self._unshare), own_shm=own_shm))
         os.chmod(self.agent, 0o755)
 
     def close(self) -> dict:
@@ -516,6 +529,40 @@ class TwoHosts:
             raise ValueError(f"unknown host {host!r}; hosts are {self.names}")
         return [self._ip, "netns", "exec", host, self._unshare, "--uts",
                 "/bin/sh", "-c", _SET_HOSTNAME, host, *argv]
+
+    def call_in(self, host: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` in a thread that entered ``host``'s network
+        namespace (setns: a thread's own sockets then belong to that host; the
+        rest of this process stays where it is). Returns or raises what fn does."""
+        if host not in self.names:
+            raise ValueError(f"unknown host {host!r}; hosts are {self.names}")
+        out: dict = {}
+
+        def body() -> None:
+            try:
+                fd = os.open(f"/run/netns/{host}", os.O_RDONLY)
+                try:
+                    if _libc().setns(fd, _CLONE_NEWNET) != 0:
+                        err = ctypes.get_errno()
+                        raise OSError(err, f"setns into {host}: {os.strerror(err)}")
+                finally:
+                    os.close(fd)
+                out["value"] = fn(*args, **kwargs)
+            except BaseException as exc:  # handed to the caller's thread
+                out["error"] = exc
+
+        t = threading.Thread(target=body, name=f"in-{host}", daemon=True)
+        t.start()
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment a process started in a host gets (Open MPI's
+        settings, root allowed, the per-run TMPDIR, mpirun's directory first on
+        PATH), updated by ``extra``."""
+        return self._env(extra)
 
     def run(self, host: str, argv: Sequence[str], timeout_s: float = 30,
             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
