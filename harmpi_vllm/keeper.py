@@ -129,9 +129,9 @@ def _become_subreaper() -> None:
 
 class Keeper:
     def __init__(self, engine_pid: int, argv):
-        from harmpi_launch.runner import _die_with_launcher  # noqa: PLC0415
+        from harmpi_launch.runner import die_with_launcher  # noqa: PLC0415
 
-        arm = _die_with_launcher()
+        arm = die_with_launcher()
 
         def own_group_dies_with_keeper() -> None:
             os.setpgid(0, 0)

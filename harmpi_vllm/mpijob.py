@@ -123,7 +123,7 @@ def plan_job(world_size: int, environ: Mapping[str, str], *, python: str | None 
     (VllmLaunchError saying what to change when it cannot work). ``topo``
     and ``mpi`` default to this host's topology and the MPI found next to
     ``python`` or on PATH."""
-    from harmpi_launch.cli import _inputs  # noqa: PLC0415 - the CLI's own reading of options
+    from harmpi_launch.cli import plan_inputs  # noqa: PLC0415 - the CLI's own reading
     from harmpi_launch.errors import LaunchError, MpiNotFoundError  # noqa: PLC0415
     from harmpi_launch.mpi import find_mpi  # noqa: PLC0415
     from harmpi_launch.plan import build_command, plan_layout  # noqa: PLC0415
@@ -135,7 +135,7 @@ def plan_job(world_size: int, environ: Mapping[str, str], *, python: str | None 
     params["np"] = world_size
     where = f" ({LAUNCH_ENV}={shlex.join(args)!r})" if args else ""
     try:
-        inputs = replace(_inputs(params, (python, *WORKER), master_port), python=python)
+        inputs = replace(plan_inputs(params, (python, *WORKER), master_port), python=python)
         topo = topo or detect_topology()
         lay = plan_layout(inputs, topo)
         head = head_host_index(lay.hosts, local_names)

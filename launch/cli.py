@@ -24,7 +24,7 @@ from .runner import Finished, run_mpirun
 from .topology import HostTopology, detect_topology
 from .torchrun import check_node_flags
 
-__all__ = ["cli", "main"]
+__all__ = ["cli", "main", "plan_inputs", "run_cmd"]
 
 PROG = "harmpi-launch"
 
@@ -159,8 +159,11 @@ def _ranks(params: dict[str, Any], n_hosts: int) -> tuple[int | None, int | None
     return np, per_node
 
 
-def _inputs(params: dict[str, Any], command: Sequence[str],
-            master_port: int | None = None) -> PlanInputs:
+def plan_inputs(params: dict[str, Any], command: Sequence[str],
+                master_port: int | None = None) -> PlanInputs:
+    """The plan's inputs from ``run``'s parsed options (``run_cmd.make_context``'s
+    params): what the launcher itself plans from, and what harmpi_vllm's
+    executor plans its job from (LaunchError where the options cannot work)."""
     hosts = _hosts(params)
     check_node_flags(params["nnodes"], params["node_rank"], params["standalone"], len(hosts))
     np, ranks_per_node = _ranks(params, len(hosts))
@@ -257,7 +260,7 @@ def run_cmd(ctx: click.Context, command: tuple[str, ...], dry_run: bool, tag_out
             "missing command: give the program to run after the options, "
             "e.g. `-np 2 -- python script.py`", ctx)
     try:
-        inputs = replace(_inputs(params, command, free_port()), tag_output=tag_output)
+        inputs = replace(plan_inputs(params, command, free_port()), tag_output=tag_output)
         topo = detect_topology()
         plan_layout(inputs, topo)  # user mistakes first, even without an MPI
         bad_hosts = _unresolvable_hosts(inputs)
@@ -329,7 +332,7 @@ def info_cmd(ctx: click.Context, **params: Any) -> None:
             # one rank per NUMA node (or K per node) of every host
             per_host = params["ranks_per_node"] or topo.n_numa_nodes
             params = {**params, "np": per_host * (len(_hosts(params)) or 1)}
-        inputs = _inputs(params, ("COMMAND",))
+        inputs = plan_inputs(params, ("COMMAND",))
         try:
             lay = plan_layout(inputs, topo)
         except TooManyRanksError as exc:  # show the plan anyway: what --oversubscribe runs

@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["FORWARDED_SIGNALS", "GRACE_S", "PARENT_DEATH_SIGNAL", "Finished", "run_mpirun"]
+__all__ = ["FORWARDED_SIGNALS", "GRACE_S", "PARENT_DEATH_SIGNAL", "Finished",
+           "die_with_launcher", "run_mpirun"]
 
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: what mpirun receives when the launcher dies without forwarding anything;
@@ -62,7 +63,7 @@ class Finished:
         return 128 + self.stopped_by if self.stopped_by is not None else self.mpirun_status
 
 
-def _die_with_launcher() -> Callable[[], None] | None:
+def die_with_launcher() -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the child receive :data:`PARENT_DEATH_SIGNAL`
     when this process dies (None where prctl is not available: not Linux)."""
     if not sys.platform.startswith("linux"):
@@ -172,7 +173,7 @@ def run_mpirun(argv: Sequence[str], env: Mapping[str, str]) -> Finished:
             break
     try:
         proc = subprocess.Popen(list(argv), env=dict(env), start_new_session=True,
-                                preexec_fn=_die_with_launcher())
+                                preexec_fn=die_with_launcher())
         started.append(proc)
         for signum in pending:
             proc.send_signal(signum)
