@@ -118,19 +118,10 @@ def job_processes(root: int) -> set[int]:
 
 
 def shm_files(pids) -> set[str]:
-    """/dev/shm files mapped by ``pids``."""
-    files = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    parts = line.split(None, 5)
-                    path = parts[5].strip() if len(parts) == 6 else ""
-                    if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
-                        files.add(path)
-        except OSError:
-            continue
-    return files
+    """/dev/shm files mapped by ``pids`` (the keeper's own reading of them)."""
+    from harmpi_vllm.keeper import shm_mapped  # noqa: PLC0415 - installed beside vLLM
+
+    return shm_mapped(pids)
 
 
 def alive(pids) -> list[int]:

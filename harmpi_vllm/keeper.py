@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["main", "GRACE_S", "SNAPSHOT_S"]
+__all__ = ["main", "shm_mapped", "GRACE_S", "SNAPSHOT_S"]
 
 #: how long the ranks get to leave by themselves before mpirun gets SIGTERM
 GRACE_S = 8.0
@@ -90,7 +90,8 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def _mapped(pids) -> set[str]:
+def shm_mapped(pids) -> set[str]:
+    """The /dev/shm files that ``pids`` have mapped (and not unlinked)."""
     files = set()
     for pid in pids:
         try:
@@ -153,8 +154,8 @@ class Keeper:
     def snapshot(self) -> None:
         """Add the /dev/shm files the job's and the engine's processes map."""
         if self._engine_alive():
-            self.engine_files |= _mapped([self.engine_pid])
-        self.mapped |= _mapped(_descendants(os.getpid()))
+            self.engine_files |= shm_mapped([self.engine_pid])
+        self.mapped |= shm_mapped(_descendants(os.getpid()))
 
     def _reap(self) -> None:
         """Reap adopted zombies (never mpirun: subprocess reaps it)."""
