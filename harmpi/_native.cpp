@@ -132,13 +132,31 @@ int64_t allreduce(py::handle obj) {
 // is a field load.
 constexpr int64_t kNotSum = -2;
 
+// AllreduceOptions::asyncOp where this torch has it (2.8 on; 2.6 and 2.7
+// lack it), found by the struct's members as the tag below is: without it
+// the options say nothing of async_op, which Python's dist.all_reduce then
+// honours by waiting on the Work, so the call is synchronous here.
+template <typename O, typename = void>
+struct HasAsyncOp : std::false_type {};
+template <typename O>
+struct HasAsyncOp<O, std::void_t<decltype(std::declval<O>().asyncOp)>> : std::true_type {};
+
+template <typename O>
+bool async_op(const O& o) {
+  if constexpr (HasAsyncOp<O>::value) {
+    return o.asyncOp;
+  } else {
+    return false;
+  }
+}
+
 int64_t allreduce_sum(py::handle tensors, py::handle opts) {
   py::detail::make_caster<c10d::AllreduceOptions> options;
   if (!options.load(opts, false)) {
     return kNotSum;
   }
   const auto& o = py::detail::cast_op<const c10d::AllreduceOptions&>(options);
-  if (o.asyncOp || o.reduceOp.op_ != c10d::ReduceOp::SUM) {
+  if (async_op(o) || o.reduceOp.op_ != c10d::ReduceOp::SUM) {
     return kNotSum;
   }
   if (!PyList_Check(tensors.ptr()) || PyList_GET_SIZE(tensors.ptr()) != 1) {

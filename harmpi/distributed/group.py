@@ -131,7 +131,7 @@ class ProcessGroupHarmpi(GroupChannel):
                     return DONE
                 if rc > 0:
                     api.native_failed(tensors[0], rc)
-            elif len(tensors) == 1 and (opts is None or (not opts.asyncOp
+            elif len(tensors) == 1 and (opts is None or (not is_async(opts)
                                                          and opts.reduceOp == SUM)):
                 # any other group: its context's entry, called here
                 t = tensors[0]
@@ -152,7 +152,7 @@ class ProcessGroupHarmpi(GroupChannel):
             opts = SYNC_SUM
         if t.layout != STRIDED:
             return self._allreduce_sparse(t, opts)
-        if opts.asyncOp:
+        if is_async(opts):
             return self._allreduce_async(t, opts)
         if opts.reduceOp == SUM:
             native = STATE.native

@@ -20,9 +20,14 @@ RED = dist.ReduceOp.RedOpType
 #: the hot path compares ops and layouts with these (no lookup per call)
 SUM = dist.ReduceOp.SUM
 AVG = dist.ReduceOp.AVG
+#: whether torch's all-reduce options carry async_op (2.8 on): on 2.6 and 2.7
+#: they do not, torch waits on the returned Work itself, and every call is
+#: synchronous here (tensors.is_async reads False)
+OPTS_ASYNC = hasattr(dist.AllreduceOptions(), "asyncOp")
 #: the options of a plain dist.all_reduce(t), when torch passes none
 SYNC_SUM = dist.AllreduceOptions()
-SYNC_SUM.asyncOp = False
+if OPTS_ASYNC:
+    SYNC_SUM.asyncOp = False
 STRIDED = torch.strided
 
 
@@ -110,5 +115,6 @@ def reduce_opts(opts):
     the calls built on all_reduce (reduce, reduce_scatter, coalesced) pass on."""
     out = dist.AllreduceOptions()
     out.reduceOp = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-    out.asyncOp = False
+    if OPTS_ASYNC:
+        out.asyncOp = False
     return out
