@@ -16,7 +16,9 @@ processes; harmpi's (``harmpi = harmpi_vllm:register``, pyproject.toml) is
   ranks. harmpi is imported only there, when vLLM makes the group's
   communicator (importing it any earlier, before vLLM's
   ``register_triton_kernel_overrides``, breaks vLLM's scan of
-  ``sys.modules`` on an llvmlite object).
+  ``sys.modules`` on an llvmlite object). Where harmpi's torch extension
+  (``harmpi._C``, the operator's home) is absent, vLLM's own collectives
+  carry the group and one log line says why.
 
 vLLM's ranks must be MPI ranks: one process per rank started by an MPI
 launcher, and vLLM told not to start its own workers::

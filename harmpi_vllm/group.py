@@ -15,6 +15,11 @@ Served: the group's communicator is MPI.COMM_WORLD when the group is every
 rank of the job (the operator's group "", whose CPU kernel calls harmpi's
 compiled entry directly), otherwise ``COMM_WORLD.Create_group`` of its
 ranks, bound to the vLLM group's name with ``harmpi.native.name_group``.
+
+Not served: where harmpi's torch extension (harmpi._C, whose operator
+vLLM's compiled graph calls) is absent on any member, every member leaves
+the group to vLLM's own collectives, and one line on the group's first
+rank says why (``harmpi.native.status()``, as ``harmpi.info()["native"]``).
 """
 
 from __future__ import annotations
@@ -95,19 +100,31 @@ class HarmpiGroup:
 
     @classmethod
     def make(cls, name: str, ranks, views):
-        """The group ``name`` of vLLM ranks ``ranks``, or VllmLaunchError;
-        ``views``: :func:`rank_view` of every member (collective)."""
+        """The group ``name`` of vLLM ranks ``ranks``; None where harmpi's
+        torch extension is absent on a member (vLLM's own collectives carry
+        the group; one line says so); or VllmLaunchError. ``views``:
+        :func:`rank_view` of every member (collective)."""
         check_ranks(name, views)
         from mpi4py import MPI  # noqa: PLC0415
 
         import harmpi  # noqa: PLC0415 - only now: see harmpi_vllm's docstring
         from harmpi import native  # noqa: PLC0415
 
-        if native.load() is None:
-            raise harmpi.HarmpiError(
-                f"{ENV}=1: vLLM's compiled graph needs the operator torch.ops.harmpi.all_reduce "
-                f"from harmpi's torch extension, which is {native.status()}")
         comm, op_group = communicator_for(ranks, MPI.COMM_WORLD)
+        # every member takes the same decision: one member without the
+        # operator would leave the others waiting in it
+        absent = comm.allgather(None if native.load() is not None else native.status())
+        if any(absent):
+            first = comm.Get_rank() == 0
+            if comm is not MPI.COMM_WORLD:
+                comm.Free()
+            (log.warning if first else log.debug)(
+                "harmpi does not carry vLLM's group %s: its torch extension (the operator "
+                "torch.ops.harmpi.all_reduce that vLLM's graph calls) is %s on rank(s) %s; "
+                "vLLM's own all-reduce and all_gather carry it", name,
+                next(why for why in absent if why),
+                [r for r, why in zip(ranks, absent) if why])
+            return None
         if op_group is None:
             op_group = name
             native.name_group(name, comm)

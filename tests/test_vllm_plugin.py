@@ -214,3 +214,44 @@ def test_a_tp_group_smaller_than_the_world(tmp_path):
     proc = run_job(tmp_path, SMALLER, work_s=30, np=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(proc.stdout.split()) == sorted("ok 0 ok 1 ok 2 ok 3".split()), proc.stdout
+
+
+NO_MODULE = """
+    import logging, os, torch, harmpi
+    from mpi4py import MPI
+    from harmpi import native
+    from harmpi_vllm import group
+    r = MPI.COMM_WORLD.Get_rank()
+    if r == 1:
+        native._module_file = lambda: None   # as where harmpi._C was not built
+    lines = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append((record.levelname, record.getMessage()))
+    log = logging.getLogger("vllm.harmpi")
+    log.addHandler(Keep())
+    log.setLevel(logging.DEBUG)
+    views = MPI.COMM_WORLD.allgather(group.rank_view(r, 2, os.environ))
+    assert group.HarmpiGroup.make("tp:0", [0, 1], views) is None
+    assert len(lines) == 1 and "\\n" not in lines[0][1], lines
+    level, line = lines[0]
+    assert level == ("WARNING" if r == 0 else "DEBUG"), lines
+    assert "not built: there is no harmpi._C" in line and "rank(s) [1]" in line, line
+    assert "vLLM's own all-reduce and all_gather carry it" in line, line
+    # the group is vLLM's now; harmpi itself still works, and says why it has no module
+    x = torch.full((4,), float(r + 1), dtype=torch.bfloat16)
+    harmpi.allreduce(x)
+    assert bool((x == 3).all()), x
+    status = harmpi.info()["native"]
+    assert status.startswith("not built" if r == 1 else "serving"), status
+    print("ok", r, flush=True)
+"""
+
+
+def test_without_the_torch_extension_vllms_own_collectives_carry_the_group(tmp_path):
+    """harmpi._C absent on one member (issue 36): no member serves the group
+    (the others would wait in the operator), rank 0 says why in one line,
+    the communicator keeps vLLM's own collectives, harmpi.info() says why."""
+    proc = run_job(tmp_path, NO_MODULE, work_s=30, np=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.split()) == ["0", "1", "ok", "ok"], proc.stdout
