@@ -9,6 +9,8 @@
 * ``have``: which optional packages are installed (torch, harmpi).
 * ``arena``: a one-rank arena in private memory (node steps without MPI).
 * ``reduce_oracle``: the reduce kernels' references and dtype tables.
+* ``native_range_check``: a one-process program tests/test_native_torch_range.py
+  runs in each declared torch's venv (harmpi._C loads, serves, sums).
 * ``bench_adapters_check``, ``deepspeed_check``: rank programs that tests
   start under mpirun from the checkout (``python -m mpi4py -m
   tests.support.deepspeed_check``).
