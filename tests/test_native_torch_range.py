@@ -27,6 +27,8 @@ from support import REPO
 from support.jobs import job_env
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
+                                reason="no C++ compiler: harmpi._C cannot be built here")
 
 OLDEST_VENV = REPO / ".venv-torch-oldest"
 CHECK = REPO / "tests" / "support" / "native_range_check.py"
