@@ -160,7 +160,7 @@ unit-test: setup
 
 unit-parallel: setup
 	HARMPI_TORCH_OLDEST_REQUIRED=1 $(UNIT_PYTEST) -n 3 --dist loadfile --ignore=tests/mpi --ignore=tests/test_vllm_generation.py \
-	  $(addprefix --ignore=,$(UNIT_SERIAL)) tests
+	  --ignore=tests/test_tp_decode.py $(addprefix --ignore=,$(UNIT_SERIAL)) tests
 
 unit-serial: setup
 	$(UNIT_PYTEST) -n 2 --dist loadfile $(UNIT_SERIAL)
@@ -285,15 +285,24 @@ $(OLDEST_STAMP): requirements.txt pyproject.toml | $(SYSTEM_STAMP)
 	touch $@
 
 # One real TP=2 generation under harmpi-launch, eager and compiled, tokens
-# compared with vLLM's own path (tests/test_vllm_generation.py; here a
-# missing vLLM venv fails the test instead of skipping it).
+# compared with vLLM's own path (tests/test_vllm_generation.py), and
+# transformers' TP decode on gloo and harmpi (tests/test_tp_decode.py, ~40 s);
+# here a missing vLLM venv fails the tests instead of skipping them.
 vllm-test: setup vllm-venv
 	HARMPI_VLLM_REQUIRED=1 $(PY) -m pytest -q -p no:cacheprovider --color=no \
-	  tests/test_vllm_generation.py tests/test_vllm_serve.py
+	  tests/test_vllm_generation.py tests/test_vllm_serve.py tests/test_tp_decode.py
 
 # tokens/s at TP=2: vLLM's shm op, Gloo and harmpi, 1 node x 2 and 2 virtual nodes x 1
 vllm-demo: vllm-venv
 	$(VLLM_PY) bench/vllm_demo.py
+
+# tokens/s of transformers' TP decode (tp_plan="auto") at 2 ranks, Gloo against
+# harmpi, and whether they generate the same tokens (bench/tp_decode.py, ~1 min);
+# options in TP_BENCH_ARGS, e.g. make tp-bench TP_BENCH_ARGS="--rounds 3 --tokens 128"
+.PHONY: tp-bench
+TP_BENCH_ARGS ?=
+tp-bench: vllm-venv
+	$(VLLM_PY) bench/tp_decode.py $(TP_BENCH_ARGS)
 
 # torch's own distributed tests as the conformance test (tests/torch_suite,
 # README "torch's own tests"), part of make test: the collective and

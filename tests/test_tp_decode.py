@@ -1,0 +1,71 @@
+"""transformers' tensor-parallel decode (tp_plan="auto") at 2 ranks on
+Gloo and on harmpi: bench/tp_decode.py with a few tokens, run with the vLLM
+venv's Python (.venv-vllm, `make vllm-venv`: transformers and accelerate).
+Both jobs must run on a mesh of their own backend and generate the same
+token ids.
+
+`make test` builds that venv and sets HARMPI_VLLM_REQUIRED=1, so there a
+missing venv or package fails; a bare pytest run without them skips,
+saying why."""
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+from support import REPO
+
+from launch.mpienv import mpi_env
+
+VLLM_PY = os.path.join(REPO, ".venv-vllm", "bin", "python")
+BENCH = os.path.join(REPO, "bench", "tp_decode.py")
+TOKENS = 4
+pytestmark = pytest.mark.timeout(300)
+
+
+def _need_venv():
+    msg = None
+    if not (os.access(VLLM_PY, os.X_OK) and os.path.exists(
+            os.path.join(REPO, ".venv-vllm", ".harmpi-installed"))):
+        msg = f"{VLLM_PY} (with harmpi installed) is missing: `make vllm-venv` builds it"
+    else:
+        probe = subprocess.run(
+            [VLLM_PY, "-c", "import transformers, accelerate, click"],
+            capture_output=True, text=True, timeout=120, cwd=os.path.dirname(VLLM_PY))
+        if probe.returncode != 0:
+            msg = (f"{VLLM_PY} cannot import transformers, accelerate or click "
+                   f"(`make vllm-venv` installs them): {probe.stderr.strip().splitlines()[-1:]}")
+    if msg is None:
+        return
+    if os.environ.get("HARMPI_VLLM_REQUIRED") == "1":
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def test_tp_decode_gloo_and_harmpi_generate_the_same_tokens(tmp_path):
+    _need_venv()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HARMPI_", "OMPI_COMM_WORLD", "PMIX_"))}
+    # Open MPI's settings as harmpi-launch gives them (root allowed, no UCX)
+    env = mpi_env(env, {"PATH": os.path.dirname(VLLM_PY) + os.pathsep + env.get("PATH", "")},
+                  yield_when_idle=False)
+    out = tmp_path / "jobs.json"
+    proc = subprocess.run(
+        [VLLM_PY, BENCH, "--tokens", str(TOKENS), "--prompt-len", "4", "--warmup", "0",
+         "--runs", "1", "--timeout", "120", "--json", str(out)],
+        env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=280)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    jobs = {j["backend"]: j for j in json.loads(out.read_text())}
+    assert set(jobs) == {"gloo", "harmpi"}, list(jobs)
+    for backend, job in jobs.items():
+        # the group we made, not one transformers made for itself (it would be gloo)
+        assert job["default_group"] == job["mesh_group"] == backend, job
+        assert job["ranks_agree"], job
+        assert job["new_tokens"] == TOKENS and len(job["tokens"][0]) == TOKENS, job
+        calls = {call for call, *_ in job["counts"]}
+        assert "dist.all_reduce" in calls, job["counts"]    # the rowwise layers' reductions
+    assert jobs["harmpi"]["tokens"] == jobs["gloo"]["tokens"], jobs
+    assert re.search(r"^  harmpi +harmpi +[\d.]+ \([\d.]+-[\d.]+\) +[\d.]+x  identical$",
+                     text, re.M), text[-3000:]
