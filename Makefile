@@ -286,7 +286,7 @@ $(OLDEST_STAMP): requirements.txt pyproject.toml | $(SYSTEM_STAMP)
 
 # One real TP=2 generation under harmpi-launch, eager and compiled, tokens
 # compared with vLLM's own path (tests/test_vllm_generation.py), and
-# transformers' TP decode on gloo and harmpi (tests/test_tp_decode.py, ~40 s);
+# transformers' TP decode on gloo and harmpi (tests/test_tp_decode.py, 40-150 s);
 # here a missing vLLM venv fails the tests instead of skipping them.
 vllm-test: setup vllm-venv
 	HARMPI_VLLM_REQUIRED=1 $(PY) -m pytest -q -p no:cacheprovider --color=no \
