@@ -21,8 +21,8 @@ from launch.mpienv import mpi_env
 VLLM_PY = os.path.join(REPO, ".venv-vllm", "bin", "python")
 BENCH = os.path.join(REPO, "bench", "tp_decode.py")
 TOKENS = 4
-# 41 s at load 5 and 148 s at load 8 (nice 19) on the 2-core machine: mostly
-# imports, slowed by the load; the bounds leave room for worse
+# 41 s at load 5 and 148 s at load 8 (nice 19) on the 2-core machine for 4
+# tokens (the ranks' start-up, slowed by the load); the bounds leave room for worse
 pytestmark = pytest.mark.timeout(660)
 
 
