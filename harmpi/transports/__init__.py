@@ -21,11 +21,14 @@ import logging
 from mpi4py import MPI
 
 from ..errors import HarmpiTransportError
-from ..topology import arrive, vote, world_ranks
+from ..topology import arrive, gather_records, vote, world_ranks
 from .base import MAX_TAG, POISON_TAG, Pending, Transport
 from .mpi import MpiTransport
 from .tcp import TcpTransport
 from .verbs import VerbsTransport
+
+#: the longest reason a rank sends when verbs is not usable there (bytes)
+_VERDICT_NBYTES = 900
 
 __all__ = ["Transport", "Pending", "MpiTransport", "TcpTransport", "VerbsTransport", "select",
            "announce", "verbs_status", "verbs_probe", "POISON_TAG", "MAX_TAG"]
@@ -88,26 +91,34 @@ def _open_verbs(choice, comm, spin_count, timeout_s):
     return VerbsTransport(comm, spin_count, timeout_s, PyverbsNic(choice))
 
 
-def _verbs_everywhere(comm, config, local_rank):
+def _verbs_everywhere(comm, config, local_rank, timeout_s):
     """(PortChoice or None, reason), the same verdict on every rank: usable
-    only if usable on every rank of ``comm``."""
+    only if usable on every rank of ``comm``. One polled gather of every
+    rank's verdict (topology.gather_records), never a blocking collective:
+    two threads setting up contexts over two communicators at once, across
+    nodes, hung for minutes with one thread in a blocking MPI_Allreduce here
+    and the other polling on its own communicator (2 virtual nodes x 2)."""
     choice, why = verbs_probe(config, local_rank)
     rank = comm.Get_rank()
-    if comm.allreduce(1 if choice is not None else 0, op=MPI.MIN):
+    said = "yes" if choice is not None else "no: " + " ".join(why.split())
+    said = said.encode()[:_VERDICT_NBYTES].decode(errors="ignore")
+    _, texts = gather_records(comm, timeout_s, "checking for RDMA verbs on every rank",
+                              (("verbs", said),))
+    verdicts = [t.partition("=")[2] for t in texts]
+    if all(v == "yes" for v in verdicts):
         return choice, f"verbs: every rank has an ACTIVE port (this rank: {why})"
-    whys = comm.allgather(None if choice is not None else why)
     try:  # errors name the ranks users know
         names = world_ranks(comm)
     except MPI.Exception:
-        names = list(range(len(whys)))
-    bad = [f"rank {names[r]}: {w}" for r, w in enumerate(whys) if w is not None]
+        names = list(range(len(verdicts)))
+    bad = [f"rank {names[r]}: {v[4:]}" for r, v in enumerate(verdicts) if v != "yes"]
     mine = "" if choice is None else f" (this rank {names[rank]}: {why})"
     return None, f"verbs not usable on every rank: {'; '.join(bad)}{mine}"
 
 
 def _select_verbs(requested, comm, spin_count, timeout_s, config, local_rank):
     """(transport or None, reason) of the verbs transport; forced: raises."""
-    choice, why = _verbs_everywhere(comm, config, local_rank)
+    choice, why = _verbs_everywhere(comm, config, local_rank, timeout_s)
     if choice is None:
         if requested == "verbs":
             raise HarmpiTransportError(f"HARMPI_TRANSPORT=verbs cannot be used: {why}; "

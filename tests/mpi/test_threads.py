@@ -103,13 +103,6 @@ def test_a_race_to_set_up_never_pairs_two_threads(world, kind):
 def test_a_thread_that_sets_up_its_own_communicator_works(world, topo):
     """The remedy the error names: each thread its own communicator, set up
     from that thread. Both threads' sums are right, on every rank."""
-    if topo.node_count > 1:
-        # a known hang: two threads setting up their contexts at once across
-        # nodes; rank 0's caller-0 sat in the verbs probe's blocking
-        # comm.allreduce (transports._verbs_everywhere) while caller-1 polled
-        # in topology.agree, for minutes (make test's 2x2 job, 2026-12-04);
-        # pytest-timeout cannot end a blocking MPI call
-        pytest.skip("known hang of concurrent set-ups across nodes (blocking verbs probe)")
     comms = [world.Dup(), world.Dup()]   # made by the main thread: Dup is collective
 
     def body(tid, out):
