@@ -74,11 +74,12 @@ __all__ = [
     "storage_from_torch",
     "tensor_dtype",
     "IMPL_KINDS",
+    "FuncolImpl",
     "TORCH_BACKENDS",
     "GLOO_UNBOUND",
 ]
 
-IMPL_KINDS = ("harmpi", "mpi", "gloo", "torch", "deepspeed")
+IMPL_KINDS = ("harmpi", "mpi", "gloo", "torch", "funcol", "deepspeed")
 
 
 class ImplUnavailable(Exception):
@@ -627,6 +628,46 @@ class TorchImpl(Impl):
         self._groups.release()
 
 
+class FuncolImpl(TorchImpl):
+    """torch's functional collectives on a process group of ``backend``, as
+    DTensor and compiled graphs call them: ``y = funcol.all_reduce(t, "sum",
+    g)`` (out of place) then ``funcol.wait_tensor(y)``.  All-reduce only."""
+
+    def __init__(self, name: str, backend: str, groups: TorchGroups):
+        super().__init__(name, backend, groups)
+        import torch.distributed._functional_collectives as funcol
+
+        self._funcol = funcol
+
+    def describe(self, op: str, dtype: DType) -> str:
+        return (f"{self.name}: torch.distributed._functional_collectives.all_reduce "
+                f"({dtype.torch_name}, 'sum', out of place) + wait_tensor on "
+                f"{self.group_description()}, torch {self._torch.__version__}")
+
+    def describe_tensors(self, dtype: DType) -> str:
+        return (f"{self.name}: functional all_reduce + wait_tensor on {dtype.name} tensors, "
+                f"{self.group_description()}")
+
+    def prepare(self, op: str, values: np.ndarray, dtype: DType) -> Prepared:
+        if op != "allreduce":
+            raise ValueError(f"{self.name} times all-reduce only, not {op}")
+        tensor = torch_from_storage(values, dtype)
+        last = [tensor]
+
+        def run(tensor=tensor, all_reduce=self._funcol.all_reduce,
+                wait=self._funcol.wait_tensor, group=self.group):
+            last[0] = wait(all_reduce(tensor, "sum", group))
+
+        # the result is a new tensor: the check reads the last call's
+        return Prepared(run, lambda: storage_from_torch(last[0], dtype))
+
+    def allreduce(self, tensor) -> None:
+        tensor.copy_(self._funcol.wait_tensor(self._funcol.all_reduce(tensor, "sum", self.group)))
+
+    def allgather(self, tensor):
+        raise ValueError(f"{self.name} times all-reduce only")
+
+
 # --------------------------------------------------------------------------
 # Construction
 # --------------------------------------------------------------------------
@@ -652,14 +693,15 @@ def parse_impls(spec: str) -> list[str]:
         if kind not in IMPL_KINDS:
             raise ValueError(
                 f"unknown implementation {name!r}; choose from harmpi, harmpi:<algorithm>, "
-                f"mpi, gloo, {', '.join(f'torch:{b}' for b in TORCH_BACKENDS)}, deepspeed"
+                f"mpi, gloo, {', '.join(f'torch:{b}' for b in TORCH_BACKENDS)}, "
+                f"{', '.join(f'funcol:{b}' for b in TORCH_BACKENDS)}, deepspeed"
             )
-        if kind == "torch" and algorithm not in TORCH_BACKENDS:
-            raise ValueError(f"torch takes a backend, one of {', '.join(TORCH_BACKENDS)}, "
+        if kind in ("torch", "funcol") and algorithm not in TORCH_BACKENDS:
+            raise ValueError(f"{kind} takes a backend, one of {', '.join(TORCH_BACKENDS)}, "
                              f"not {name!r}")
         if kind == "gloo" and algorithm not in ("", "unbound"):
             raise ValueError(f"gloo takes no option but unbound, not {name!r}")
-        if algorithm and kind not in ("harmpi", "torch", "gloo"):
+        if algorithm and kind not in ("harmpi", "torch", "funcol", "gloo"):
             raise ValueError(f"only harmpi takes an algorithm, not {name!r}")
         if kind in ("mpi", "deepspeed") and ":" in name:
             raise ValueError(f"{kind} takes no option, not {name!r}")
@@ -680,7 +722,10 @@ def make_impls(names: Sequence[str], comm, *, gloo_max_iterations: int | None = 
     for name in names:
         kind, _, algorithm = name.partition(":")
         backend = torch_backend(name)
-        if backend is not None:
+        if kind == "funcol":
+            groups = groups or TorchGroups(comm)
+            impls.append(FuncolImpl(name, algorithm, groups))
+        elif backend is not None:
             groups = groups or TorchGroups(comm)
             cap = gloo_max_iterations if backend == "gloo" else None
             impls.append(TorchImpl(name, backend, groups, cap, unbound=name == GLOO_UNBOUND))

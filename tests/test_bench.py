@@ -290,12 +290,14 @@ def test_parse_impls():
     assert parse_impls("harmpi, harmpi:shm,mpi,gloo") == ["harmpi", "harmpi:shm", "mpi", "gloo"]
     assert parse_impls("torch:harmpi,torch:gloo") == ["torch:harmpi", "torch:gloo"]
     assert parse_impls("gloo,gloo:unbound") == ["gloo", "gloo:unbound"]
+    assert parse_impls("torch:harmpi,funcol:harmpi") == ["torch:harmpi", "funcol:harmpi"]
     assert torch_backend("gloo:unbound") == "gloo"
     for bad in ("gloo:x", "gloo:unbound,gloo:unbound", "torch:gloo:unbound"):
         with pytest.raises(ValueError):
             parse_impls(bad)
     for bad in ("", "nccl", "mpi:ring", "mpi,mpi", "harmpi:", "torch", "torch:nccl",
-                "gloo,torch:gloo", "torch:harmpi,torch:harmpi"):
+                "gloo,torch:gloo", "torch:harmpi,torch:harmpi", "funcol", "funcol:nccl",
+                "funcol:harmpi,funcol:harmpi"):
         with pytest.raises(ValueError):
             parse_impls(bad)
 
