@@ -151,7 +151,7 @@ lint: setup
 # after-finalize, fail-fast, two-host, README-command and torch-backend
 # job files assert no deadline shorter than 30 s.
 UNIT_SERIAL := tests/test_faults.py tests/test_teardown.py tests/test_setup_faults.py \
-  tests/test_torch_ops_jobs.py
+  tests/test_torch_ops_jobs.py tests/test_tp_decode.py
 UNIT_PYTEST = $(PY) -m pytest -q -p no:cacheprovider --color=no --durations=10
 # Both passes run even when the first fails.
 unit-test: setup
@@ -160,8 +160,10 @@ unit-test: setup
 
 unit-parallel: setup
 	HARMPI_TORCH_OLDEST_REQUIRED=1 $(UNIT_PYTEST) -n 3 --dist loadfile --ignore=tests/mpi --ignore=tests/test_vllm_generation.py \
-	  --ignore=tests/test_tp_decode.py $(addprefix --ignore=,$(UNIT_SERIAL)) tests
+	  $(addprefix --ignore=,$(UNIT_SERIAL)) tests
 
+# test_tp_decode (transformers' TP in .venv-vllm, ~40 s; skips without that
+# venv) runs here, beside vllm-test, whose servers are that stage's longer half
 unit-serial: setup
 	$(UNIT_PYTEST) -n 2 --dist loadfile $(UNIT_SERIAL)
 
@@ -290,7 +292,7 @@ $(OLDEST_STAMP): requirements.txt pyproject.toml | $(SYSTEM_STAMP)
 # here a missing vLLM venv fails the tests instead of skipping them.
 vllm-test: setup vllm-venv
 	HARMPI_VLLM_REQUIRED=1 $(PY) -m pytest -q -p no:cacheprovider --color=no \
-	  tests/test_vllm_generation.py tests/test_vllm_serve.py tests/test_tp_decode.py
+	  tests/test_vllm_generation.py tests/test_vllm_serve.py
 
 # tokens/s at TP=2: vLLM's shm op, Gloo and harmpi, 1 node x 2 and 2 virtual nodes x 1
 vllm-demo: vllm-venv
