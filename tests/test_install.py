@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from support import REPO  # noqa: E402 (the checkout, one definition)
 
-SKIP = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", "out",
+SKIP = shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "__pycache__", "out",
                               ".*cache*", ".hypothesis", "_C.*.so", "*.nbi", "*.nbc")
 
 
