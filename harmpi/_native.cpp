@@ -8,6 +8,8 @@
 //                                     Functionalize kernels)
 //   torch.ops.harmpi.all_reduce(x, group="")   out of place, returns a new tensor
 //                                     (CPU and Meta kernels)
+//   allgather(t), alltoall(t) -> tensor or int   the hot paths of harmpi.allgather(t)
+//                                     (dim 0) and harmpi.alltoall(t) (an even split)
 // group "" is the world; another name is a communicator bound to it on the
 // Python side (harmpi.native.name_group), which the fallback serves.
 // Both check the tensor on torch's C++ side and call that entry (a numba
@@ -84,6 +86,18 @@ struct ServedAlltoall {
   int64_t digest_mask = 0;
 };
 ServedAlltoall g_a2a;
+
+// The attached context's allgather (one node): its compiled step
+// f(ctl, x, out, n, fmt, digest) -> status (harmpi/node/entries.py: gather_step),
+// the number of ranks and the digest field's width (harmpi/kind.py).
+using gather_entry_t = int64_t (*)(int64_t ctl_addr, int64_t x_addr, int64_t out_addr,
+                                   int64_t n, int64_t fmt, int64_t digest);
+struct ServedAllgather {
+  gather_entry_t entry = nullptr;
+  int64_t nranks = 0;
+  int64_t digest_mask = 0;
+};
+ServedAllgather g_gather;
 // fallback(t, rc), an owned reference (nullptr: none). Never released at
 // process exit: the interpreter may be gone by then.
 PyObject* g_fallback = nullptr;
@@ -184,6 +198,7 @@ void attach(int64_t ctl_addr, int64_t gate_offset, int64_t entry_addr,
   Py_XDECREF(old);
   g_served = s;
   g_a2a = ServedAlltoall();  // attach_alltoall, after attach, serves it again
+  g_gather = ServedAllgather();  // and attach_allgather
 }
 
 // all-to-all ---------------------------------------------------------------
@@ -204,18 +219,23 @@ uint32_t crc32_of(const std::string& text) {
   return crc ^ 0xFFFFFFFFu;
 }
 
-// kind.shape_digest(t.shape[1:]): the crc of repr() of the row shape tuple
-int64_t row_shape_digest(const at::Tensor& t) {
+// crc32 of repr(tuple(t.shape[first:])), as kind.shape_digest computes it
+uint32_t shape_crc(const at::Tensor& t, size_t first) {
   std::string text = "(";
   const auto sizes = t.sizes();
-  for (size_t d = 1; d < sizes.size(); ++d) {
-    if (d > 1) {
+  for (size_t d = first; d < sizes.size(); ++d) {
+    if (d > first) {
       text += ", ";
     }
     text += std::to_string(sizes[d]);
   }
-  text += sizes.size() == 2 ? ",)" : ")";
-  return static_cast<int64_t>(crc32_of(text)) & g_a2a.digest_mask;
+  text += sizes.size() == first + 1 ? ",)" : ")";
+  return crc32_of(text);
+}
+
+// kind.shape_digest(t.shape[1:]): the all-to-all's row shape
+int64_t row_shape_digest(const at::Tensor& t) {
+  return static_cast<int64_t>(shape_crc(t, 1)) & g_a2a.digest_mask;
 }
 
 // harmpi.alltoall(t)'s hot path, an even split of a tensor on the served
@@ -270,6 +290,51 @@ void attach_alltoall(int64_t entry_addr, int64_t nranks, int64_t coll_bits,
     a.digest_mask = digest_mask;
   }
   g_a2a = a;
+}
+
+// allgather ----------------------------------------------------------------
+
+// harmpi.allgather(t)'s hot path (dim 0 on the served context): a new tensor
+// holding every rank's t along dimension 0, in rank order, or an int:
+// kNotMine (the Python path takes it; it explains what it refuses) or the
+// step's failure status (> 0). The kind word's digest is
+// kind.shape_digest(t.shape), so ranks that gather different shapes fail
+// alike, as on the Python path.
+py::object allgather(py::handle obj) {
+  py::detail::make_caster<at::Tensor> tensor;
+  if (g_gather.entry == nullptr || !tensor.load(obj, false)) {
+    return py::int_(kNotMine);
+  }
+  const at::Tensor& t = py::detail::cast_op<const at::Tensor&>(tensor);
+  const int fmt = format_of(t);
+  if (fmt < 0 || t.dim() < 1) {
+    return py::int_(kNotMine);
+  }
+  std::vector<int64_t> sizes = t.sizes().vec();
+  sizes[0] *= g_gather.nranks;
+  at::Tensor out = at::empty(sizes, t.options());
+  const int64_t digest = static_cast<int64_t>(shape_crc(t, 0)) & g_gather.digest_mask;
+  int64_t rc;
+  {
+    py::gil_scoped_release unlocked;
+    rc = g_gather.entry(reinterpret_cast<int64_t>(g_served.ctl),
+                        reinterpret_cast<int64_t>(t.data_ptr()),
+                        reinterpret_cast<int64_t>(out.data_ptr()), t.numel(), fmt, digest);
+  }
+  if (rc != 0) {
+    return py::int_(rc);
+  }
+  return py::cast(out);
+}
+
+void attach_allgather(int64_t entry_addr, int64_t nranks, int64_t digest_mask) {
+  ServedAllgather g;
+  if (entry_addr != 0 && g_served.ctl != nullptr) {
+    g.entry = reinterpret_cast<gather_entry_t>(entry_addr);
+    g.nranks = nranks;
+    g.digest_mask = digest_mask;
+  }
+  g_gather = g;
 }
 
 // the operator's kernels -------------------------------------------------
@@ -421,6 +486,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attach_alltoall", &attach_alltoall, py::arg("entry_addr"), py::arg("nranks"), py::arg("coll_bits"), py::arg("digest_shift"),
         py::arg("digest_mask"),
         "attach_alltoall(...): the attached context's all-to-all step (after attach)");
+  m.def("allgather", &allgather, py::arg("t"),
+        "allgather(t) -> every rank's t concatenated along dimension 0, or -1 (not handled "
+        "here) or the step's failure status");
+  m.def("attach_allgather", &attach_allgather, py::arg("entry_addr"), py::arg("nranks"),
+        py::arg("digest_mask"),
+        "attach_allgather(entry_addr, nranks, digest_mask): the attached context's "
+        "allgather step (after attach)");
   m.def("attach", &attach, py::arg("ctl_addr"), py::arg("gate_offset"), py::arg("entry_addr"),
         py::arg("formats"), py::arg("fallback"),
         "attach(ctl_addr, gate_offset, entry_addr, ((torch.dtype, id), ...), fallback): the "

@@ -171,6 +171,16 @@ def allgather(x, dim=0, comm=None, dtype=None, out=None):
     one compiled strided copy puts it in place: n * x.nbytes more bytes read
     and written, plus a few us of Python (harmpi.logits.allgather_dim).
     """
+    native = _STATE.native_allgather
+    if native is not None and not dim and dim is not None and out is None and dtype is None \
+            and (comm is None or comm is _COMM_WORLD):
+        # dim 0 of a tensor on the world context (one node), checked and run
+        # from C++ (harmpi.native); an int: not a call it takes (-1), or a failure
+        got = native(x)
+        if type(got) is not int:
+            return got
+        if got != -1:
+            _native_allgather_failed(x, got)
     # (0 and False: the dim-0 path, no more Python on it; a dim that names
     # dimension 0 too, -1 of a 1-d x, joins it)
     try:
@@ -280,6 +290,12 @@ def _alltoall_run(ctx, plan, P, addr, row_n, row_nb, fmt, code, expect_total, ma
         ctx.interrupted()
         raise
     return result
+
+
+def _native_allgather_failed(x, rc):
+    addr, n, fmt, _ = _describe(x, None, False)
+    code = kind.encode(fmt=fmt, coll=kind.COLL_ALLGATHER, digest=_shape_digest(x.shape))
+    _STATE.world.raise_status(rc, addr, n, fmt, code, "allgather")
 
 
 def _native_alltoall_failed(x, rc):

@@ -240,6 +240,13 @@ def attach(ctx):
         mod.attach_alltoall(int(ALLTOALL_CFUNC), ctx.topo.size,
                             kind.COLL_ALLTOALL << coll_shift, digest_shift,
                             (1 << digest_width) - 1)
+    # one node: the allgather step is compiled too (node.GATHER_STEP)
+    if hasattr(mod, "attach_allgather"):
+        from . import kind, node  # noqa: PLC0415
+
+        _, digest_width = kind.field("digest")
+        entry = node.GATHER_CFUNC if ctx.gather is node.GATHER_STEP else 0
+        mod.attach_allgather(int(entry), ctx.topo.size, (1 << digest_width) - 1)
     ctx.ctl[0]["gate"] = 1
     return mod.allreduce
 
@@ -248,6 +255,13 @@ def alltoall():
     """The module's ``alltoall(t)`` (harmpi.alltoall(t)'s hot path; it
     declines with -1 while no context is served), or None if not loaded."""
     return getattr(_loaded, "alltoall", None)
+
+
+def allgather():
+    """The module's ``allgather(t)`` (harmpi.allgather(t)'s hot path at dim 0;
+    it declines with -1 while no one-node context is served), or None if not
+    loaded."""
+    return getattr(_loaded, "allgather", None)
 
 
 def detach() -> None:

@@ -54,6 +54,8 @@ class Registry:
         self.native = None          # harmpi.native's allreduce(t), while it serves
         #: harmpi.native's alltoall(t) once loaded (it declines when nothing is served)
         self.native_alltoall = None
+        #: harmpi.native's allgather(t) once loaded (it declines likewise)
+        self.native_allgather = None
         self.keyval = None
         self.closed = None          # why no collective may run any more (finalize, fork)
         self.sigint = SigintWatch(self.waiting_elsewhere)
@@ -245,6 +247,7 @@ class Registry:
 
         self.native = native.attach(ctx)
         self.native_alltoall = native.alltoall()
+        self.native_allgather = native.allgather()
 
     def free_all(self):
         """harmpi.finalize(): free every healthy context (collective)."""

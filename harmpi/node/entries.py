@@ -31,8 +31,8 @@ from .steps import gather_node, reduce_scatter_allgather, shm_allreduce, sum_slo
 __all__ = ["thread_self", "foreign_thread", "enter", "leave", "gather_step", "one_node_step",
            "one_node_start", "one_node_finish", "solo_step", "entry_point", "STEP_SIG",
            "CFUNC_SIG", "SPLIT_NONE", "SPLIT_DONE", "SPLIT_SMALL", "SPLIT_RSAG", "ONE_NODE_STEP",
-           "ONE_NODE_CFUNC", "SOLO_STEP", "SOLO_CFUNC", "GATHER_STEP", "ONE_NODE_START",
-           "ONE_NODE_FINISH"]
+           "ONE_NODE_CFUNC", "SOLO_STEP", "SOLO_CFUNC", "GATHER_STEP", "GATHER_CFUNC",
+           "ONE_NODE_START", "ONE_NODE_FINISH"]
 
 _BF16, _F16, _F32 = dtypes.BF16, dtypes.F16, dtypes.F32
 _BUSY_OFFSET = control.offset("busy")
@@ -121,6 +121,12 @@ def gather_step(ctl, x_addr, out_addr, n, fmt, digest):
     rc = _gather(ctl, x_addr, out_addr, n, fmt, digest)
     leave(ctl)
     return rc
+
+
+@numba.cfunc(_i64(_i64, _i64, _i64, _i64, _i64, _i64), cache=True, nogil=True)
+def _gather_cfunc(ctl_addr, x_addr, out_addr, n, fmt, digest):
+    """gather_step for C callers (harmpi/_native.cpp), which pass addresses."""
+    return gather_step(control.control_at(ctl_addr), x_addr, out_addr, n, fmt, digest)
 
 
 # -- the one-node all-reduce: f(ctl, x_addr, n, fmt) -> status --------------------
@@ -285,5 +291,6 @@ ONE_NODE_CFUNC = _cfunc_address(_one_node_cfunc)
 SOLO_STEP = entry_point(solo_step, STEP_SIG)
 SOLO_CFUNC = _cfunc_address(_solo_cfunc)
 GATHER_STEP = entry_point(gather_step, _GATHER_SIG)
+GATHER_CFUNC = _cfunc_address(_gather_cfunc)
 ONE_NODE_START = entry_point(one_node_start, STEP_SIG)
 ONE_NODE_FINISH = entry_point(one_node_finish, STEP_SIG)

@@ -36,6 +36,47 @@ def test_allgather_bf16_default_config(world):
     assert torch.equal(out[::5, 0], torch.arange(n, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("shape", [(0,), (1,), (7, 3), (1, 4096), (3, 5, 2)])
+def test_default_allgather_runs_from_cpp_on_one_node(world, topo, shape):
+    """Where harmpi._C serves the world context (one node, module built), a
+    dim-0 allgather of a tensor runs from C++ (harmpi.allgather's hot path):
+    every rank's x in rank order, the same bits everywhere; elsewhere it
+    declines (-1) and the Python path runs."""
+    from harmpi.registry import STATE  # noqa: PLC0415
+
+    r, n = world.Get_rank(), world.Get_size()
+    x = (torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) + 100 * r) \
+        .to(torch.bfloat16)
+    want = torch.cat([(torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+                       + 100 * q).to(torch.bfloat16) for q in range(n)])
+    assert torch.equal(harmpi.allgather(x), want)  # (the first tensor call attaches the module)
+    native = STATE.native_allgather
+    if not harmpi.info()["native"].startswith("serving"):
+        assert native is None or native(x) == -1
+        return
+    got = native(x)
+    assert isinstance(got, torch.Tensor) == (topo.node_count == 1)
+    if topo.node_count == 1:
+        assert torch.equal(got, want)
+        assert_same_everywhere(world, got)
+        assert native(x.float()).dtype == torch.float32  # another format: its own kind
+        assert native(torch.zeros(())) == -1  # 0-d: the Python path's (it counts as (1,))
+
+
+def test_ranks_that_gather_different_shapes_fail_alike_then_recover(world):
+    """On the C++ path as on Python's: a disagreement raises on every rank
+    and the next call is right."""
+    r, n = world.Get_rank(), world.Get_size()
+    if n == 1:
+        pytest.skip("one rank cannot disagree")
+    x = torch.full((1, 64), float(r), dtype=torch.bfloat16)
+    harmpi.allgather(x)
+    with pytest.raises(harmpi.HarmpiMismatchError):
+        harmpi.allgather(torch.zeros((1, 64 + r), dtype=torch.bfloat16))
+    out = harmpi.allgather(x)
+    assert torch.equal(out[:, 0], torch.arange(n, dtype=torch.bfloat16))
+
+
 def test_barrier(small_comm):
     for _ in range(5):
         harmpi.barrier(small_comm)
