@@ -24,7 +24,9 @@ rank says why (``harmpi.native.status()``, as ``harmpi.info()["native"]``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 
 from . import ENV, VllmLaunchError
 
@@ -38,6 +40,28 @@ MPI_ENV = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_S
 HOW = ("run one process per vLLM rank under MPI and let vLLM start no workers of its own: "
        "LLM(..., distributed_executor_backend=\"external_launcher\") under "
        "`harmpi-launch -np N -- python script.py` (or mpirun -np N); or unset " + ENV)
+
+
+#: how harmpi's waits go in a vLLM TP group unless HARMPI_WAIT says otherwise:
+#: spinning, as vLLM's own shared-memory op does. vLLM binds each rank's
+#: threads to cores of its own, so a spinning rank takes no core a peer
+#: needs; "auto" would sleep through the longer waits of a decode step (a
+#: rank's Python between steps) and every sleep puts the wake-up (~90 us on
+#: a VM) on the step's critical path (issue 38: 1x2 compiled, 16 x 128
+#: tokens, tokens/s median: auto 139.7, spin 173.3, vLLM's shm op 168.8).
+#: Ranks that outnumber their cores still yield at once (harmpi.sync).
+VLLM_WAIT = "spin"
+
+
+def harmpi_config(environ):
+    """The harmpi.Config a TP group's context gets: the environment's,
+    with :data:`VLLM_WAIT` where HARMPI_WAIT is unset."""
+    from harmpi import Config  # noqa: PLC0415 - see harmpi_vllm's docstring
+
+    config = Config.from_env(environ)
+    if not (environ.get("HARMPI_WAIT") or "").strip():
+        config = dataclasses.replace(config, wait=VLLM_WAIT)
+    return config
 
 
 def mpi_rank_from_env(environ) -> tuple[int, int] | None:
@@ -93,10 +117,14 @@ class HarmpiGroup:
         import torch  # noqa: PLC0415 - loaded by vLLM by now
 
         import harmpi  # noqa: PLC0415 - the point of this class: imported late
+        from harmpi import native  # noqa: PLC0415
 
         self.comm, self.op_group, self.name, self.ranks = comm, op_group, name, list(ranks)
         self._op = torch.ops.harmpi.all_reduce
         self._allgather = harmpi.allgather
+        # the world's dim-0 allgather in C++ (a tensor, or an int: -1 where
+        # it declines, a failure status; harmpi.allgather then decides)
+        self._native_gather = native.allgather() if op_group == "" else None
 
     @classmethod
     def make(cls, name: str, ranks, views):
@@ -128,16 +156,35 @@ class HarmpiGroup:
         if op_group is None:
             op_group = name
             native.name_group(name, comm)
-        harmpi.init(comm)  # collective: windows, transport, kernels now, not in a timed step
+        # collective: windows, transport, kernels now, not in a timed step
+        try:
+            harmpi.init(comm, config=harmpi_config(os.environ))
+        except harmpi.HarmpiArgumentError:
+            # the program used harmpi on this communicator already: its
+            # context (and its waits) stay as they are, on every rank alike
+            harmpi.init(comm)
         where = harmpi.info(comm)
         (log.info if comm.Get_rank() == 0 else log.debug)(
             "harmpi carries vLLM's all-reduce and all_gather in group %s: vLLM/MPI ranks %s, "
-            "%s node(s), communicator %s", name, list(ranks), where["nodes"],
-            "MPI.COMM_WORLD" if not op_group else f"of ranks {list(ranks)} ({op_group!r})")
+            "%s node(s), communicator %s, waits %s", name, list(ranks), where["nodes"],
+            "MPI.COMM_WORLD" if not op_group else f"of ranks {list(ranks)} ({op_group!r})",
+            where.get("wait"))
         return cls(comm, op_group, name, ranks)
 
     def all_reduce(self, x):
         return self._op(x, self.op_group)
 
     def all_gather(self, x, dim: int):
-        return self._allgather(x.contiguous(), dim=dim, comm=self.comm)
+        """cat([x_0, ..., x_{n-1}], dim): one dim-0 gather of the ranks'
+        contiguous x, then (where a dimension before ``dim`` is not 1)
+        vLLM's own reordering copy, as its CpuCommunicator does."""
+        x = x.contiguous()
+        d = dim % x.dim()
+        got = self._native_gather(x) if self._native_gather is not None else -1
+        if type(got) is int:
+            got = self._allgather(x, dim=0, comm=self.comm)
+        shape = list(x.shape)
+        shape[d] *= len(self.ranks)
+        if all(s == 1 for s in x.shape[:d]):
+            return got.view(shape)  # each rank's block is contiguous in the result
+        return got.view(len(self.ranks), *x.shape).movedim(0, d).reshape(shape)
