@@ -47,7 +47,9 @@ def _args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", default="1x2,2x1", help="comma list of 1x2, 2x1")
     p.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
-    p.add_argument("--runs", type=int, default=3, help="timed generations per job (>= 3)")
+    p.add_argument("--runs", type=int, default=5,
+                   help="timed generations per job (>= 3; a 64-token run lasts ~0.4 s, "
+                        "so one slow moment moves a median of three)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--prompts", type=int, default=1, help="sequences per generation")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -55,6 +57,9 @@ def _args(argv):
                    help="where the random model is made (kept between runs)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per job")
     p.add_argument("--json", help="also write every job's result here")
+    p.add_argument("--trace", action="store_true",
+                   help="each job also runs one generation under torch.profiler: per decode "
+                        "step, rank 0's busiest operators and each communicator's own")
     p.add_argument("--serve", default="1x2",
                    help="then the serve rows: vLLM's OpenAI server with vLLM's own executor and "
                         "with harmpi's at these layouts (bench/vllm_serve.py; '' for none)")
@@ -81,7 +86,7 @@ def launcher() -> str:
 
 
 def run_job(model, layout, mode, comm, out, *, runs, warmup, prompts, max_tokens, count,
-            timeout, tp=2, profile=False):
+            timeout, tp=2, profile=False, trace=False):
     """One vLLM job of ``tp`` ranks; returns bench/vllm_job.py's result (rank 0)."""
     cmd = [launcher(), "-np", str(tp), *LAYOUTS[layout], "--",
            sys.executable, os.path.join(HERE, "vllm_job.py"), "--model", model,
@@ -92,6 +97,8 @@ def run_job(model, layout, mode, comm, out, *, runs, warmup, prompts, max_tokens
         cmd.append("--count")
     if profile:
         cmd.append("--profile")
+    if trace:
+        cmd.append("--trace")
     env = dict(os.environ)
     env.pop("HARMPI_VLLM", None)
     if comm == "harmpi":
@@ -133,7 +140,7 @@ def measure(a):
                     r = run_job(a.model, layout, mode, comm, os.path.join(tmp, "r.json"),
                                 runs=a.runs, warmup=a.warmup, prompts=a.prompts,
                                 max_tokens=a.max_tokens, count=want_count, timeout=a.timeout,
-                                profile=comm == "harmpi")
+                                profile=comm == "harmpi", trace=a.trace)
                     r["layout"] = layout
                     results.append(r)
                     done[comm] = r
@@ -179,6 +186,14 @@ def report(a, rows, counts):
                   f"collectives (waiting for the last rank {sh['wait_us_per_step']:.1f}, own "
                   f"{sh['own_us_per_step']:.1f}); microbenchmark {sh['micro_us_per_step']:.1f} "
                   f"us/step ({micro})")
+    traces = [(layout, mode, comm, r["trace"]) for layout, mode, comm, r, _ in rows
+              if r is not None and r.get("trace")]
+    if traces:
+        print("\nOne generation under torch.profiler, rank 0, per decode step: operators by "
+              "self CPU time (us), calls")
+        for layout, mode, comm, tr in traces:
+            ops = "; ".join(f"{name} {us:.0f} ({calls:.1f})" for name, calls, us in tr["ops"])
+            print(f"  {layout} {mode:9} {comm:7} {ops}")
     if counts:
         print(f"\nTP collectives of one generation ({a.prompts} sequence(s) x {a.max_tokens} "
               f"tokens = {a.max_tokens} forward steps), per rank:")

@@ -46,6 +46,9 @@ def _args(argv):
     p.add_argument("--profile", action="store_true",
                    help="harmpi: one more generation under harmpi.profile(); its collectives' "
                         "time per step beside a microbenchmark of the same calls")
+    p.add_argument("--trace", action="store_true",
+                   help="one more generation under torch.profiler on every rank: rank 0's "
+                        "operators by self CPU time per decode step, and its allocations")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -144,6 +147,26 @@ def _harmpi_share(llm, batch, params, steps) -> dict:
     return out
 
 
+#: operators a trace always reports (the TP collectives of each communicator)
+_COMM_OPS = ("harmpi::all_reduce", "_C::shm_allreduce", "_C::shm_all_gather", "c10d::allreduce_",
+             "c10d::allgather_", "gloo:all_reduce", "gloo:all_gather")
+
+
+def _trace(llm, batch, params, steps, top=12) -> dict:
+    """One generation under torch.profiler (CPU): per decode step, the
+    operators with the most self CPU time, the communicators' operators
+    whatever their rank, and aten::empty calls (allocations)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(batch, params, use_tqdm=False)
+    rows = [(e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages()]
+    rows.sort(key=lambda r: -r[2])
+    keep = rows[:top] + [r for r in rows[top:] if r[0] in _COMM_OPS or r[0] == "aten::empty"]
+    return {"steps": steps,
+            "ops": [[name, count / steps, self_us / steps] for name, count, self_us in keep]}
+
+
 def main(argv=None):
     a = _args(argv)
     if a.comm == "gloo":
@@ -166,13 +189,15 @@ def main(argv=None):
         seconds.append(time.perf_counter() - t0)
     share = _harmpi_share(llm, batch, params, a.max_tokens) \
         if a.profile and a.comm == "harmpi" else None
+    trace = _trace(llm, batch, params, a.max_tokens) if a.trace else None
     if int(os.environ.get("RANK", "0")) == 0:
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         with open(a.out, "w") as f:
             json.dump({"comm": a.comm, "mode": a.mode, "path": _tp_path(), "tokens": tokens,
                        "output_tokens": sum(map(len, tokens)), "seconds": seconds,
                        "counts": [[k, n, c] for (k, n), c in sorted(counts.items())],
-                       "prompts": a.prompts, "max_tokens": a.max_tokens, "share": share}, f)
+                       "prompts": a.prompts, "max_tokens": a.max_tokens, "share": share,
+                       "trace": trace}, f)
     return 0
 
 
