@@ -15,10 +15,8 @@ import subprocess
 
 import pytest
 from support import REPO
+from support.vllm import VLLM_PY, need_vllm_venv, vllm_env
 
-from launch.mpienv import mpi_env
-
-VLLM_PY = os.path.join(REPO, ".venv-vllm", "bin", "python")
 BENCH = os.path.join(REPO, "bench", "tp_decode.py")
 TOKENS = 4
 # 41 s at load 5 and 148 s at load 8 (nice 19) on the 2-core machine for 4
@@ -26,32 +24,9 @@ TOKENS = 4
 pytestmark = pytest.mark.timeout(660)
 
 
-def _need_venv():
-    msg = None
-    if not (os.access(VLLM_PY, os.X_OK) and os.path.exists(
-            os.path.join(REPO, ".venv-vllm", ".harmpi-installed"))):
-        msg = f"{VLLM_PY} (with harmpi installed) is missing: `make vllm-venv` builds it"
-    else:
-        probe = subprocess.run(
-            [VLLM_PY, "-c", "import transformers, accelerate, click"],
-            capture_output=True, text=True, timeout=120, cwd=os.path.dirname(VLLM_PY))
-        if probe.returncode != 0:
-            msg = (f"{VLLM_PY} cannot import transformers, accelerate or click "
-                   f"(`make vllm-venv` installs them): {probe.stderr.strip().splitlines()[-1:]}")
-    if msg is None:
-        return
-    if os.environ.get("HARMPI_VLLM_REQUIRED") == "1":
-        pytest.fail(msg)
-    pytest.skip(msg)
-
-
 def test_tp_decode_gloo_and_harmpi_generate_the_same_tokens(tmp_path):
-    _need_venv()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HARMPI_", "OMPI_COMM_WORLD", "PMIX_"))}
-    # Open MPI's settings as harmpi-launch gives them (root allowed, no UCX)
-    env = mpi_env(env, {"PATH": os.path.dirname(VLLM_PY) + os.pathsep + env.get("PATH", "")},
-                  yield_when_idle=False)
+    need_vllm_venv(imports=("transformers", "accelerate", "click"))
+    env = vllm_env()
     out = tmp_path / "jobs.json"
     proc = subprocess.run(
         [VLLM_PY, BENCH, "--tokens", str(TOKENS), "--prompt-len", "4", "--warmup", "0",

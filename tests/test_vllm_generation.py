@@ -13,30 +13,14 @@ import subprocess
 
 import pytest
 from support import REPO
+from support.vllm import VLLM_PY, need_vllm_venv, vllm_env
 
-from launch.mpienv import mpi_env
-
-VLLM_PY = os.path.join(REPO, ".venv-vllm", "bin", "python")
 pytestmark = pytest.mark.timeout(1500)
 
 
-def _need_venv():
-    if os.access(VLLM_PY, os.X_OK) and os.path.exists(
-            os.path.join(REPO, ".venv-vllm", ".harmpi-installed")):
-        return
-    msg = f"{VLLM_PY} (with harmpi installed) is missing: `make vllm-venv` builds it"
-    if os.environ.get("HARMPI_VLLM_REQUIRED") == "1":
-        pytest.fail(msg)
-    pytest.skip(msg)
-
-
 def test_tp2_generation_through_harmpi_equals_vllms_own(tmp_path):
-    _need_venv()
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HARMPI_", "OMPI_COMM_WORLD", "PMIX_"))}
-    # Open MPI's settings as harmpi-launch gives them (root allowed, no UCX)
-    env = mpi_env(env, {"PATH": os.path.dirname(VLLM_PY) + os.pathsep + env.get("PATH", "")},
-                  yield_when_idle=False)
+    need_vllm_venv()
+    env = vllm_env()
     out = tmp_path / "jobs.json"
     proc = subprocess.run(
         [VLLM_PY, os.path.join(REPO, "bench", "vllm_demo.py"), "--layouts", "1x2",

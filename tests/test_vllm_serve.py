@@ -32,6 +32,7 @@ import time
 
 import pytest
 from support import REPO
+from support.vllm import VLLM_PY, need_vllm_venv, vllm_env
 
 from harmpi_vllm import VllmLaunchError
 from harmpi_vllm.cli import EXECUTOR, refusal
@@ -40,7 +41,6 @@ from launch.mpi import MpiInfo
 from launch.plan import RANKENV
 from launch.topology import build_topology
 
-VLLM_PY = os.path.join(REPO, ".venv-vllm", "bin", "python")
 pytestmark = pytest.mark.timeout(1200)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 PROMPTS, PROMPT_LEN, MAX_TOKENS = 2, 16, 8
@@ -149,18 +149,11 @@ def _need_vllm():
     if os.environ.get("HARMPI_VLLM_REQUIRED") != "1":
         pytest.skip("starts vLLM servers (minutes): run by `make vllm-test`, which sets "
                     "HARMPI_VLLM_REQUIRED=1")
-    if not (os.access(VLLM_PY, os.X_OK) and os.path.exists(
-            os.path.join(REPO, ".venv-vllm", ".harmpi-installed"))):
-        pytest.fail(f"{VLLM_PY} (with harmpi installed) is missing: `make vllm-venv` builds it")
+    need_vllm_venv()
 
 
 def _vllm_env():
-    from launch.mpienv import mpi_env  # noqa: PLC0415
-
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HARMPI_", "OMPI_COMM_WORLD", "PMIX_"))}
-    return mpi_env(env, {"PATH": os.path.dirname(VLLM_PY) + os.pathsep + env.get("PATH", ""),
-                         "NO_COLOR": "1"}, yield_when_idle=False)
+    return vllm_env(NO_COLOR="1")
 
 
 @pytest.fixture(scope="module")

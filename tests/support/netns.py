@@ -558,16 +558,10 @@ class TwoHosts:
             raise out["error"]
         return out["value"]
 
-    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment a process started in a host gets (Open MPI's
-        settings, root allowed, the per-run TMPDIR, mpirun's directory first on
-        PATH), updated by ``extra``."""
-        return self._env(extra)
-
     def run(self, host: str, argv: Sequence[str], timeout_s: float = 30,
             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
         """Run a plain command inside one host (no MPI)."""
-        return self._spawn(self.host_argv(host, argv), timeout_s, self._env(env), None)
+        return self._spawn(self.host_argv(host, argv), timeout_s, self.env(env), None)
 
     def default_mca(self) -> dict[str, str]:
         mca = {
@@ -621,12 +615,15 @@ class TwoHosts:
         timeout all are killed and subprocess.TimeoutExpired is raised."""
         full = self.mpirun_argv(argv, np, mca=mca, extra_args=extra_args,
                                 env_keys=list(env or {}), bind_to=bind_to)
-        proc = self._spawn(full, timeout_s, self._env(env), cwd)
+        proc = self._spawn(full, timeout_s, self.env(env), cwd)
         if check:
             proc.check_returncode()
         return proc
 
-    def _env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment a process started in a host gets (Open MPI's
+        settings, root allowed, the per-run TMPDIR, mpirun's directory first on
+        PATH), updated by ``extra``."""
         # root allowed (and the MCA settings of default_mca(), which win)
         env = mpi_env(extra={"SHELL": "/bin/sh", "TMPDIR": os.path.join(self.tmpdir, "tmp")})
         # mpirun must come from the wheel / PATH we chose, and prted on host b
