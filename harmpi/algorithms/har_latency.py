@@ -49,7 +49,7 @@ from ..transports import TcpTransport, sockio
 from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
 
 __all__ = ["HarLatencyAllreduce", "HAR2_STEP", "HAR2_START", "HAR2_FINISH", "rail_complete",
-           "rail_views"]
+           "rail_outcome", "rail_views"]
 
 # -- two nodes over the tcp transport: the whole step in one compiled call ----
 #
@@ -91,6 +91,16 @@ def rail_complete(ctl, ops, pollfds, scratch):
     c = ctl[0]
     io = sockio.progress(ops, _RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
                          node.hook_addr(ctl), c.wait_yield, node.wait_addr(ctl))
+    return rail_outcome(ctl, ops, io)
+
+
+@numba.njit(cache=True, nogil=True)
+def rail_outcome(ctl, ops, io):
+    """The status of a rail exchange that sockio.progress ended with ``io``
+    (rail_complete's, and the two-node all-to-all's longer wait): OK, or
+    the status of a step this rank gives up on (its rail peer is told by
+    the abandon)."""
+    c = ctl[0]
     if io == sockio.IO_INTERRUPTED:
         return node.interrupted(ctl)
     if io != sockio.IO_OK:

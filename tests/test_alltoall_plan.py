@@ -1,0 +1,56 @@
+"""The all-to-all plan's named fields: PLAN_FIELDS, the accessors and the
+offsets harmpi/_native.cpp writes and reads agree (no MPI, no kernels run)."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from harmpi.algorithms.alltoall import plan
+
+NATIVE = Path(__file__).resolve().parents[1] / "harmpi" / "_native.cpp"
+VIEWS = {"send": plan.send, "expect": plan.expect, "recv": plan.recv,
+         "send_off": plan.send_off, "recv_off": plan.recv_off}
+WORDS = {"steps": plan.steps_at, "bad_pair": plan.bad_pair_at, "even_rows": plan.even_rows_at}
+
+
+def test_the_accessors_follow_plan_fields_in_order():
+    for P in (1, 2, 3, 8):
+        p = np.arange(plan.plan_words(P), dtype=np.int64)
+        at = 0
+        for name, words in plan.PLAN_FIELDS:
+            if words == "P":
+                view = VIEWS[name](p, P)
+                assert view.tolist() == list(range(at, at + P)), (name, P)
+                assert np.shares_memory(view, p), name
+                at += P
+            else:
+                assert WORDS[name](P) == at, (name, P)
+                at += words
+        assert at == plan.plan_words(P) == plan.new_plan(P).size
+
+
+def test_native_cpp_uses_the_same_offsets():
+    text = NATIVE.read_text()
+    assert "scratch.resize(static_cast<size_t>(5 * n + 3))" in text
+    assert set(re.findall(r"plan\[5 \* n \+ (\d)\]", text)) == {"1", "2"}
+    P = 5
+    assert plan.plan_words(P) == 5 * P + 3
+    assert plan.bad_pair_at(P) == 5 * P + 1 and plan.even_rows_at(P) == 5 * P + 2
+
+
+def test_an_even_split_fills_send_and_expect():
+    P = 3
+    p = plan.new_plan(P)
+    p[plan.even_rows_at(P)] = 4
+    plan.spread_even_rows(p, P)
+    assert plan.send(p, P).tolist() == plan.expect(p, P).tolist() == [4] * P
+    p[plan.even_rows_at(P)] = -1
+    plan.send(p, P)[:] = [1, 2, 3]
+    plan.spread_even_rows(p, P)
+    assert plan.send(p, P).tolist() == [1, 2, 3]
+    assert plan.prefix(plan.send(p, P), plan.send_off(p, P), P) == 6
+    assert plan.send_off(p, P).tolist() == [0, 1, 3]
+    assert plan.pair_mismatch(p, P) == (0, 0)  # (a zeroed bad_pair word names pair 0)
+    p[plan.bad_pair_at(P)] = -1
+    assert plan.pair_mismatch(p, P) is None
