@@ -88,7 +88,7 @@ from typing import NamedTuple, Sequence
 import click
 import numpy as np
 
-from bench import harness
+from bench import job, report
 from bench.decode_results import (
     collective_latency_ns,
     divergence_note,
@@ -539,14 +539,8 @@ def _report_lines(rows: Sequence[dict], wide: bool = False) -> list[str]:
 
 def _write_json(path: str, meta: dict, rows: Sequence[dict]) -> None:
     with open(path, "w") as fh:
-        json.dump({"meta": _jsonable(meta), "rows": list(rows)}, fh, indent=2)
+        json.dump({"meta": report.jsonable(meta), "rows": list(rows)}, fh, indent=2)
         fh.write("\n")
-
-
-def _jsonable(value):
-    from bench.osu import _jsonable as convert
-
-    return convert(value)
 
 
 def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int,
@@ -583,7 +577,7 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: Th
                   load: int = 0, wide: bool = False) -> bool:
     """Print the header, run the rounds, report (rank 0).  True if every
     backend's ranks generated identical tokens."""
-    from bench.osu import bench_version, environment_lines, topology
+    from bench.job import bench_version, environment_lines, topology
 
     rank = comm.Get_rank()
     topo = topology(comm)
@@ -606,7 +600,7 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: Th
             *(f"# {text}" for text in descriptions.values()),
             *_method_lines(same_host),
         ]
-        print("\n".join(harness.fit_lines(lines, None if wide else harness.WIDTH)), flush=True)
+        print("\n".join(report.fit_lines(lines, None if wide else report.WIDTH)), flush=True)
 
     profiles = _step_profiles(impls) if profile else None
     with host_load(comm, load) as busy:
@@ -619,8 +613,8 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: Th
         _mark_agreement(rows, {name: m.longest_tokens() for name, m in measured.items()},
                         {name: m.longest().margin_ulps for name, m in measured.items()},
                         {name: m.rounds[0].prefill_logits for name, m in measured.items()})
-        print("\n".join(harness.fit_lines(_report_lines(rows, wide) + split,
-                                           None if wide else harness.WIDTH)), flush=True)
+        print("\n".join(report.fit_lines(_report_lines(rows, wide) + split,
+                                           None if wide else report.WIDTH)), flush=True)
         if json_path:
             meta = {
                 "benchmark": "decode",
@@ -651,7 +645,7 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: Th
         "mpirun -np N python -m mpi4py -m bench.decode --comm harmpi,gloo,mpi"
     ),
 )
-@harness.help_option()
+@job.help_option()
 @click.option("--comm", "comm_spec", default=None,
               help="Comma list of harmpi (harmpi.allreduce), torch:harmpi (torch.distributed "
                    "on a harmpi process group), gloo (= torch:gloo), mpi.  [default: "
@@ -691,7 +685,7 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: Th
               default=None, help="Write the results as JSON (rank 0).")
 @click.option("--wide", is_flag=True,
               help=f"Print the table with every column (mean step, prefill) and comment lines "
-                   f"unwrapped (default: everything fits {harness.WIDTH} columns).")
+                   f"unwrapped (default: everything fits {report.WIDTH} columns).")
 @click.option("--load", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
               help="Run N busy processes (unbound spin loops) on each host during the rounds, "
                    "started by the host's first rank; a busy machine on purpose.")
@@ -708,11 +702,11 @@ def main(comm_spec, tp_api, hidden, layers, heads, kv_heads, ffn, vocab, batch, 
         cfg.check(MPI.COMM_WORLD.Get_size(), even_kv=tp_api)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    code = harness.run_or_abort(run, cfg, comms=comms, batch=batch, prompt_len=prompt_len,
+    code = job.run_or_abort(run, cfg, comms=comms, batch=batch, prompt_len=prompt_len,
                                 steps=steps, warmup_steps=warmup_steps, seed=seed,
                                 threads=threads, json_path=json_path, rounds=rounds,
                                 tp_api=tp_api, profile=profile, load=load, wide=wide)
-    harness.exit_all(code)
+    job.exit_all(code)
 
 
 def _parse_comms(spec: str, tp_api: bool = False) -> list[str]:

@@ -195,7 +195,7 @@ class DeepSpeedImpl(Impl):
     name = "deepspeed"
 
     def __init__(self, comm, max_iterations: int | None = None, flags=None):
-        from bench.osu import topology  # bench.osu imports bench.impls, which imports this
+        from bench.job import topology  # bench.osu imports bench.impls, which imports this
 
         self._comm = comm
         self._flags = cpu_flags() if flags is None else frozenset(flags)

@@ -64,7 +64,7 @@ from typing import NamedTuple, Sequence
 import click
 import numpy as np
 
-from bench import harness
+from bench import job, report
 from bench.decode_results import (
     collective_latency_ns,
     first_divergence,
@@ -582,7 +582,7 @@ def run(plan: Plan, names: Sequence[str], *, threads: int | None = None, load: i
     prints.  Returns the exit code, the same on every rank."""
     from mpi4py import MPI
 
-    from bench.osu import environment_lines, topology
+    from bench.job import environment_lines, topology
 
     comm = MPI.COMM_WORLD if comm is None else comm
     threads_used = set_threads(comm, threads)
@@ -600,14 +600,14 @@ def run(plan: Plan, names: Sequence[str], *, threads: int | None = None, load: i
         env_lines = environment_lines(comm, topo, harmpi_info_of(adapters.values()))
         if comm.Get_rank() == 0:
             lines = _header(plan, models, descriptions, env_lines, threads_used.count, build_s)
-            print("\n".join(harness.fit_lines(lines)), flush=True)
+            print("\n".join(report.fit_lines(lines)), flush=True)
         with host_load(comm, load) as busy:
             measured = _run_rounds(plan, models, comms, comm)
         rows = [_row(name, measured[name], plan, comm, topo["hosts"] == 1) for name in names]
         ok = mark_agreement(rows)
         if comm.Get_rank() == 0:
             lines = format_table(rows) + _notes(rows) + ([busy.summary()] if load else [])
-            print("\n".join(harness.fit_lines(lines)), flush=True)
+            print("\n".join(report.fit_lines(lines)), flush=True)
             if json_path:
                 _write_json(json_path, plan, rows, topo)
         return 0 if ok else 1
@@ -631,7 +631,7 @@ def _write_json(path: str, plan: Plan, rows: Sequence[dict], topo: dict) -> None
     "Greedy decode of a Qwen3-MoE-shaped model with random bf16 weights, expert-parallel "
     "(all-to-all) and tensor-parallel (all-reduce), one run per comm. Run under MPI: "
     "mpirun -np 2 python -m mpi4py -m bench.moe_decode"))
-@harness.help_option()
+@job.help_option()
 @click.option("--comm", "comm_spec", default=DEFAULT_COMMS, show_default=True,
               help="Comma list of ep:<c> (expert parallel, all-to-all over c) and tp:<c> "
                    f"(tensor parallel, all-reduce over c); c one of {', '.join(EP_COMMS)}.")
@@ -678,9 +678,9 @@ def main(comm_spec, hidden, layers, heads, kv_heads, experts, topk, expert_ffn, 
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     plan = Plan(cfg, n_ranks, batch, prompt_len, steps, warmup_steps, rounds, seed)
-    code = harness.run_or_abort(run, plan, names, threads=threads, load=load,
+    code = job.run_or_abort(run, plan, names, threads=threads, load=load,
                                 json_path=json_path)
-    harness.exit_all(code)
+    job.exit_all(code)
 
 
 if __name__ == "__main__":

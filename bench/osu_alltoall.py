@@ -46,8 +46,9 @@ from mpi4py import MPI
 
 import harmpi
 import harmpi.distributed  # noqa: F401 - backend "harmpi", mpi://
-from bench.harness import fit_lines, parse_names, parse_nbytes
+from bench.harness import parse_names, parse_nbytes
 from bench.load import host_load
+from bench.report import fit_lines
 
 IMPLS = ("harmpi", "torch:harmpi", "mpi", "gloo")
 SCHEDULE = 16  # count matrices an --uneven run steps through
