@@ -51,6 +51,7 @@ __all__ = [
     "Collective",
     "ALLREDUCE",
     "ALLGATHER",
+    "ALLTOALL",
     "parse_nbytes",
     "format_nbytes",
     "parse_sizes",
@@ -175,43 +176,53 @@ class Collective:
     """What the harness needs to know about one collective.
 
     ``size`` in the tables is the byte count each rank passes in (for an
-    allgather: each rank's contribution; the result is n times larger).
+    allgather: each rank's contribution, the result is n times larger; for
+    an all-to-all, OSU's convention: what each rank sends to each rank, the
+    input and the output n times larger).
     """
 
     name: str  # "Allreduce", as in the OSU title
-    op: str  # method of an implementation adapter: "allreduce" / "allgather"
+    op: str  # method of an implementation adapter: "allreduce" / "allgather" / "alltoall"
     #: n ranks -> busbw / algbw, with algbw = size / t (nccl-tests' definition,
-    #: rewritten for a per-rank size): allreduce 2(n-1)/n, allgather n-1.
+    #: rewritten for a per-rank size): allreduce 2(n-1)/n, allgather and
+    #: all-to-all n-1.
     busbw_factor: Callable[[int], float]
     #: True if timed buffers may hold zeros (sums); False: use the seeded data.
     zero_timing_data: bool
+    #: n ranks -> blocks of ``size`` bytes in each rank's input (all-to-all: n)
+    blocks: Callable[[int], int] = lambda n: 1
 
     def count(self, nbytes: int, dtype: DType) -> int:
-        """Elements per rank for a message of ``nbytes`` (0: size too small)."""
+        """Elements per rank (per block) for a message of ``nbytes`` (0: size too small)."""
         return nbytes // dtype.itemsize
 
-    def init_values(self, seed: int, rank: int, count: int, dtype: DType) -> np.ndarray:
+    def init_values(self, seed: int, rank: int, count: int, dtype: DType,
+                    n_ranks: int = 1) -> np.ndarray:
         """The check pass's input on ``rank`` (storage array)."""
-        return _seeded_values(seed, rank, count, dtype)
+        return _seeded_values(seed, rank, count * self.blocks(n_ranks), dtype)
 
-    def timing_values(self, seed: int, rank: int, count: int, dtype: DType) -> np.ndarray:
+    def timing_values(self, seed: int, rank: int, count: int, dtype: DType,
+                      n_ranks: int = 1) -> np.ndarray:
         """The timed input on ``rank`` (storage array)."""
         if self.zero_timing_data:
-            return np.zeros(count, dtype=dtype.storage)
-        return self.init_values(seed, rank, count, dtype)
+            return np.zeros(count * self.blocks(n_ranks), dtype=dtype.storage)
+        return self.init_values(seed, rank, count, dtype, n_ranks)
 
     def check(self, result: np.ndarray, seed: int, n_ranks: int, count: int,
-              dtype: DType) -> tuple[bool, str]:
-        """Compare one rank's result (storage array) with the reference.
+              dtype: DType, rank: int = 0) -> tuple[bool, str]:
+        """Compare ``rank``'s result (storage array) with the reference.
 
         Returns (ok, detail); detail is empty when ok.
         """
-        inputs = [self.init_values(seed, r, count, dtype) for r in range(n_ranks)]
+        inputs = [self.init_values(seed, r, count, dtype, n_ranks) for r in range(n_ranks)]
         got = np.asarray(result)
         if self.op == "allreduce":
             return _check_sum(got, inputs, dtype)
         if self.op == "allgather":
             return _check_concatenation(got, inputs)
+        if self.op == "alltoall":  # block ``rank`` of every rank's input, in rank order
+            return _check_concatenation(got, [x[rank * count:(rank + 1) * count]
+                                              for x in inputs])
         raise ValueError(f"unknown collective op {self.op!r}")
 
 
@@ -263,6 +274,13 @@ ALLGATHER = Collective(
     op="allgather",
     busbw_factor=lambda n: float(n - 1),
     zero_timing_data=False,
+)
+ALLTOALL = Collective(
+    name="Alltoall",
+    op="alltoall",
+    busbw_factor=lambda n: float(n - 1),
+    zero_timing_data=False,
+    blocks=lambda n: n,
 )
 
 

@@ -61,6 +61,10 @@ class Impl:
         """One header line saying what ``allreduce`` / ``allgather`` call on tensors."""
         raise NotImplementedError
 
+    def describe_alltoall(self, uneven: bool) -> str:
+        """One header line saying what ``alltoall`` calls (``uneven``: with counts)."""
+        raise NotImplementedError
+
     def allreduce(self, tensor) -> None:
         """Sum a contiguous CPU torch tensor over the ranks, in place.
 
@@ -76,6 +80,31 @@ class Impl:
         with the same shape overwrites: consume it first.
         """
         raise NotImplementedError
+
+    def alltoall(self, tensor, send_counts=None, recv_counts=None, out=None):
+        """Rows of ``tensor`` (dim 0) cut into one block per rank, exchanged.
+
+        Rank r holds x_r, block j (``send_counts[j]`` rows; None: equal
+        blocks) for rank j; every rank gets the blocks sent to it,
+        concatenated in rank order.  Returns (output, recv_counts):
+        recv_counts None for equal blocks, else the rows from each rank
+        (learned from the peers unless given, as a MoE combine knows them).
+        ``out``: a preallocated output the adapter writes into where its
+        call takes one (equal blocks).
+        """
+        raise NotImplementedError
+
+    def prepare_alltoall(self, values: np.ndarray, dtype: DType) -> Prepared:
+        """The OSU harness's all-to-all: equal blocks of ``values``, into a
+        preallocated output where the adapter's call takes one."""
+        tensor = torch_from_storage(values, dtype)
+        last = [tensor.new_empty(tensor.shape)]
+        out = last[0]
+
+        def run(tensor=tensor, out=out, alltoall=self.alltoall):
+            last[0] = alltoall(tensor, out=out)[0]
+
+        return Prepared(run, lambda: storage_from_torch(last[0], dtype))
 
     def info(self) -> dict | None:
         """harmpi.info() of the communicator this adapter runs on, None if not on harmpi."""

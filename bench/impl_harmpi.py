@@ -36,6 +36,10 @@ class HarmpiImpl(Impl):
             )
         #: keyword arguments of every harmpi.allreduce call
         self._kwargs = {} if algorithm is None else {"algorithm": algorithm}
+        from mpi4py import MPI
+
+        #: comm= of harmpi.alltoall: none on the world, the call a script makes
+        self._comm_kwargs = {} if comm is MPI.COMM_WORLD else {"comm": comm}
 
     def _algorithm_note(self) -> str:
         forced = os.environ.get("HARMPI_ALGORITHM")
@@ -64,6 +68,8 @@ class HarmpiImpl(Impl):
             return self._prepare_allreduce(tensor, values, dtype)
         if op == "allgather":
             return self._prepare_allgather(tensor, dtype)
+        if op == "alltoall":
+            return self.prepare_alltoall(values, dtype)
         raise ValueError(op)
 
     def _prepare_allreduce(self, tensor, values: np.ndarray, dtype: DType) -> Prepared:
@@ -103,6 +109,23 @@ class HarmpiImpl(Impl):
 
     def allgather(self, tensor):
         return self._harmpi.allgather(tensor, comm=self._comm)  # a new tensor per call
+
+    def describe_alltoall(self, uneven: bool) -> str:
+        if uneven:
+            return (f"{self.name}: harmpi.alltoall(x, send_counts) (the counts travel with the "
+                    "data; with recv_counts= when they are known)")
+        return f"{self.name}: harmpi.alltoall(x), a new tensor per call"
+
+    def alltoall(self, tensor, send_counts=None, recv_counts=None, out=None):
+        """``out`` is not used: harmpi.alltoall(x) returns a new tensor, the call a
+        script makes."""
+        kwargs = self._comm_kwargs
+        if send_counts is None:
+            return self._harmpi.alltoall(tensor, **kwargs), None
+        if recv_counts is None:
+            return self._harmpi.alltoall(tensor, send_counts, **kwargs)
+        out, _ = self._harmpi.alltoall(tensor, send_counts, recv_counts=recv_counts, **kwargs)
+        return out, recv_counts
 
     def info(self) -> dict | None:
         return dict(self._harmpi.info(comm=self._comm))

@@ -24,6 +24,7 @@ class MpiImpl(Impl):
         self._float_types = {"f32": MPI.FLOAT, "f64": MPI.DOUBLE}
         self._f32_staging: dict[int, object] = {}  # element count -> float32 tensor
         self._torch = None  # imported at the first tensor call (OSU runs need no torch)
+        self._counts = np.zeros((2, comm.Get_size()), dtype=np.int32)  # alltoall's, sent, received
 
     def wire_dtype(self, op: str, dtype: DType) -> DType:
         if op == "allreduce" and dtype.name in ("bf16", "f16"):
@@ -83,6 +84,8 @@ class MpiImpl(Impl):
                 comm.Allgather(send, recv)
 
             return Prepared(run, lambda: out.copy())
+        if op == "alltoall":
+            return self.prepare_alltoall(values, dtype)
         raise ValueError(op)
 
     def _torch_module(self):
@@ -117,3 +120,42 @@ class MpiImpl(Impl):
         send = tensor.contiguous().view(torch.uint8).numpy()
         self._comm.Allgather([send, MPI.BYTE], [out.view(torch.uint8).numpy(), MPI.BYTE])
         return out  # a new tensor per call
+
+    def describe_alltoall(self, uneven: bool) -> str:
+        if uneven:
+            return ("mpi: MPI_Alltoall of the counts, then MPI_Alltoallv of the rows (as an "
+                    "mpi4py user must; back: MPI_Alltoallv, the counts known)")
+        return "mpi: MPI_Alltoall into a preallocated array"
+
+    def _typed(self, tensor):
+        """(flat buffer, MPI type, its items per row): float32 as MPI_FLOAT, others as bytes."""
+        torch = self._torch_module()
+        row_elements = int(np.prod(tensor.shape[1:], dtype=np.int64))
+        if tensor.dtype == torch.float32:
+            return tensor.numpy().reshape(-1), self._MPI.FLOAT, row_elements
+        flat = tensor.contiguous().view(torch.uint8).numpy().reshape(-1)
+        return flat, self._MPI.BYTE, row_elements * tensor.element_size()
+
+    def alltoall(self, tensor, send_counts=None, recv_counts=None, out=None):
+        if send_counts is None:
+            out = tensor.new_empty(tensor.shape) if out is None else out
+            send, kind, _ = self._typed(tensor)
+            self._comm.Alltoall([send, kind], [self._typed(out)[0], kind])
+            return out, None
+        if recv_counts is None:  # the counts first, as an mpi4py user must
+            self._counts[0] = send_counts
+            self._comm.Alltoall(self._counts[0], self._counts[1])
+            recv_counts = self._counts[1].tolist()
+        rows = int(sum(recv_counts))
+        out = tensor.new_empty((rows,) + tuple(tensor.shape[1:]))
+        send, kind, per_row = self._typed(tensor)
+        sc = np.asarray(send_counts, dtype=np.int64) * per_row
+        rc = np.asarray(recv_counts, dtype=np.int64) * per_row
+        self._comm.Alltoallv([send, (sc, _displs(sc)), kind],
+                             [self._typed(out)[0], (rc, _displs(rc)), kind])
+        return out, recv_counts
+
+
+def _displs(counts: np.ndarray) -> np.ndarray:
+    """Each block's offset: the sum of the counts before it."""
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(counts.dtype)

@@ -180,6 +180,8 @@ class TorchImpl(Impl):
         self._gather = _allgather_function()
         self._n_ranks = dist.get_world_size(self.group)
         self._gather_outs: dict[tuple, object] = {}  # (shape, dtype) -> allgather output
+        self._send_counts = torch.zeros(self._n_ranks, dtype=torch.int64)  # alltoall's
+        self._recv_counts = torch.zeros(self._n_ranks, dtype=torch.int64)
 
     def group_description(self) -> str:
         """'a harmpi process group (the default group, TCPStore tcp://...)'."""
@@ -223,10 +225,33 @@ class TorchImpl(Impl):
                 gather(out, tensor, group=group)
 
             return Prepared(run, lambda: storage_from_torch(out, dtype))
+        if op == "alltoall":
+            return self.prepare_alltoall(values, dtype)
         raise ValueError(op)
 
     def allreduce(self, tensor) -> None:
         self._dist.all_reduce(tensor, group=self.group)
+
+    def describe_alltoall(self, uneven: bool) -> str:
+        if uneven:
+            return (f"{self.name}: dist.all_to_all_single of the counts, then of the rows with "
+                    f"split sizes (back: the counts known), on {self.group_description()}")
+        return f"{self.name}: dist.all_to_all_single on {self.group_description()}"
+
+    def alltoall(self, tensor, send_counts=None, recv_counts=None, out=None):
+        torch, dist = self._torch, self._dist
+        if send_counts is None:
+            out = tensor.new_empty(tensor.shape) if out is None else out
+            dist.all_to_all_single(out, tensor, group=self.group)
+            return out, None
+        if recv_counts is None:  # the counts first (int64, one per rank)
+            self._send_counts.copy_(torch.tensor(send_counts, dtype=torch.int64))
+            dist.all_to_all_single(self._recv_counts, self._send_counts, group=self.group)
+            recv_counts = self._recv_counts.tolist()
+        out = tensor.new_empty((int(sum(recv_counts)),) + tuple(tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor, output_split_sizes=list(recv_counts),
+                               input_split_sizes=list(send_counts), group=self.group)
+        return out, recv_counts
 
     def allgather(self, tensor):
         key = (tuple(tensor.shape), tensor.dtype)

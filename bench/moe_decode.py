@@ -129,112 +129,21 @@ class _Timed:
         return result
 
     def dispatch(self, rows, send_counts):
-        recv, recv_counts = self._time(self.inner.dispatch, rows, send_counts)
+        """EP: each (token, expert) row to the expert's owner; the counts learned."""
+        recv, recv_counts = self._time(self.inner.alltoall, rows, send_counts)
         if 0 <= self.step:
             self.expert_rows[self.step, self.calls // 2] = recv.shape[0]
         return recv, recv_counts
 
     def combine(self, rows, send_counts, recv_counts):
-        return self._time(self.inner.combine, rows, send_counts, recv_counts)
+        """EP: the experts' outputs back to the rows' senders, the counts known."""
+        return self._time(self.inner.alltoall, rows, send_counts, recv_counts)[0]
 
     def allreduce(self, tensor):
         return self._time(self.inner.allreduce, tensor)
 
     def allgather(self, tensor):
         return self._time(self.inner.allgather, tensor)
-
-
-class HarmpiAlltoall:
-    """``harmpi.alltoall``: the receive counts travel with the rows."""
-
-    def __init__(self, harmpi_module, comm):
-        self._alltoall, self._comm = harmpi_module.alltoall, comm
-
-    def describe(self) -> str:
-        return ("harmpi.alltoall(rows, send_counts) (the counts travel with the rows), "
-                "then back with recv_counts= the counts sent")
-
-    def dispatch(self, rows, send_counts):
-        return self._alltoall(rows, send_counts, comm=self._comm)
-
-    def combine(self, rows, send_counts, recv_counts):
-        return self._alltoall(rows, send_counts, comm=self._comm, recv_counts=recv_counts)[0]
-
-
-def _byte_view(tensor):
-    import torch
-
-    return tensor.view(torch.uint8).numpy()
-
-
-class MpiAlltoall:
-    """mpi4py: ``MPI_Alltoall`` of the counts, then ``MPI_Alltoallv`` of the rows (bytes)."""
-
-    def __init__(self, comm):
-        from mpi4py import MPI
-
-        self._comm, self._MPI = comm, MPI
-        self._counts = np.zeros((2, comm.Get_size()), dtype=np.int32)
-
-    def describe(self) -> str:
-        return ("MPI_Alltoall of the counts, MPI_Alltoallv of the rows (MPI_BYTE); back: "
-                "MPI_Alltoallv, the counts known")
-
-    def _alltoallv(self, rows, send_counts, recv_counts):
-        import torch
-
-        row_nbytes = rows.shape[1] * rows.element_size()
-        send = np.asarray(send_counts, dtype=np.int64) * row_nbytes
-        recv = np.asarray(recv_counts, dtype=np.int64) * row_nbytes
-        out = torch.empty((int(sum(recv_counts)), rows.shape[1]), dtype=rows.dtype)
-        sdispl = np.concatenate([[0], np.cumsum(send)[:-1]])
-        rdispl = np.concatenate([[0], np.cumsum(recv)[:-1]])
-        self._comm.Alltoallv([_byte_view(rows), (send, sdispl), self._MPI.BYTE],
-                             [_byte_view(out), (recv, rdispl), self._MPI.BYTE])
-        return out
-
-    def dispatch(self, rows, send_counts):
-        self._counts[0] = send_counts
-        self._comm.Alltoall(self._counts[0], self._counts[1])
-        recv_counts = self._counts[1].tolist()
-        return self._alltoallv(rows, send_counts, recv_counts), recv_counts
-
-    def combine(self, rows, send_counts, recv_counts):
-        return self._alltoallv(rows, send_counts, recv_counts)
-
-
-class TorchAlltoall:
-    """``dist.all_to_all_single`` on a process group: the counts (int64, one per
-    rank), then the rows with split sizes."""
-
-    def __init__(self, group, description: str):
-        import torch
-        import torch.distributed as dist
-
-        self._dist, self._torch, self._group = dist, torch, group
-        n = dist.get_world_size(group)
-        self._send_counts = torch.zeros(n, dtype=torch.int64)
-        self._recv_counts = torch.zeros(n, dtype=torch.int64)
-        self._description = description
-
-    def describe(self) -> str:
-        return (f"dist.all_to_all_single of the counts, then of the rows with split sizes "
-                f"(back: the counts known), on {self._description}")
-
-    def _exchange(self, rows, send_counts, recv_counts):
-        out = self._torch.empty((int(sum(recv_counts)), rows.shape[1]), dtype=rows.dtype)
-        self._dist.all_to_all_single(out, rows, output_split_sizes=list(recv_counts),
-                                     input_split_sizes=list(send_counts), group=self._group)
-        return out
-
-    def dispatch(self, rows, send_counts):
-        self._send_counts.copy_(self._torch.tensor(send_counts, dtype=self._torch.int64))
-        self._dist.all_to_all_single(self._recv_counts, self._send_counts, group=self._group)
-        recv_counts = self._recv_counts.tolist()
-        return self._exchange(rows, send_counts, recv_counts), recv_counts
-
-    def combine(self, rows, send_counts, recv_counts):
-        return self._exchange(rows, send_counts, recv_counts)
 
 
 # --------------------------------------------------------------------------
@@ -264,17 +173,9 @@ def base_comms(names: Sequence[str]) -> list[str]:
     return bases
 
 
-def _ep_comm(base: str, adapter):
-    if base == "harmpi":
-        return HarmpiAlltoall(adapter._harmpi, adapter._comm)
-    if base == "mpi":
-        return MpiAlltoall(adapter._comm)
-    return TorchAlltoall(adapter.group, adapter.group_description())
-
-
-def _describe(name: str, comm, adapter) -> str:
+def _describe(name: str, adapter) -> str:
     if name.startswith("ep:"):
-        return f"{name}: {comm.describe()}"
+        return name + ": " + adapter.describe_alltoall(uneven=True).split(": ", 1)[1]
     return name + ": " + adapter.describe_tensors(DTYPES["bf16"]).split(": ", 1)[1]
 
 
@@ -590,12 +491,8 @@ def run(plan: Plan, names: Sequence[str], *, threads: int | None = None, load: i
     bases = base_comms(names)
     adapters = dict(zip(bases, make_impls(bases, comm)))
     try:
-        comms, descriptions = {}, {}
-        for name in names:
-            base = name.split(":", 1)[1]
-            comms[name] = _ep_comm(base, adapters[base]) if name.startswith("ep:") else (
-                adapters[base])
-            descriptions[name] = _describe(name, comms[name], adapters[base])
+        comms = {name: adapters[name.split(":", 1)[1]] for name in names}
+        descriptions = {name: _describe(name, comms[name]) for name in names}
         topo = topology(comm)
         env_lines = environment_lines(comm, topo, harmpi_info_of(adapters.values()))
         if comm.Get_rank() == 0:

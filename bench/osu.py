@@ -1,4 +1,5 @@
-"""The OSU-style command line shared by ``osu_allreduce`` and ``osu_allgather``.
+"""The OSU-style command line shared by ``osu_allreduce`` and ``osu_allgather``
+(``command(ALLTOALL)`` runs the all-to-all the same way).
 
 ``command(collective)`` builds the click command; the MPI side of the method
 (checking, timing and gathering per-rank numbers, printing on rank 0) is
@@ -37,11 +38,11 @@ def _check_cell(comm, collective: Collective, impl, count: int, wire,
                 seed: int) -> tuple[bool, str]:
     """The untimed check pass for one (impl, size) cell; same answer on every rank."""
     rank, n_ranks = comm.Get_rank(), comm.Get_size()
-    values = collective.init_values(seed, rank, count, wire)
+    values = collective.init_values(seed, rank, count, wire, n_ranks)
     prepared = impl.prepare(collective.op, values, wire)
     prepared.run()
     result = prepared.result()
-    ok, detail = collective.check(result, seed, n_ranks, count, wire)
+    ok, detail = collective.check(result, seed, n_ranks, count, wire, rank)
     digests = comm.allgather(harness.digest(result))
     details = comm.allgather(detail)
     all_ok = all(not d for d in details)
@@ -83,7 +84,8 @@ def _prepare_cell(comm, settings: _Settings, impl, row: Row, wire: DType, notes:
             row.valid, detail = _check_cell(comm, collective, impl, row.count, wire, settings.seed)
             if detail:
                 notes.setdefault((impl.name, detail), []).append(row.size)
-        values = collective.timing_values(settings.seed, comm.Get_rank(), row.count, wire)
+        values = collective.timing_values(settings.seed, comm.Get_rank(), row.count, wire,
+                                          comm.Get_size())
         return impl.prepare(collective.op, values, wire), ""
     except ImplUnavailable as exc:
         return None, str(exc) or type(exc).__name__

@@ -21,6 +21,7 @@ __all__ = [
     "reference_impl",
     "format_table",
     "format_tables",
+    "alltoall_table",
     "fit_lines",
     "rows_to_json",
     "jsonable",
@@ -294,6 +295,25 @@ def rows_to_json(rows: Sequence[Row], meta: dict) -> str:
     """The ``--json`` document: {"meta": {...}, "rows": [{impl, dtype, size, avg_us, ...}]}."""
     document = {"meta": meta, "rows": [row.to_json() for row in rows]}
     return json.dumps(document, indent=2, sort_keys=False) + "\n"
+
+
+def alltoall_table(rows, impls: Sequence[str]) -> list[str]:
+    """``bench.osu_alltoall``'s table: per size (rows of (size, {impl: us},
+    calls)), each implementation's latency, its ratio to mpi's, the calls timed.
+    Each column as wide as its name needs: four impls and three ratios fit 100."""
+    ratios = [name for name in impls if name != "mpi"] if "mpi" in impls else []
+    widths = {name: max(9, len(name) + 1) for name in impls}
+    ratio_widths = {name: max(8, len(name) + 5) for name in ratios}
+    lines = [f"{'# size':<8}" + "".join(f"{name:>{widths[name]}}" for name in impls)
+             + "".join(f"{name + '/mpi':>{ratio_widths[name]}}" for name in ratios)
+             + f"{'calls':>7}"]
+    for size, med, calls in rows:
+        lines.append(
+            f"{format_nbytes(size):<8}"
+            + "".join(f"{med[name]:>{widths[name]}.1f}" for name in impls)
+            + "".join(f"{med[name] / med['mpi']:>{ratio_widths[name]}.2f}" for name in ratios)
+            + f"{calls:>7}")
+    return lines
 
 
 def jsonable(value):
