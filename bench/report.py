@@ -26,6 +26,7 @@ __all__ = [
     "rows_to_json",
     "jsonable",
     "plot_rows",
+    "plot_panels",
 ]
 
 FIELD_WIDTH = 18
@@ -360,4 +361,34 @@ def plot_rows(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) 
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_panels(panels, path: str, title: str) -> None:
+    """Latency against size, log-log, one panel per (label, {impl: [(size, us)]})
+    and one line per implementation, as a PNG at ``path`` (needs matplotlib)."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.0 * max(1, len(panels)), 4.4),
+                             squeeze=False, sharey=True)
+    for ax, (label, series) in zip(axes[0], panels):
+        for name, points in series.items():
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, marker="o", markersize=3, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(
+            matplotlib.ticker.FuncFormatter(lambda x, _pos: format_nbytes(int(round(x)))))
+        ax.set_xlabel("message size per rank (bytes)")
+        ax.set_title(label, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("latency (us)")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
