@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from typing import NamedTuple, Sequence
 
@@ -65,11 +64,18 @@ import click
 import numpy as np
 
 from bench import job, report
+from bench.decode_common import (
+    Rounds,
+    RunPlan,
+    TimedComm,
+    progress,
+    run_options,
+    shape_options,
+)
 from bench.decode_results import (
     collective_latency_ns,
     first_divergence,
     logits_gap_ulps,
-    round_steps,
     top2_margin_ulps,
 )
 from bench.harness import DTYPES
@@ -99,51 +105,6 @@ DEFAULT_COMMS = "ep:harmpi,ep:mpi,ep:gloo,ep:torch:harmpi,tp:harmpi"
 # --------------------------------------------------------------------------
 # Communication, timed
 # --------------------------------------------------------------------------
-
-
-class _Timed:
-    """Wraps a comm: adds up the ns spent inside its collectives in a step, counts
-    the calls, and during timed steps (``begin_step(i)``, i >= 0) records each
-    call's entry and exit times."""
-
-    def __init__(self, inner, steps: int, calls_per_step: int):
-        self.inner = inner
-        self.ns = self.calls = 0
-        self.step = -1
-        self.enter_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
-        self.exit_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
-        #: EP: rows each dispatch brought this rank (its experts' work), per timed step
-        self.expert_rows = np.zeros((steps, calls_per_step // 2), dtype=np.int64)
-
-    def begin_step(self, step: int) -> None:
-        self.step, self.ns, self.calls = step, 0, 0
-
-    def _time(self, fn, *args):
-        t0 = time.perf_counter_ns()
-        result = fn(*args)
-        t1 = time.perf_counter_ns()
-        if 0 <= self.step and self.calls < self.enter_ns.shape[1]:
-            self.enter_ns[self.step, self.calls], self.exit_ns[self.step, self.calls] = t0, t1
-        self.ns += t1 - t0
-        self.calls += 1
-        return result
-
-    def dispatch(self, rows, send_counts):
-        """EP: each (token, expert) row to the expert's owner; the counts learned."""
-        recv, recv_counts = self._time(self.inner.alltoall, rows, send_counts)
-        if 0 <= self.step:
-            self.expert_rows[self.step, self.calls // 2] = recv.shape[0]
-        return recv, recv_counts
-
-    def combine(self, rows, send_counts, recv_counts):
-        """EP: the experts' outputs back to the rows' senders, the counts known."""
-        return self._time(self.inner.alltoall, rows, send_counts, recv_counts)[0]
-
-    def allreduce(self, tensor):
-        return self._time(self.inner.allreduce, tensor)
-
-    def allgather(self, tensor):
-        return self._time(self.inner.allgather, tensor)
 
 
 # --------------------------------------------------------------------------
@@ -184,34 +145,8 @@ def _describe(name: str, adapter) -> str:
 # --------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What one run does (the same on every rank)."""
-
-    cfg: MoEConfig
-    n_ranks: int
-    batch: int
-    prompt_len: int
-    steps: int
-    warmup_steps: int
-    rounds: int
-    seed: int
-
-    @property
-    def per_round(self) -> list[int]:
-        return round_steps(self.steps, self.rounds)
-
-    @property
-    def max_len(self) -> int:
-        return self.prompt_len + self.warmup_steps + max(self.per_round) + 1
-
-    def prompt(self):
-        """[batch, prompt_len] ids, the same on every rank."""
-        import torch
-
-        rng = np.random.default_rng([self.seed, 7])
-        return torch.from_numpy(rng.integers(0, self.cfg.vocab,
-                                             (self.batch, self.prompt_len)))
+#: what one run does (the same on every rank): bench.decode_common's plan
+Plan = RunPlan
 
 
 class Round(NamedTuple):
@@ -233,7 +168,7 @@ def decode_round(model: MoEDecoder, comm, prompt, warmup_steps: int, steps: int,
     """Prefill + warm-up + timed steps of this rank's sequences."""
     torch = model.torch
     cfg = model.cfg
-    timed = _Timed(comm, steps, 2 * cfg.layers + (model.shard.mode == "tp"))
+    timed = TimedComm(comm, steps, 2 * cfg.layers + (model.shard.mode == "tp"))
     prompt = prompt[list(model.shard.sequences)]
     barrier()
     with torch.inference_mode():
@@ -258,17 +193,8 @@ def decode_round(model: MoEDecoder, comm, prompt, warmup_steps: int, steps: int,
                  prefill_logits)
 
 
-@dataclasses.dataclass
-class Measured:
-    """One comm's rounds on this rank."""
-
-    rounds: list[Round] = dataclasses.field(default_factory=list)
-
-    def concatenated(self, field: str) -> np.ndarray:
-        return np.concatenate([getattr(r, field) for r in self.rounds])
-
-    def longest(self) -> Round:
-        return max(self.rounds, key=lambda r: r.tokens.shape[1])
+#: one comm's rounds on this rank
+Measured = Rounds
 
 
 def row_margins_ulps(logits: np.ndarray) -> np.ndarray:
@@ -471,9 +397,9 @@ def _run_rounds(plan: Plan, models: dict, comms: dict, comm) -> dict[str, Measur
             measured[name].rounds.append(result)
             if comm.Get_rank() == 0:
                 tok_s = plan.batch * 1e9 / np.median(result.step_ns)
-                print(f"# moe_decode: round {index + 1}/{len(plan.per_round)} {name}: {steps} "
-                      f"steps, {tok_s:.1f} tok/s on rank 0, {time.perf_counter() - t0:.1f} s",
-                      file=sys.stderr, flush=True)
+                progress("moe_decode", f"round {index + 1}/{len(plan.per_round)} {name}: "
+                         f"{steps} steps, {tok_s:.1f} tok/s on rank 0, "
+                         f"{time.perf_counter() - t0:.1f} s")
     return measured
 
 
@@ -532,14 +458,7 @@ def _write_json(path: str, plan: Plan, rows: Sequence[dict], topo: dict) -> None
 @click.option("--comm", "comm_spec", default=DEFAULT_COMMS, show_default=True,
               help="Comma list of ep:<c> (expert parallel, all-to-all over c) and tp:<c> "
                    f"(tensor parallel, all-reduce over c); c one of {', '.join(EP_COMMS)}.")
-@click.option("--hidden", type=click.IntRange(min=2), default=MoEConfig.hidden,
-              show_default=True)
-@click.option("--layers", type=click.IntRange(min=1), default=MoEConfig.layers,
-              show_default=True)
-@click.option("--heads", type=click.IntRange(min=1), default=MoEConfig.heads,
-              show_default=True)
-@click.option("--kv-heads", type=click.IntRange(min=1), default=MoEConfig.kv_heads,
-              show_default=True)
+@shape_options(MoEConfig)
 @click.option("--experts", type=click.IntRange(min=1), default=MoEConfig.experts,
               show_default=True)
 @click.option("--topk", type=click.IntRange(min=1), default=MoEConfig.topk, show_default=True)
@@ -549,19 +468,11 @@ def _write_json(path: str, plan: Plan, rows: Sequence[dict], topo: dict) -> None
               show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True,
               help="Sequences decoded together (EP: batch / ranks per rank).")
-@click.option("--prompt-len", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=64, show_default=True,
               help="Timed decode steps per comm, split over the rounds.")
-@click.option("--rounds", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--warmup", "warmup_steps", type=click.IntRange(min=0), default=2,
-              show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="torch threads per rank (default: host CPUs / ranks on the host).")
-@click.option("--seed", type=int, default=1234, show_default=True)
-@click.option("--load", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
-              help="N busy processes (unbound spin loops) on each host during the rounds.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
-              default=None, help="Write the rows (and tokens) as JSON (rank 0).")
+@run_options(8, threads_help="torch threads per rank (default: host CPUs / ranks on the host).",
+             load_help="N busy processes (unbound spin loops) on each host during the rounds.",
+             json_help="Write the rows (and tokens) as JSON (rank 0).")
 def main(comm_spec, hidden, layers, heads, kv_heads, experts, topk, expert_ffn, vocab, batch,
          prompt_len, steps, rounds, warmup_steps, threads, seed, load, json_path):
     from mpi4py import MPI
