@@ -191,6 +191,8 @@ class Collective:
     zero_timing_data: bool
     #: n ranks -> blocks of ``size`` bytes in each rank's input (all-to-all: n)
     blocks: Callable[[int], int] = lambda n: 1
+    #: every rank holds the same result (the check compares them bitwise)
+    same_result: bool = True
 
     def count(self, nbytes: int, dtype: DType) -> int:
         """Elements per rank (per block) for a message of ``nbytes`` (0: size too small)."""
@@ -281,6 +283,7 @@ ALLTOALL = Collective(
     busbw_factor=lambda n: float(n - 1),
     zero_timing_data=False,
     blocks=lambda n: n,
+    same_result=False,
 )
 
 

@@ -44,7 +44,9 @@ class MpiImpl(Impl):
             else:
                 what += f" {wire.name}"
         else:
-            what = f"MPI_Allgather, {dtype.name} moved as bytes"
+            what = (f"MPI_Allgather, {dtype.name} moved as bytes" if op == "allgather" else
+                    f"MPI_Alltoall, {dtype.name} as MPI_FLOAT" if dtype.name == "f32" else
+                    f"MPI_Alltoall, {dtype.name} moved as bytes")
         levels = {
             MPI.THREAD_SINGLE: "single",
             MPI.THREAD_FUNNELED: "funneled",

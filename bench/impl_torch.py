@@ -194,7 +194,8 @@ class TorchImpl(Impl):
         return text
 
     def describe(self, op: str, dtype: DType) -> str:
-        call = "all_reduce" if op == "allreduce" else self._gather.__name__
+        call = {"allreduce": "all_reduce", "alltoall": "all_to_all_single"}.get(
+            op, self._gather.__name__)
         cap = ""
         if self.max_iterations is not None:
             cap = f", at most {self.max_iterations} timed iterations per size"

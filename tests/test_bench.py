@@ -24,7 +24,7 @@ from bench.decode_results import (
     top2_margin_ulps,
 )
 from bench.demo import mpirun_argv, summary_lines
-from bench.harness import ALLGATHER, ALLREDUCE, DTYPES
+from bench.harness import ALLGATHER, ALLREDUCE, ALLTOALL, DTYPES
 from bench.impls import HarmpiImpl, Impl, MpiImpl, TorchImpl, parse_impls, torch_backend
 from bench.model import FFN_UNIT, VOCAB_UNIT, ModelConfig, shard_layout, unit_seed
 from bench.report import Row
@@ -795,3 +795,20 @@ def test_wait_cost_under_mpirun():
     assert share["pipe-block"] < 5 < share["pipe-poll"], result.stdout
     assert all(float(cols[4]) > 0 and float(cols[6]) > 0 for cols in rows.values()), result.stdout
     assert all(len(line) <= 100 for line in result.stdout.splitlines())
+
+
+def test_alltoall_descriptor_checks_each_ranks_blocks():
+    """ALLTOALL: rank q gets block q of every rank's input, in rank order; any
+    other block, or a block from the wrong rank, fails the check."""
+    dtype, n, count = DTYPES["bf16"], 3, 5
+    inputs = [ALLTOALL.init_values(7, r, count, dtype, n) for r in range(n)]
+    assert all(len(x) == n * count for x in inputs)
+    for q in range(n):
+        got = np.concatenate([x[q * count:(q + 1) * count] for x in inputs])
+        assert ALLTOALL.check(got, 7, n, count, dtype, rank=q) == (True, "")
+        ok, detail = ALLTOALL.check(got, 7, n, count, dtype, rank=(q + 1) % n)
+        assert not ok and "values differ" in detail
+    swapped = np.concatenate([inputs[1][:count], inputs[0][:count], inputs[2][:count]])
+    ok, detail = ALLTOALL.check(swapped, 7, n, count, dtype, rank=0)
+    assert not ok and "from rank 0" in detail
+    assert ALLTOALL.busbw_factor(4) == 3.0 and ALLTOALL.blocks(4) == 4
