@@ -71,14 +71,18 @@ class TimedComm:
     def begin_step(self, step: int) -> None:
         self.step, self.ns, self.calls = step, 0, 0
 
-    def _time(self, fn, *args):
-        t0 = time.perf_counter_ns()
-        result = fn(*args)
-        t1 = time.perf_counter_ns()
+    def record(self, t0: int, t1: int) -> None:
+        """One collective call from t0 to t1 (perf_counter_ns); DTensor's
+        layers (``--tp-api``) report theirs here."""
         if 0 <= self.step and self.calls < self.enter_ns.shape[1]:
             self.enter_ns[self.step, self.calls], self.exit_ns[self.step, self.calls] = t0, t1
         self.ns += t1 - t0
         self.calls += 1
+
+    def _time(self, fn, *args):
+        t0 = time.perf_counter_ns()
+        result = fn(*args)
+        self.record(t0, time.perf_counter_ns())
         return result
 
     def allreduce(self, tensor):
