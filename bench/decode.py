@@ -81,21 +81,28 @@ import dataclasses
 import hashlib
 import json
 import os
-import sys
 import time
 from typing import NamedTuple, Sequence
 
 import click
 import numpy as np
 
-from bench import harness
+from bench import job, report
+from bench.decode_common import (
+    Rounds,
+    RunPlan,
+    TimedComm,
+    progress,
+    run_options,
+    shape_options,
+)
+from bench.decode_profile import profile_lines, step_profiles
 from bench.decode_results import (
     collective_latency_ns,
     divergence_note,
     first_divergence,
     format_decode_table,
     logits_gap_ulps,
-    round_steps,
     summarize_backend,
     top2_margin_ulps,
 )
@@ -117,73 +124,19 @@ COMM_KINDS = ("harmpi", "torch:harmpi", "gloo", "torch:gloo", "mpi")
 
 
 # --------------------------------------------------------------------------
-# Communication: the benchmarks' adapters (bench.impls), timed
-# --------------------------------------------------------------------------
-
-
-class _TimedComm:
-    """Wraps an adapter of ``bench.impls``; adds up the ns spent inside its
-    collectives and, once ``begin_step`` was called, records each call's
-    entry and exit times."""
-
-    def __init__(self, backend, steps: int, calls_per_step: int):
-        self.backend = backend
-        self.ns = 0
-        self.enter_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
-        self.exit_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
-        self.step = -1  # not recording (prefill, warm-up)
-        self.call = 0
-
-    def begin_step(self, step: int) -> None:
-        self.step, self.call, self.ns = step, 0, 0
-
-    def record(self, t0: int, t1: int) -> None:
-        """One collective call from t0 to t1 (perf_counter_ns)."""
-        self.ns += t1 - t0
-        if self.step >= 0:
-            self.enter_ns[self.step, self.call] = t0
-            self.exit_ns[self.step, self.call] = t1
-            self.call += 1
-
-    def allreduce(self, tensor):
-        t0 = time.perf_counter_ns()
-        self.backend.allreduce(tensor)
-        self.record(t0, time.perf_counter_ns())
-
-    def allgather(self, tensor):
-        t0 = time.perf_counter_ns()
-        out = self.backend.allgather(tensor)
-        self.record(t0, time.perf_counter_ns())
-        return out
-
-
-# --------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Plan(RunPlan):
     """What one run does, fixed before it starts (the same on every rank)."""
 
-    cfg: ModelConfig
-    tp: int
-    batch: int
-    prompt_len: int
-    steps: int
-    warmup_steps: int
-    rounds: int
-    seed: int
     tp_api: bool = False
 
     @property
-    def per_round(self) -> list[int]:
-        return round_steps(self.steps, self.rounds)
-
-    @property
-    def max_len(self) -> int:
-        """KV-cache positions a round needs."""
-        return self.prompt_len + self.warmup_steps + max(self.per_round) + 1
+    def tp(self) -> int:
+        return self.n_ranks
 
     @property
     def allreduce_nbytes(self) -> int:
@@ -221,24 +174,6 @@ class _Round(NamedTuple):
     cpu_ns: np.ndarray  # [steps]: CPU time of this process (all its threads) per step
 
 
-@dataclasses.dataclass
-class _Measured:
-    """One backend's rounds on this rank."""
-
-    rounds: list[_Round] = dataclasses.field(default_factory=list)
-    #: every rank generated the same tokens in every round so far
-    identical: bool = True
-
-    def longest(self) -> _Round:
-        return max(self.rounds, key=lambda r: r.tokens.shape[1])
-
-    def longest_tokens(self) -> np.ndarray:
-        return self.longest().tokens
-
-    def concatenated(self, field: str) -> np.ndarray:
-        return np.concatenate([getattr(r, field) for r in self.rounds])
-
-
 def _tokens_digest(tokens: np.ndarray) -> str:
     return hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest()
 
@@ -246,7 +181,7 @@ def _tokens_digest(tokens: np.ndarray) -> str:
 def _decode(model: TPDecoder, backend, prompt, warmup_steps: int, steps: int, barrier) -> _Round:
     """Prefill + warm-up + timed steps."""
     torch = model.torch
-    comm = _TimedComm(backend, steps, 2 * model.cfg.layers + 1)
+    comm = TimedComm(backend, steps, 2 * model.cfg.layers + 1)
     barrier()
     with model.no_autograd():
         t0 = time.perf_counter_ns()
@@ -289,14 +224,6 @@ def _build_model(plan: _Plan, comm) -> tuple[TPDecoder, float]:
     model = TPDecoder(plan.cfg, layout, plan.seed, plan.batch, plan.max_len)
     build_s = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
     return model, build_s
-
-
-def _prompt(plan: _Plan):
-    """[batch, prompt_len] token ids, the same on every rank."""
-    import torch
-
-    rng = np.random.default_rng([plan.seed, 7])
-    return torch.from_numpy(rng.integers(0, plan.cfg.vocab, (plan.batch, plan.prompt_len)))
 
 
 # --- header ---------------------------------------------------------------
@@ -363,12 +290,12 @@ def _method_lines(same_host: bool) -> list[str]:
 
 
 def _run_rounds(models: dict, impls, prompt, plan: _Plan, comm,
-                profiles=None) -> dict[str, _Measured]:
+                profiles=None) -> dict[str, Rounds]:
     """Every backend's rounds on this rank (collective); ``profiles``: name ->
     _StepProfile of the backends --profile records."""
     # Backends take turns, round by round, so a change in the machine's
     # load hits all of them alike; every round starts from the prompt.
-    measured = {impl.name: _Measured() for impl in impls}
+    measured = {impl.name: Rounds() for impl in impls}
     for round_index, n_steps in enumerate(plan.per_round):
         for impl in impls:
             t0 = time.perf_counter()
@@ -382,18 +309,13 @@ def _run_rounds(models: dict, impls, prompt, plan: _Plan, comm,
             backend.rounds.append(result)
             if comm.Get_rank() == 0:
                 tok_s = plan.batch * 1e9 / np.median(result.step_ns)
-                _progress(f"round {round_index + 1}/{len(plan.per_round)} {impl.name}: "
+                progress("decode", f"round {round_index + 1}/{len(plan.per_round)} {impl.name}: "
                           f"{n_steps} steps, {tok_s:.1f} tok/s on rank 0, "
                           f"{time.perf_counter() - t0:.1f} s")
     return measured
 
 
-def _progress(text: str) -> None:
-    """A progress line on stderr (rank 0), so stdout keeps only the report."""
-    print(f"# decode: {text}", file=sys.stderr, flush=True)
-
-
-def _gather_row(name: str, measured: _Measured, plan: _Plan, comm, same_host: bool):
+def _gather_row(name: str, measured: Rounds, plan: _Plan, comm, same_host: bool):
     """One backend's result row on rank 0 from every rank's rounds, None elsewhere (collective)."""
     longest = measured.longest_tokens()
     repeatable = all((r.tokens == longest[:, : r.tokens.shape[1]]).all() for r in measured.rounds)
@@ -419,66 +341,6 @@ def _gather_row(name: str, measured: _Measured, plan: _Plan, comm, same_host: bo
         tokens_sha=_tokens_digest(longest),
     )
     return row
-
-
-class _StepProfile:
-    """--profile: harmpi.profile of one backend's rounds, on only while
-    they run, with the wall time and forward passes it covered."""
-
-    def __init__(self, ctx):
-        from harmpi.profile import Profile
-
-        self.profile = Profile(ctx)  # collective: it times the clocks
-        self.wall_ns = 0
-        self.passes = 0
-
-    def run(self, fn, args, passes):
-        self.profile.start()
-        t0 = time.perf_counter_ns()
-        try:
-            return fn(*args)
-        finally:
-            self.wall_ns += time.perf_counter_ns() - t0
-            self.profile.stop()
-            self.passes += passes
-
-
-def _step_profiles(impls) -> dict:
-    """name -> _StepProfile of every backend that runs on a harmpi context."""
-    from harmpi.registry import STATE
-
-    out = {}
-    for impl in impls:
-        ctx = getattr(getattr(impl, "group", None), "_ctx", None)  # torch:harmpi
-        if ctx is None and getattr(impl, "_harmpi", None) is not None:
-            ctx = STATE.get(impl._comm)
-        if ctx is not None:
-            out[impl.name] = _StepProfile(ctx)
-    return out
-
-
-def _profile_lines(profiles: dict, comm) -> list[str]:
-    """Per profiled backend, the mean forward pass (prefill, warm-up and
-    timed steps) split by harmpi.profile (collective; lines on rank 0)."""
-    lines = []
-    for name, sp in profiles.items():
-        s = sp.profile.stats()
-        walls = comm.gather(sp.wall_ns / 1e9, root=0)
-        if comm.Get_rank() != 0:
-            continue
-        n = max(1, sp.passes)
-        wall = float(np.mean(walls)) / n
-        wait = float(np.mean(s["wait_s_by_rank"])) / n
-        own = float(np.mean(s["own_s_by_rank"])) / n
-        compute = wall - wait - own
-        late = ", ".join(f"{r}: {c}" for r, c in s["last_arrival_count"].items())
-        lines.append(
-            f"# profile {name}: per forward pass {wall * 1e3:.3f} ms = compute "
-            f"{compute * 1e3:.3f} ({100 * compute / wall:.1f}%) + waiting for the last rank "
-            f"{wait * 1e3:.3f} ({100 * wait / wall:.1f}%) + collectives' own time "
-            f"{own * 1e3:.3f} ({100 * own / wall:.1f}%); {s['calls'] / n:.0f} collectives per "
-            f"pass; last arrivals by rank: {late} (harmpi.profile, mean over ranks)")
-    return lines
 
 
 def _mark_agreement(rows: list[dict], tokens: dict[str, np.ndarray],
@@ -539,14 +401,8 @@ def _report_lines(rows: Sequence[dict], wide: bool = False) -> list[str]:
 
 def _write_json(path: str, meta: dict, rows: Sequence[dict]) -> None:
     with open(path, "w") as fh:
-        json.dump({"meta": _jsonable(meta), "rows": list(rows)}, fh, indent=2)
+        json.dump({"meta": report.jsonable(meta), "rows": list(rows)}, fh, indent=2)
         fh.write("\n")
-
-
-def _jsonable(value):
-    from bench.osu import _jsonable as convert
-
-    return convert(value)
 
 
 def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, steps: int,
@@ -564,7 +420,7 @@ def run(cfg: ModelConfig, *, comms: Sequence[str], batch: int, prompt_len: int, 
                  tp_api)
     threads_used = set_threads(comm, threads)
     model, build_s = _build_model(plan, comm)
-    prompt = _prompt(plan)
+    prompt = plan.prompt()
     impls = make_impls(comms, comm)
     try:
         # --tp-api: one DTensor model per comm (a DeviceMesh is one group), same weights
@@ -583,7 +439,7 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: Th
                   load: int = 0, wide: bool = False) -> bool:
     """Print the header, run the rounds, report (rank 0).  True if every
     backend's ranks generated identical tokens."""
-    from bench.osu import bench_version, environment_lines, topology
+    from bench.job import bench_version, environment_lines, topology
 
     rank = comm.Get_rank()
     topo = topology(comm)
@@ -606,21 +462,21 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: Th
             *(f"# {text}" for text in descriptions.values()),
             *_method_lines(same_host),
         ]
-        print("\n".join(harness.fit_lines(lines, None if wide else harness.WIDTH)), flush=True)
+        print("\n".join(report.fit_lines(lines, None if wide else report.WIDTH)), flush=True)
 
-    profiles = _step_profiles(impls) if profile else None
+    profiles = step_profiles(impls) if profile else None
     with host_load(comm, load) as busy:
         measured = _run_rounds(models, impls, prompt, plan, comm, profiles)
     if rank == 0 and load:
         print(busy.summary(), flush=True)
     rows = [_gather_row(impl.name, measured[impl.name], plan, comm, same_host) for impl in impls]
-    split = _profile_lines(profiles, comm) if profiles else []
+    split = profile_lines(profiles, comm) if profiles else []
     if rank == 0:
         _mark_agreement(rows, {name: m.longest_tokens() for name, m in measured.items()},
                         {name: m.longest().margin_ulps for name, m in measured.items()},
                         {name: m.rounds[0].prefill_logits for name, m in measured.items()})
-        print("\n".join(harness.fit_lines(_report_lines(rows, wide) + split,
-                                           None if wide else harness.WIDTH)), flush=True)
+        print("\n".join(report.fit_lines(_report_lines(rows, wide) + split,
+                                           None if wide else report.WIDTH)), flush=True)
         if json_path:
             meta = {
                 "benchmark": "decode",
@@ -651,7 +507,7 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: Th
         "mpirun -np N python -m mpi4py -m bench.decode --comm harmpi,gloo,mpi"
     ),
 )
-@harness.help_option()
+@job.help_option()
 @click.option("--comm", "comm_spec", default=None,
               help="Comma list of harmpi (harmpi.allreduce), torch:harmpi (torch.distributed "
                    "on a harmpi process group), gloo (= torch:gloo), mpi.  [default: "
@@ -659,42 +515,27 @@ def _run_backends(plan: _Plan, models: dict, prompt, impls, comm, *, threads: Th
 @click.option("--tp-api", is_flag=True,
               help="Build the TP layers with torch's parallelize_module on a DeviceMesh of "
                    "each comm's process group (torch comms only).")
-@click.option("--hidden", type=click.IntRange(min=2), default=ModelConfig.hidden,
-              show_default=True)
-@click.option("--layers", type=click.IntRange(min=1), default=ModelConfig.layers,
-              show_default=True)
-@click.option("--heads", type=click.IntRange(min=1), default=ModelConfig.heads,
-              show_default=True)
-@click.option("--kv-heads", type=click.IntRange(min=1), default=ModelConfig.kv_heads,
-              show_default=True)
+@shape_options(ModelConfig)
 @click.option("--ffn", type=click.IntRange(min=1), default=ModelConfig.ffn, show_default=True)
 @click.option("--vocab", type=click.IntRange(min=1), default=ModelConfig.vocab,
               show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True,
               help="Sequences decoded together; the all-reduce carries batch x hidden bf16 "
                    "(default 4 x 1280 x 2 B = 10240 B).")
-@click.option("--prompt-len", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--tokens", "steps", type=click.IntRange(min=1), default=96, show_default=True,
               help="Timed decode steps per backend (each yields one token per sequence), "
                    "split over the rounds.")
-@click.option("--rounds", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Backends take turns this many times, each round restarting from the prompt.")
-@click.option("--warmup", "warmup_steps", type=click.IntRange(min=0), default=2,
-              show_default=True, help="Untimed decode steps at the start of each round.")
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="torch threads per rank (default: host CPUs / ranks on the host, at least 1).")
-@click.option("--seed", type=int, default=1234, show_default=True)
+@run_options(16, threads_help="torch threads per rank (default: host CPUs / ranks on the host, "
+             "at least 1).",
+             load_help="Run N busy processes (unbound spin loops) on each host during the "
+                       "rounds, started by the host's first rank; a busy machine on purpose.",
+             json_help="Write the results as JSON (rank 0).")
 @click.option("--profile", is_flag=True,
               help="Record the harmpi backends with harmpi.profile and print each one's "
                    "step split: compute, waiting for the last rank, the collective's own time.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
-              default=None, help="Write the results as JSON (rank 0).")
 @click.option("--wide", is_flag=True,
               help=f"Print the table with every column (mean step, prefill) and comment lines "
-                   f"unwrapped (default: everything fits {harness.WIDTH} columns).")
-@click.option("--load", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
-              help="Run N busy processes (unbound spin loops) on each host during the rounds, "
-                   "started by the host's first rank; a busy machine on purpose.")
+                   f"unwrapped (default: everything fits {report.WIDTH} columns).")
 def main(comm_spec, tp_api, hidden, layers, heads, kv_heads, ffn, vocab, batch, prompt_len,
          steps, rounds, warmup_steps, threads, seed, profile, json_path, wide, load):
     if comm_spec is None:
@@ -708,11 +549,11 @@ def main(comm_spec, tp_api, hidden, layers, heads, kv_heads, ffn, vocab, batch, 
         cfg.check(MPI.COMM_WORLD.Get_size(), even_kv=tp_api)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    code = harness.run_or_abort(run, cfg, comms=comms, batch=batch, prompt_len=prompt_len,
+    code = job.run_or_abort(run, cfg, comms=comms, batch=batch, prompt_len=prompt_len,
                                 steps=steps, warmup_steps=warmup_steps, seed=seed,
                                 threads=threads, json_path=json_path, rounds=rounds,
                                 tp_api=tp_api, profile=profile, load=load, wide=wide)
-    harness.exit_all(code)
+    job.exit_all(code)
 
 
 def _parse_comms(spec: str, tp_api: bool = False) -> list[str]:

@@ -170,32 +170,40 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _decode_table_100(rows: Sequence[dict]) -> list[str]:
-    """format_decode_table within 100 columns."""
-    lines = [
-        f"{'#':<13}{' median step '.center(28, '-'):>30}"
-        f"{' mean step: compute + coll. '.center(32, '-'):>34}"
-        f"{' after last '.center(14, '-'):>15}",
-        f"{'# comm':<13}{'tok/s':>8}{'rounds':>14}{'ms/tok':>8}"
-        f"{'compute':>9}{'collect.':>9}{'share':>7}{'min rank':>9}"
-        f"{'ms/tok':>8}{'share':>7}{'agree':>6}",
-    ]
-    for row in rows:
-        agree = {None: "-", True: "yes", False: "NO"}[row.get("tokens_identical_across_ranks")]
-        lines.append(
-            f"{row['comm']:<13}{row['tokens_per_s']:>8.1f}{_spread(row):>14}"
-            f"{row['ms_per_token']:>8.2f}{_ms(row.get('compute_ms_per_token')):>9}"
-            f"{_ms(row['comm_ms_per_token']):>9}{_pct(row['comm_share']):>7}"
-            f"{_pct(row['comm_share_min']):>9}"
-            f"{_ms(row.get('comm_latency_ms_per_token')):>8}"
-            f"{_pct(row.get('comm_latency_share')):>7}{agree:>6}"
-        )
-    return lines
-
-
 def _spread(row: dict) -> str:
     spread = row.get("tokens_per_s_rounds")
     return "-" if not spread else f"{spread['min']:.1f}-{spread['max']:.1f}"
+
+
+def _agree(row: dict) -> str:
+    return {None: "-", True: "yes", False: "NO"}[row.get("tokens_identical_across_ranks")]
+
+
+#: a cell of the decode table: what it shows of a row
+_CELLS = {
+    "tok/s": lambda row: f"{row['tokens_per_s']:.1f}",
+    "rounds": _spread,
+    "median": lambda row: f"{row['ms_per_token']:.2f}",
+    "mean": lambda row: _ms(row.get("mean_ms_per_token")),
+    "compute": lambda row: _ms(row.get("compute_ms_per_token")),
+    "collect": lambda row: _ms(row["comm_ms_per_token"]),
+    "share": lambda row: _pct(row["comm_share"]),
+    "min rank": lambda row: _pct(row["comm_share_min"]),
+    "after": lambda row: _ms(row.get("comm_latency_ms_per_token")),
+    "after share": lambda row: _pct(row.get("comm_latency_share")),
+    "prefill": lambda row: f"{row['prefill_ms']:.1f}",
+    "agree": _agree,
+}
+
+#: (label, width, cell) after the comm column; 100 columns, then --wide's
+_NARROW = (("tok/s", 8, "tok/s"), ("rounds", 14, "rounds"), ("ms/tok", 8, "median"),
+           ("compute", 9, "compute"), ("collect.", 9, "collect"), ("share", 7, "share"),
+           ("min rank", 9, "min rank"), ("ms/tok", 8, "after"), ("share", 7, "after share"),
+           ("agree", 6, "agree"))
+_WIDE = (("tok/s", 8, "tok/s"), ("rounds min-max", 15, "rounds"), ("ms/token", 9, "median"),
+         ("mean ms", 9, "mean"), ("compute", 9, "compute"), ("collect.", 10, "collect"),
+         ("share", 8, "share"), ("min rank", 10, "min rank"), ("ms/token", 12, "after"),
+         ("share", 10, "after share"), ("prefill ms", 12, "prefill"), ("ranks agree", 13, "agree"))
 
 
 def format_decode_table(rows: Sequence[dict], wide: bool = False) -> list[str]:
@@ -203,26 +211,19 @@ def format_decode_table(rows: Sequence[dict], wide: bool = False) -> list[str]:
     median steps; the split of the mean step (compute + collectives = mean).
     100 columns; ``wide`` adds the mean step and the prefill time (both are
     in the JSON too) with longer labels."""
-    if not wide:
-        return _decode_table_100(rows)
-    lines = [
-        f"{'#':<14}{' median step '.center(30, '-'):>32}"
-        f"{' mean step = compute + collectives '.center(44, '-'):>46}"
-        f"{' after last arrival '.center(22, '-'):>22}",
-        f"{'# comm':<14}{'tok/s':>8}{'rounds min-max':>15}{'ms/token':>9}"
-        f"{'mean ms':>9}{'compute':>9}{'collect.':>10}{'share':>8}{'min rank':>10}"
-        f"{'ms/token':>12}{'share':>10}{'prefill ms':>12}{'ranks agree':>13}",
-    ]
+    if wide:
+        name_width, columns = 14, _WIDE
+        groups = (f"{'#':<14}{' median step '.center(30, '-'):>32}"
+                  f"{' mean step = compute + collectives '.center(44, '-'):>46}"
+                  f"{' after last arrival '.center(22, '-'):>22}")
+    else:
+        name_width, columns = 13, _NARROW
+        groups = (f"{'#':<13}{' median step '.center(28, '-'):>30}"
+                  f"{' mean step: compute + coll. '.center(32, '-'):>34}"
+                  f"{' after last '.center(14, '-'):>15}")
+    lines = [groups, f"{'# comm':<{name_width}}"
+             + "".join(f"{label:>{width}}" for label, width, _ in columns)]
     for row in rows:
-        agree = {None: "-", True: "yes", False: "NO"}[row.get("tokens_identical_across_ranks")]
-        lines.append(
-            f"{row['comm']:<14}{row['tokens_per_s']:>8.1f}{_spread(row):>15}"
-            f"{row['ms_per_token']:>9.2f}{_ms(row.get('mean_ms_per_token')):>9}"
-            f"{_ms(row.get('compute_ms_per_token')):>9}"
-            f"{_ms(row['comm_ms_per_token']):>10}{_pct(row['comm_share']):>8}"
-            f"{_pct(row['comm_share_min']):>10}"
-            f"{_ms(row.get('comm_latency_ms_per_token')):>12}"
-            f"{_pct(row.get('comm_latency_share')):>10}"
-            f"{row['prefill_ms']:>12.1f}{agree:>13}"
-        )
+        lines.append(f"{row['comm']:<{name_width}}"
+                     + "".join(f"{_CELLS[cell](row):>{width}}" for _, width, cell in columns))
     return lines

@@ -29,15 +29,16 @@ import sys
 import numpy as np
 
 from bench.harness import DTYPES, DType
-from bench.impls import (
+from bench.impl_base import (
     Impl,
     ImplUnavailable,
-    MpiImpl,
     Prepared,
     storage_from_torch,
     tensor_dtype,
     torch_from_storage,
 )
+from bench.impl_mpi import MpiImpl
+from bench.job import topology
 
 __all__ = [
     "DeepSpeedImpl",
@@ -195,8 +196,6 @@ class DeepSpeedImpl(Impl):
     name = "deepspeed"
 
     def __init__(self, comm, max_iterations: int | None = None, flags=None):
-        from bench.osu import topology  # bench.osu imports bench.impls, which imports this
-
         self._comm = comm
         self._flags = cpu_flags() if flags is None else frozenset(flags)
         self._mpi = MpiImpl(comm)  # allgather: DeepSpeed's shm op has none

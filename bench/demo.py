@@ -18,15 +18,20 @@
 
 Each job is an ``mpirun`` started from here (the one next to the running
 Python, else the one on PATH) with the environment a root container needs;
-their tables are printed as they come and their ``--json`` files (in
-``--out``) feed the summary.  Exit status: non-zero if any job failed.
+its output goes to ``<job>.log`` in ``--out`` (one line here per job; a
+failed job's last lines too) and its ``--json`` file feeds the summary.
+The demo ends with one table (``glance_lines``: harmpi against each rival
+per layout and size, and decode tok/s), writes every note to
+``summary.txt`` and the latencies to ``latency.png`` (one panel per
+layout), whose path the last line names.  Exit status: non-zero if any job
+failed.
 
 Time limits: each job gets BASE_TIMEOUT_S times the processes that want
 each CPU when it starts (its ranks plus the load average), so a busy
 machine gets more time; ``--timeout SECONDS`` sets one limit for every job,
 and a job that runs out says so and names that option. The lines the demo
-prints itself (commands, summary, notes) fit 100 columns; the jobs' own
-tables come from bench.osu_allreduce and bench.decode.
+prints itself fit 100 columns; the jobs' own tables (in their logs) come
+from bench.osu_allreduce and bench.decode.
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ import click
 from launch.errors import MpiNotFoundError
 from launch.mpienv import find_mpirun, mpi_env
 
-__all__ = ["mpirun_argv", "demo_jobs", "default_impls",
-           "summary_lines", "loss_reasons", "main"]
+__all__ = ["mpirun_argv", "demo_jobs", "default_impls", "summary_lines", "glance_lines",
+           "plot_latency", "loss_reasons", "main"]
 
 SUMMARY_SIZES = (10240, 4 * 1024 * 1024)
 
@@ -97,6 +102,7 @@ def demo_jobs(out_dir: Path, impls: str, decode_comms: str) -> list[dict]:
             "args": sizes + ["--json", str(out_dir / "allreduce_1x2.json")],
             "env": {},
             "json": out_dir / "allreduce_1x2.json",
+            "log": out_dir / "allreduce_1x2.log",
         },
         {
             "name": "allreduce, 2 virtual nodes x 2 ranks, MPI on shared memory",
@@ -106,6 +112,7 @@ def demo_jobs(out_dir: Path, impls: str, decode_comms: str) -> list[dict]:
             "args": sizes + ["--json", str(out_dir / "allreduce_2x2.json")],
             "env": {"HARMPI_RANKS_PER_NODE": "2"},
             "json": out_dir / "allreduce_2x2.json",
+            "log": out_dir / "allreduce_2x2.log",
         },
         {
             # what MPI does between real nodes without RDMA: TCP (here for
@@ -117,6 +124,7 @@ def demo_jobs(out_dir: Path, impls: str, decode_comms: str) -> list[dict]:
             "args": sizes + ["--json", str(out_dir / "allreduce_2x2_tcp.json")],
             "env": {"HARMPI_RANKS_PER_NODE": "2", "OMPI_MCA_btl": "tcp,self"},
             "json": out_dir / "allreduce_2x2_tcp.json",
+            "log": out_dir / "allreduce_2x2_tcp.log",
         },
         {
             "name": "decode, 2 virtual nodes x 2 ranks, MPI on shared memory",
@@ -126,6 +134,7 @@ def demo_jobs(out_dir: Path, impls: str, decode_comms: str) -> list[dict]:
             "args": ["--comm", decode_comms, "--json", str(out_dir / "decode_2x2.json")],
             "env": {"HARMPI_RANKS_PER_NODE": "2"},
             "json": out_dir / "decode_2x2.json",
+            "log": out_dir / "decode_2x2.log",
         },
         {
             "name": "decode, 2 virtual nodes x 2 ranks, MPI over TCP (btl tcp,self)",
@@ -135,6 +144,7 @@ def demo_jobs(out_dir: Path, impls: str, decode_comms: str) -> list[dict]:
             "args": ["--comm", decode_comms, "--json", str(out_dir / "decode_2x2_tcp.json")],
             "env": {"HARMPI_RANKS_PER_NODE": "2", "OMPI_MCA_btl": "tcp,self"},
             "json": out_dir / "decode_2x2_tcp.json",
+            "log": out_dir / "decode_2x2_tcp.log",
         },
     ]
 
@@ -163,8 +173,18 @@ def _cell(value, base) -> str:
         f"{_fmt_us(value)} ({ratio:.2f}x)"
 
 
-def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
-    """One block per job: its sizes as rows, each implementation a column
+def _short_cell(value, base) -> str:
+    """``_cell`` with fewer digits in a ratio of 10 or more, to fit any latency."""
+    if value is None or not base or value / base < 10:
+        return _cell(value, base)
+    ratio = value / base
+    return f"{_fmt_us(value)} ({ratio:.0f}x)" if ratio >= 100 else \
+        f"{_fmt_us(value)} ({ratio:.1f}x)"
+
+
+def _allreduce_table(allreduce_docs: Sequence[tuple[str, dict]],
+                     sizes: Sequence[int] = SUMMARY_SIZES, cell=_cell) -> list[str]:
+    """One block per job: ``sizes`` as rows, each implementation a column
     holding the median latency and, in brackets, other/harmpi (fits WIDTH)."""
     present = {row["impl"] for _, doc in allreduce_docs for row in doc.get("rows", [])}
     impl_order = [name for name in SUMMARY_IMPLS if name in present] or ["harmpi", "mpi", "gloo"]
@@ -173,17 +193,24 @@ def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
              "above 1: harmpi faster"]
     header = (f"{'# size (B)':<10}{'harmpi':>9}"
               + "".join(f"{name:>{_CELL}}" for name in others))
+    for label, doc in allreduce_docs:
+        rows = {(row["impl"], row["size"]): row for row in doc.get("rows", [])}
+        lines += [f"# {label}", header]
+        for size in sizes:
+            values = {name: (rows.get((name, size)) or {}).get("avg_us") for name in impl_order}
+            base = values["harmpi"]
+            lines.append(f"{size:>10}{_fmt_us(base):>9}"
+                         + "".join(f"{cell(values[name], base):>{_CELL}}" for name in others))
+    return lines
+
+
+def _allreduce_summary(allreduce_docs: Sequence[tuple[str, dict]]) -> list[str]:
+    """The table at SUMMARY_SIZES, then each job's notes (losses, gloo's binding)."""
     notes = []
     for label, doc in allreduce_docs:
         rows = {(row["impl"], row["size"]): row for row in doc.get("rows", [])}
         notes += _allreduce_notes(label, rows, doc)
-        lines += [f"# {label}", header]
-        for size in SUMMARY_SIZES:
-            values = {name: (rows.get((name, size)) or {}).get("avg_us") for name in impl_order}
-            base = values["harmpi"]
-            lines.append(f"{size:>10}{_fmt_us(base):>9}"
-                         + "".join(f"{_cell(values[name], base):>{_CELL}}" for name in others))
-    return lines + notes
+    return _allreduce_table(allreduce_docs) + notes
 
 
 def loss_reasons(doc: dict) -> list[str]:
@@ -323,6 +350,63 @@ def summary_lines(allreduce_docs: Sequence[tuple[str, dict]], decode_docs) -> li
     return lines  # main() folds the long comment lines as it prints them
 
 
+#: the sizes of the closing table (the JSON files hold every size)
+GLANCE_SIZES = (2048, 10240, 65536, 1024 * 1024, 4 * 1024 * 1024)
+#: the most lines the closing table may take
+GLANCE_LINES = 40
+DECODE_COMMS = ("harmpi", "torch:harmpi", "gloo", "mpi")
+
+
+def _decode_table(decode_docs: Sequence[tuple[str, dict]]) -> list[str]:
+    """One line per decode run: each backend's tok/s and, in brackets,
+    harmpi/other (above 1: harmpi faster)."""
+    present = [name for name in DECODE_COMMS
+               if any(row["comm"] == name for _, doc in decode_docs for row in doc["rows"])]
+    lines = ["# Summary: decode tok/s (batch / median step); (r) = harmpi/other",
+             f"{'# run':<14}" + "".join(f"{name:>{_CELL}}" for name in present)]
+    for label, doc in decode_docs:
+        rows = {row["comm"]: row["tokens_per_s"] for row in doc.get("rows", [])}
+        base = rows.get("harmpi")
+        cells = []
+        for name in present:
+            value = rows.get(name)
+            if value is None:
+                cells.append("n/a")
+            elif name == "harmpi" or not base:
+                cells.append(f"{value:.1f}")
+            else:
+                cells.append(f"{value:.1f} ({base / value:.2f}x)")
+        lines.append(f"{label[:13]:<14}" + "".join(f"{cell:>{_CELL}}" for cell in cells))
+    return lines
+
+
+def glance_lines(allreduce_docs: Sequence[tuple[str, dict]],
+                 decode_docs: Sequence[tuple[str, dict]]) -> list[str]:
+    """The demo's closing table (pure, at most GLANCE_LINES lines of at most
+    WIDTH): harmpi against each rival per layout and size, then decode tok/s."""
+    lines = _allreduce_table(allreduce_docs, GLANCE_SIZES, _short_cell) if allreduce_docs else []
+    if decode_docs:
+        lines += _decode_table(decode_docs)
+    return lines[:GLANCE_LINES]
+
+
+def plot_latency(allreduce_docs: Sequence[tuple[str, dict]], path: Path) -> int:
+    """Latency against size per implementation, one panel per layout, as a PNG
+    at ``path`` (needs matplotlib).  Returns the number of panels drawn."""
+    from bench.report import plot_panels
+
+    panels = []
+    for label, doc in allreduce_docs:
+        series: dict[str, list[tuple[int, float]]] = {}
+        for row in doc.get("rows", []):
+            if row.get("avg_us") is not None:
+                series.setdefault(row["impl"], []).append((row["size"], row["avg_us"]))
+        panels.append((label, series))
+    stat = next((doc.get("meta", {}).get("stat") for _, doc in allreduce_docs), None) or "median"
+    plot_panels(panels, str(path), f"all-reduce, bf16: {stat} latency per call")
+    return len(panels)
+
+
 def fold(line: str, width: int = WIDTH) -> list[str]:
     """A comment line longer than ``width`` as several, each a comment (pure)."""
     if len(line) <= width or not line.startswith("#"):
@@ -367,12 +451,12 @@ def _say(line: str) -> None:
 
 
 def _run_job(job: dict, mpirun: str, timeout_s: float | None) -> tuple[int, float]:
+    """Run one job, its output into its log file (the command line first);
+    returns (exit code, seconds)."""
     argv = mpirun_argv(job["ranks"], job["module"], job["args"], mpirun=mpirun)
     # Open MPI's settings from the launcher (the caller's win); ranks yield
     # while waiting only when the caller says so (`make demo` does)
     env = mpi_env(extra=job["env"], yield_when_idle=False)
-    print(f"\n## {job['name']}", flush=True)
-    print("\n".join(shown_command(job["env"], argv)), flush=True)
     if timeout_s is None:
         cpus, load1 = os.cpu_count() or 1, os.getloadavg()[0]
         limit_s = job_timeout_s(job["ranks"], cpus, load1)
@@ -380,14 +464,27 @@ def _run_job(job: dict, mpirun: str, timeout_s: float | None) -> tuple[int, floa
                   f"at load {load1:.1f}")
     else:
         limit_s, scaled = timeout_s, "--timeout"
+    log = Path(job["log"])
+    log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    try:
-        completed = subprocess.run(argv, env=env, timeout=limit_s)
-        code = completed.returncode
-    except subprocess.TimeoutExpired:
-        _say(f"## {job['name']}: {timeout_note(limit_s, scaled)}")
-        code = 124
+    with open(log, "w") as fh:
+        fh.write(f"## {job['name']}\n" + "\n".join(shown_command(job["env"], argv)) + "\n")
+        fh.flush()
+        try:
+            code = subprocess.run(argv, env=env, timeout=limit_s, stdout=fh,
+                                  stderr=subprocess.STDOUT).returncode
+        except subprocess.TimeoutExpired:
+            _say(f"## {job['name']}: {timeout_note(limit_s, scaled)}")
+            code = 124
     return code, time.monotonic() - t0
+
+
+def _log_tail(path: Path, lines: int = 15) -> list[str]:
+    """The last lines of a job's log, to show why it failed."""
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
 
 
 def _read_docs(jobs: Sequence[dict]):
@@ -403,6 +500,27 @@ def _read_docs(jobs: Sequence[dict]):
         else:
             docs.append((job["label"], doc))
     return docs, decode_docs
+
+
+def _finish(jobs, out: Path, failures, t_start: float) -> None:
+    """The closing table, the notes file, the plot (the last line names it), the exit."""
+    docs, decode_docs = _read_docs(jobs)
+    notes = out / "summary.txt"  # every note: where harmpi loses and why, tokens, logits
+    notes.write_text("\n".join(line for text in summary_lines(docs, decode_docs)
+                               for line in fold(text)) + "\n")
+    print()
+    for line in glance_lines(docs, decode_docs):
+        _say(line)
+    _say(f"# every figure: {out}/*.json; every table: {out}/*.log; notes: {notes}")
+    _say(f"# demo took {time.monotonic() - t_start:.0f} s"
+         + (f"; FAILED: {', '.join(failures)}" if failures else ""))
+    plot = out / "latency.png"
+    try:
+        plot_latency(docs, plot)
+        _say(f"# plot: {plot}")
+    except ImportError as exc:  # matplotlib is optional
+        _say(f"# no plot ({exc}); pip install matplotlib")
+    sys.exit(1 if failures else 0)
 
 
 @click.command(name="demo", context_settings={"help_option_names": ["-h", "--help"]})
@@ -448,16 +566,13 @@ def main(out_dir, impls, decode_comms, timeout_s):
         if job["json"].exists():
             job["json"].unlink()
         code, elapsed_s = _run_job(job, mpirun, timeout_s)
-        print(f"## {job['name']}: exit {code}, {elapsed_s:.1f} s", flush=True)
+        _say(f"## {job['name']}: exit {code}, {elapsed_s:.0f} s; log {job['log']}")
         if code != 0:
             failures.append(job["name"])
+            for line in _log_tail(job["log"]):
+                print(f"   | {line}", flush=True)
 
-    print()
-    for line in summary_lines(*_read_docs(jobs)):
-        _say(line)
-    _say(f"# demo took {time.monotonic() - t_start:.0f} s"
-         + (f"; FAILED: {', '.join(failures)}" if failures else ""))
-    sys.exit(1 if failures else 0)
+    _finish(jobs, out, failures, t_start)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""One harness for OSU-style collective benchmarks (no MPI import here).
+"""The measurement method of the OSU-style collective benchmarks (no MPI import here).
 
 Everything in this module is pure: it takes numbers, arrays and callables and
-returns numbers, arrays and lines of text, so ``tests/test_bench.py`` checks
-it without starting MPI.  The MPI side (who times what, who prints) lives in
-``bench.osu``; the implementations under test live in ``bench.impls``.
+returns numbers and arrays, so ``tests/test_bench.py`` checks it without
+starting MPI.  The MPI side (who times what) lives in ``bench.osu``, the
+report (tables, JSON, plot) in ``bench.report``, the job (topology, header
+lines, rank-0 help, exit) in ``bench.job``; the implementations under test
+live in ``bench.impls``.
 
 Method, as in the OSU Micro-Benchmarks and nccl-tests:
 
@@ -31,10 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
-import os
-import sys
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -52,12 +51,13 @@ __all__ = [
     "Collective",
     "ALLREDUCE",
     "ALLGATHER",
-    "Row",
+    "ALLTOALL",
     "parse_nbytes",
     "format_nbytes",
     "parse_sizes",
     "parse_names",
     "iterations_for",
+    "capped_iterations",
     "time_op",
     "rank_stat_us",
     "summarize_ranks",
@@ -65,13 +65,6 @@ __all__ = [
     "bf16_bits_from_f32",
     "f32_from_bf16_bits",
     "digest",
-    "format_table",
-    "format_tables",
-    "rows_to_json",
-    "latency_fields",
-    "world_rank",
-    "help_option",
-    "exit_all",
 ]
 
 KIB = 1024
@@ -88,11 +81,6 @@ ITERS_SMALL = 1000
 WARMUP_SMALL = 100
 ITERS_LARGE = 100
 WARMUP_LARGE = 10
-
-FIELD_WIDTH = 18
-SIZE_WIDTH = 9  # "4194304" and two spaces: a median -f table is then 100 wide
-#: what every printed line fits by default (a terminal); --wide lifts it
-WIDTH = 100
 
 
 # --------------------------------------------------------------------------
@@ -188,43 +176,55 @@ class Collective:
     """What the harness needs to know about one collective.
 
     ``size`` in the tables is the byte count each rank passes in (for an
-    allgather: each rank's contribution; the result is n times larger).
+    allgather: each rank's contribution, the result is n times larger; for
+    an all-to-all, OSU's convention: what each rank sends to each rank, the
+    input and the output n times larger).
     """
 
     name: str  # "Allreduce", as in the OSU title
-    op: str  # method of an implementation adapter: "allreduce" / "allgather"
+    op: str  # method of an implementation adapter: "allreduce" / "allgather" / "alltoall"
     #: n ranks -> busbw / algbw, with algbw = size / t (nccl-tests' definition,
-    #: rewritten for a per-rank size): allreduce 2(n-1)/n, allgather n-1.
+    #: rewritten for a per-rank size): allreduce 2(n-1)/n, allgather and
+    #: all-to-all n-1.
     busbw_factor: Callable[[int], float]
     #: True if timed buffers may hold zeros (sums); False: use the seeded data.
     zero_timing_data: bool
+    #: n ranks -> blocks of ``size`` bytes in each rank's input (all-to-all: n)
+    blocks: Callable[[int], int] = lambda n: 1
+    #: every rank holds the same result (the check compares them bitwise)
+    same_result: bool = True
 
     def count(self, nbytes: int, dtype: DType) -> int:
-        """Elements per rank for a message of ``nbytes`` (0: size too small)."""
+        """Elements per rank (per block) for a message of ``nbytes`` (0: size too small)."""
         return nbytes // dtype.itemsize
 
-    def init_values(self, seed: int, rank: int, count: int, dtype: DType) -> np.ndarray:
+    def init_values(self, seed: int, rank: int, count: int, dtype: DType,
+                    n_ranks: int = 1) -> np.ndarray:
         """The check pass's input on ``rank`` (storage array)."""
-        return _seeded_values(seed, rank, count, dtype)
+        return _seeded_values(seed, rank, count * self.blocks(n_ranks), dtype)
 
-    def timing_values(self, seed: int, rank: int, count: int, dtype: DType) -> np.ndarray:
+    def timing_values(self, seed: int, rank: int, count: int, dtype: DType,
+                      n_ranks: int = 1) -> np.ndarray:
         """The timed input on ``rank`` (storage array)."""
         if self.zero_timing_data:
-            return np.zeros(count, dtype=dtype.storage)
-        return self.init_values(seed, rank, count, dtype)
+            return np.zeros(count * self.blocks(n_ranks), dtype=dtype.storage)
+        return self.init_values(seed, rank, count, dtype, n_ranks)
 
     def check(self, result: np.ndarray, seed: int, n_ranks: int, count: int,
-              dtype: DType) -> tuple[bool, str]:
-        """Compare one rank's result (storage array) with the reference.
+              dtype: DType, rank: int = 0) -> tuple[bool, str]:
+        """Compare ``rank``'s result (storage array) with the reference.
 
         Returns (ok, detail); detail is empty when ok.
         """
-        inputs = [self.init_values(seed, r, count, dtype) for r in range(n_ranks)]
+        inputs = [self.init_values(seed, r, count, dtype, n_ranks) for r in range(n_ranks)]
         got = np.asarray(result)
         if self.op == "allreduce":
             return _check_sum(got, inputs, dtype)
         if self.op == "allgather":
             return _check_concatenation(got, inputs)
+        if self.op == "alltoall":  # block ``rank`` of every rank's input, in rank order
+            return _check_concatenation(got, [x[rank * count:(rank + 1) * count]
+                                              for x in inputs])
         raise ValueError(f"unknown collective op {self.op!r}")
 
 
@@ -276,6 +276,14 @@ ALLGATHER = Collective(
     op="allgather",
     busbw_factor=lambda n: float(n - 1),
     zero_timing_data=False,
+)
+ALLTOALL = Collective(
+    name="Alltoall",
+    op="alltoall",
+    busbw_factor=lambda n: float(n - 1),
+    zero_timing_data=False,
+    blocks=lambda n: n,
+    same_result=False,
 )
 
 
@@ -420,361 +428,3 @@ def busbw_gbps(nbytes: int, t_us: float, factor: float) -> float:
     if t_us <= 0:
         return math.inf
     return nbytes / (t_us * 1e-6) * factor / 1e9
-
-
-# --------------------------------------------------------------------------
-# Rows, tables, JSON
-# --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Row:
-    """One (implementation, size) result; ``avg_us`` is None if not run."""
-
-    impl: str
-    dtype: str  # the dtype asked for (bf16)
-    size: int  # bytes per rank
-    avg_us: float | None
-    min_us: float | None
-    max_us: float | None
-    iterations: int
-    valid: bool | None  # None: not checked
-    wire_dtype: str = ""  # what the implementation reduced (mpi: f32 for bf16)
-    count: int = 0  # elements per rank in the wire dtype
-    warmup: int = 0
-    stat: str = "mean"
-    busbw_gbps: float | None = None
-    note: str = ""
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def latency_fields(stat: str) -> dict:
-    """What each latency field of a row holds, for the JSON's meta (``stat``: mean or median)."""
-    _stat_label(stat)  # rejects an unknown statistic
-    per_rank = f"each rank's {stat} of its timed calls"
-    return {
-        "avg_us": f"mean over ranks of {per_rank}, microseconds "
-                  f"(the table's '{_stat_label(stat)} Latency(us)')",
-        "min_us": f"smallest over ranks of {per_rank}, microseconds",
-        "max_us": f"largest over ranks of {per_rank}, microseconds",
-        "busbw_gbps": "bytes per rank / avg_us x busbw_factor, GB/s",
-    }
-
-
-def _stat_label(stat: str) -> str:
-    return {"mean": "Avg", "median": "Median"}[stat]
-
-
-def _fmt_us(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
-
-
-def _fmt_valid(valid: bool | None) -> str:
-    return {True: "Pass", False: "Fail", None: "-"}[valid]
-
-
-def ratio(value_us: float | None, reference_us: float | None) -> float | None:
-    """value / reference, or None if either is missing or the reference is 0."""
-    if value_us is None or reference_us is None or reference_us <= 0:
-        return None
-    return value_us / reference_us
-
-
-def reference_impl(impls: Sequence[str]) -> str:
-    """The column ratios are taken against: plain 'harmpi', else the first
-    harmpi*, else the first."""
-    if "harmpi" in impls:
-        return "harmpi"
-    for name in impls:
-        if name.startswith("harmpi"):
-            return name
-    return impls[0]
-
-
-def _row_cells(row: Row | None, full: bool, check: bool) -> list[str]:
-    """One implementation's cells on one size's line (row None: not run)."""
-    cells = [_fmt_us(row.avg_us if row else None)]
-    if full:
-        cells += [
-            _fmt_us(row.min_us if row else None),
-            _fmt_us(row.max_us if row else None),
-            str(row.iterations) if row and row.avg_us is not None else "n/a",
-            "n/a" if row is None or row.busbw_gbps is None else f"{row.busbw_gbps:.3f}",
-        ]
-    if check:
-        cells += [_fmt_valid(row.valid) if row else "n/a"]
-    return cells
-
-
-def _names_line(impls: Sequence[str], group_widths: Sequence[int], first_widths: Sequence[int],
-                extra: str = "") -> str:
-    """The line naming the implementation above each group of columns."""
-    top = f"{'#':<{SIZE_WIDTH}}"
-    for name, group_width, width in zip(impls, group_widths, first_widths):
-        if group_width == width:
-            top += f"{name:>{width}}"
-        else:  # a dashed rule over the group's columns, name in the middle
-            top += "    " + f" {name} ".center(group_width - 4, "-")
-    return (top + extra).rstrip()
-
-
-def _group_labels(stat: str, full: bool, check: bool, compact: bool) -> list[str]:
-    """One implementation's column labels: OSU's, or short ones under a names line."""
-    if not compact:
-        group = [f"{_stat_label(stat)} Latency(us)"]
-        if full:
-            group += ["Min Latency(us)", "Max Latency(us)", "Iterations", "BusBW(GB/s)"]
-        return group + (["Validation"] if check else [])
-    group = [f"{_stat_label(stat)}(us)"]
-    if full:
-        group += ["Min(us)", "Max(us)", "Iters", "BusBW"]
-    return group + (["Check"] if check else [])
-
-
-def _group_widths(group: Sequence[str], name: str, compact: bool) -> list[int]:
-    """Column widths of one implementation's group; wide enough for its name above."""
-    if compact:
-        widths = [max(10, len(group[0]) + 2)] + [len(col) + 2 for col in group[1:]]
-        need = len(name) + (6 if len(group) > 1 else 2)  # the dashed rule or the name alone
-    else:
-        widths = [max(FIELD_WIDTH, len(group[0]) + 2)] + [max(12, len(col) + 2)
-                                                            for col in group[1:]]
-        need = len(name) + 6 if len(group) > 1 else 0
-    widths[0] += max(0, need - sum(widths))
-    return widths
-
-
-def _side_by_side(rows, impls, full, check, stat, compact) -> list[str]:
-    """Several implementations: a names line, then each one's group of columns
-    and one ratio column per other implementation (against the reference)."""
-    group = _group_labels(stat, full, check, compact)
-    widths = {name: _group_widths(group, name, compact) for name in impls}
-    reference = reference_impl(impls)
-    ratio_impls = [name for name in impls if name != reference]
-    if compact:  # the names line says "/ harmpi" over the ratio columns
-        ratio_labels = list(ratio_impls)
-        ratio_widths = [max(8, len(text) + 2) for text in ratio_labels]
-        rule = f" / {reference} "
-        span = sum(ratio_widths) - 2
-        extra = "  " + rule.center(span, "-") if span >= len(rule) + 2 else f"  /{reference}"
-    else:
-        ratio_labels = [f"{name}/{reference}" for name in ratio_impls]
-        ratio_widths = [max(FIELD_WIDTH, len(text) + 2) for text in ratio_labels]
-        extra = ""
-    lines = [_names_line(impls, [sum(widths[n]) for n in impls], [widths[n][0] for n in impls],
-                         extra)]
-    header = f"{'# Size':<{SIZE_WIDTH}}"
-    header += "".join(f"{col:>{w}}" for name in impls for col, w in zip(group, widths[name]))
-    header += "".join(f"{text:>{w}}" for text, w in zip(ratio_labels, ratio_widths))
-    lines.append(header)
-    by_key = {(row.impl, row.size): row for row in rows}
-    for size in sorted({row.size for row in rows}):
-        line = f"{size:<{SIZE_WIDTH}}"
-        for name in impls:
-            cells = _row_cells(by_key.get((name, size)), full, check)
-            line += "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths[name]))
-        ref_row = by_key.get((reference, size))
-        for name, w in zip(ratio_impls, ratio_widths):
-            row = by_key.get((name, size))
-            value = ratio(row.avg_us if row else None, ref_row.avg_us if ref_row else None)
-            line += f"{'n/a' if value is None else f'{value:.2f}':>{w}}"
-        lines.append(line)
-    return lines
-
-
-def _stacked(rows, impls, full, check, stat) -> list[str]:
-    """Several implementations, one line each per size: what fits when their
-    columns side by side would not."""
-    group = _group_labels(stat, full, check, compact=full)  # -f: short labels
-    widths = ([max(11, len(col) + 2) for col in group[:3]] + [7, 9, 7])[:len(group)]
-    if not full:
-        widths = [max(FIELD_WIDTH, len(group[0]) + 2)] + [len(col) + 2 for col in group[1:]]
-    name_width = max(16, max(len(name) for name in impls) + 2)
-    reference = reference_impl(impls)
-    ratio_label = "ratio"  # to the reference: the '# Ratios:' line names it
-    ratio_width = 8
-    header = f"{'# Size':<{SIZE_WIDTH}}{'Implementation':<{name_width}}"
-    header += "".join(f"{col:>{w}}" for col, w in zip(group, widths))
-    lines = [header + f"{ratio_label:>{ratio_width}}"]
-    by_key = {(row.impl, row.size): row for row in rows}
-    for size in sorted({row.size for row in rows}):
-        ref_row = by_key.get((reference, size))
-        for name in impls:
-            row = by_key.get((name, size))
-            cells = _row_cells(row, full, check)
-            value = ratio(row.avg_us if row else None, ref_row.avg_us if ref_row else None)
-            lines.append(f"{size:<{SIZE_WIDTH}}{name:<{name_width}}"
-                         + "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths))
-                         + f"{'n/a' if value is None else f'{value:.2f}':>{ratio_width}}")
-    return lines
-
-
-def format_table(
-    rows: Sequence[Row],
-    impls: Sequence[str],
-    *,
-    full: bool = False,
-    check: bool = False,
-    stat: str = "mean",
-    width: int | None = WIDTH,
-) -> list[str]:
-    """Lines of the OSU-layout table (without the title and '#' header lines).
-
-    One implementation: exactly OSU's columns, ``# Size  Avg Latency(us)``
-    [Min Latency(us)  Max Latency(us)  Iterations] [Validation], with
-    ``-f`` adding BusBW(GB/s) after Iterations (100 columns at most).
-    Several: side by side, a names line above each one's group of short
-    columns (``Avg(us)``, ``Check``), then one ratio column per other
-    implementation under ``/ <reference>`` = its latency divided by the
-    reference's (above 1: the reference is faster).  When that would be
-    wider than ``width``, one line per implementation and size instead
-    (``# Size  Implementation  Avg Latency(us) ...  /<reference>``), so the
-    table always fits.  ``width`` None (``--wide``): side by side with OSU's
-    column labels, however wide.
-    """
-    if len(impls) == 1:
-        group = _group_labels(stat, full, check, compact=False)
-        widths = _group_widths(group, impls[0], compact=False)
-        lines = [f"{'# Size':<{SIZE_WIDTH}}" + "".join(f"{col:>{w}}"
-                                                        for col, w in zip(group, widths))]
-        by_size = {row.size: row for row in rows if row.impl == impls[0]}
-        for size in sorted({row.size for row in rows}):
-            cells = _row_cells(by_size.get(size), full, check)
-            lines.append(f"{size:<{SIZE_WIDTH}}"
-                         + "".join(f"{cell:>{w}}" for cell, w in zip(cells, widths)))
-        return lines
-    if width is None:
-        return _side_by_side(rows, impls, full, check, stat, compact=False)
-    side = _side_by_side([], impls, full, check, stat, compact=True)
-    if max(len(line) for line in side) <= width:
-        return _side_by_side(rows, impls, full, check, stat, compact=True)
-    return _stacked(rows, impls, full, check, stat)
-
-
-def format_tables(rows: Sequence[Row], impls: Sequence[str], *, check: bool = False,
-                  stat: str = "mean") -> list[str]:
-    """``-f`` with several implementations: one OSU ``-f`` table per
-    implementation, each under a ``# <impl>`` line, as the OSU suite prints
-    one table per run (a single grouped table would not fit a terminal)."""
-    lines: list[str] = []
-    for name in impls:
-        own = [row for row in rows if row.impl == name]
-        lines += ["#", f"# {name}"]
-        lines += format_table(own, [name], full=True, check=check, stat=stat)
-    return lines
-
-
-def fit_lines(lines: Iterable[str], width: int | None = WIDTH) -> list[str]:
-    """``#`` lines longer than ``width`` wrapped at spaces onto ``#   ``
-    continuation lines (tables are laid out to fit on their own; a line
-    without ``#`` is left alone).  ``width`` None: every line as it is."""
-    import textwrap
-
-    out: list[str] = []
-    for line in lines:
-        if width is None or len(line) <= width or not line.startswith("#"):
-            out.append(line)
-            continue
-        out += textwrap.wrap(line, width, subsequent_indent="#   ", break_long_words=False,
-                             break_on_hyphens=False)
-    return out
-
-
-def rows_to_json(rows: Sequence[Row], meta: dict) -> str:
-    """The ``--json`` document: {"meta": {...}, "rows": [{impl, dtype, size, avg_us, ...}]}."""
-    document = {"meta": meta, "rows": [row.to_json() for row in rows]}
-    return json.dumps(document, indent=2, sort_keys=False) + "\n"
-
-
-def plot_rows(rows: Sequence[Row], impls: Sequence[str], path: str, title: str) -> None:
-    """Latency vs size, log-log, one line per implementation (needs matplotlib)."""
-    import matplotlib
-    import matplotlib.ticker
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for name in impls:
-        points = sorted(
-            (row.size, row.avg_us) for row in rows if row.impl == name and row.avg_us is not None
-        )
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", markersize=3, label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    size_labels = matplotlib.ticker.FuncFormatter(lambda x, _pos: format_nbytes(int(round(x))))
-    ax.xaxis.set_major_formatter(size_labels)
-    ax.set_xlabel("message size per rank (bytes)")
-    stat = rows[0].stat if rows else "mean"
-    ax.set_ylabel(f"{_stat_label(stat).lower()} latency (us)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def world_rank() -> int:
-    """This process's rank in the job: the launcher's variables, else MPI's
-    when mpi4py already started it, else 0 (a plain ``python -m``)."""
-    for key in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        value = os.environ.get(key, "").strip()
-        if value.isdigit():
-            return int(value)
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        return mpi.COMM_WORLD.Get_rank()
-    return 0
-
-
-def _show_help_on_rank0(ctx, _param, value) -> None:
-    if not value or ctx.resilient_parsing:
-        return
-    import click
-
-    if world_rank() == 0:
-        click.echo(ctx.get_help(), color=ctx.color)
-    ctx.exit()
-
-
-def help_option():
-    """``-h/--help`` that prints on rank 0 only (click's prints once per rank)."""
-    import click
-
-    return click.help_option("-h", "--help", callback=_show_help_on_rank0)
-
-
-def exit_all(code: int, comm=None):
-    """``sys.exit(code)`` on every rank, after a barrier: the code is agreed,
-    and no rank's exit (which ends the job under harmpi's fail-fast when the
-    code is non-zero) can cut rank 0's last lines."""
-    from mpi4py import MPI
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    (MPI.COMM_WORLD if comm is None else comm).Barrier()
-    sys.exit(code)
-
-
-def run_or_abort(fn, *args, **kwargs):
-    """Return fn(*args, **kwargs); on any error print it and abort the whole
-    MPI job, so one failing rank never leaves the others waiting in a
-    collective (also when started without ``python -m mpi4py``)."""
-    try:
-        return fn(*args, **kwargs)
-    except (SystemExit, KeyboardInterrupt):
-        raise
-    except BaseException:
-        import traceback
-
-        from mpi4py import MPI
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-        raise

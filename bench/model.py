@@ -185,8 +185,19 @@ class SeededDecoder:
 # --------------------------------------------------------------------------
 
 
+class HeadsShape:
+    """What a decoder config derives from its hidden size and heads."""
+
+    hidden: int
+    heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(HeadsShape):
     """Qwen2.5-style decoder dimensions."""
 
     hidden: int = 1280
@@ -197,10 +208,6 @@ class ModelConfig:
     vocab: int = 32768
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
     def check(self, tp: int, even_kv: bool = False) -> None:
         """Raise ValueError unless the model can be sharded over ``tp`` ranks

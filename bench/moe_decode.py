@@ -57,19 +57,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from typing import NamedTuple, Sequence
 
 import click
 import numpy as np
 
-from bench import harness
+from bench import job, report
+from bench.decode_common import (
+    Rounds,
+    RunPlan,
+    TimedComm,
+    progress,
+    run_options,
+    shape_options,
+)
 from bench.decode_results import (
     collective_latency_ns,
     first_divergence,
     logits_gap_ulps,
-    round_steps,
     top2_margin_ulps,
 )
 from bench.harness import DTYPES
@@ -101,142 +107,6 @@ DEFAULT_COMMS = "ep:harmpi,ep:mpi,ep:gloo,ep:torch:harmpi,tp:harmpi"
 # --------------------------------------------------------------------------
 
 
-class _Timed:
-    """Wraps a comm: adds up the ns spent inside its collectives in a step, counts
-    the calls, and during timed steps (``begin_step(i)``, i >= 0) records each
-    call's entry and exit times."""
-
-    def __init__(self, inner, steps: int, calls_per_step: int):
-        self.inner = inner
-        self.ns = self.calls = 0
-        self.step = -1
-        self.enter_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
-        self.exit_ns = np.zeros((steps, calls_per_step), dtype=np.int64)
-        #: EP: rows each dispatch brought this rank (its experts' work), per timed step
-        self.expert_rows = np.zeros((steps, calls_per_step // 2), dtype=np.int64)
-
-    def begin_step(self, step: int) -> None:
-        self.step, self.ns, self.calls = step, 0, 0
-
-    def _time(self, fn, *args):
-        t0 = time.perf_counter_ns()
-        result = fn(*args)
-        t1 = time.perf_counter_ns()
-        if 0 <= self.step and self.calls < self.enter_ns.shape[1]:
-            self.enter_ns[self.step, self.calls], self.exit_ns[self.step, self.calls] = t0, t1
-        self.ns += t1 - t0
-        self.calls += 1
-        return result
-
-    def dispatch(self, rows, send_counts):
-        recv, recv_counts = self._time(self.inner.dispatch, rows, send_counts)
-        if 0 <= self.step:
-            self.expert_rows[self.step, self.calls // 2] = recv.shape[0]
-        return recv, recv_counts
-
-    def combine(self, rows, send_counts, recv_counts):
-        return self._time(self.inner.combine, rows, send_counts, recv_counts)
-
-    def allreduce(self, tensor):
-        return self._time(self.inner.allreduce, tensor)
-
-    def allgather(self, tensor):
-        return self._time(self.inner.allgather, tensor)
-
-
-class HarmpiAlltoall:
-    """``harmpi.alltoall``: the receive counts travel with the rows."""
-
-    def __init__(self, harmpi_module, comm):
-        self._alltoall, self._comm = harmpi_module.alltoall, comm
-
-    def describe(self) -> str:
-        return ("harmpi.alltoall(rows, send_counts) (the counts travel with the rows), "
-                "then back with recv_counts= the counts sent")
-
-    def dispatch(self, rows, send_counts):
-        return self._alltoall(rows, send_counts, comm=self._comm)
-
-    def combine(self, rows, send_counts, recv_counts):
-        return self._alltoall(rows, send_counts, comm=self._comm, recv_counts=recv_counts)[0]
-
-
-def _byte_view(tensor):
-    import torch
-
-    return tensor.view(torch.uint8).numpy()
-
-
-class MpiAlltoall:
-    """mpi4py: ``MPI_Alltoall`` of the counts, then ``MPI_Alltoallv`` of the rows (bytes)."""
-
-    def __init__(self, comm):
-        from mpi4py import MPI
-
-        self._comm, self._MPI = comm, MPI
-        self._counts = np.zeros((2, comm.Get_size()), dtype=np.int32)
-
-    def describe(self) -> str:
-        return ("MPI_Alltoall of the counts, MPI_Alltoallv of the rows (MPI_BYTE); back: "
-                "MPI_Alltoallv, the counts known")
-
-    def _alltoallv(self, rows, send_counts, recv_counts):
-        import torch
-
-        row_nbytes = rows.shape[1] * rows.element_size()
-        send = np.asarray(send_counts, dtype=np.int64) * row_nbytes
-        recv = np.asarray(recv_counts, dtype=np.int64) * row_nbytes
-        out = torch.empty((int(sum(recv_counts)), rows.shape[1]), dtype=rows.dtype)
-        sdispl = np.concatenate([[0], np.cumsum(send)[:-1]])
-        rdispl = np.concatenate([[0], np.cumsum(recv)[:-1]])
-        self._comm.Alltoallv([_byte_view(rows), (send, sdispl), self._MPI.BYTE],
-                             [_byte_view(out), (recv, rdispl), self._MPI.BYTE])
-        return out
-
-    def dispatch(self, rows, send_counts):
-        self._counts[0] = send_counts
-        self._comm.Alltoall(self._counts[0], self._counts[1])
-        recv_counts = self._counts[1].tolist()
-        return self._alltoallv(rows, send_counts, recv_counts), recv_counts
-
-    def combine(self, rows, send_counts, recv_counts):
-        return self._alltoallv(rows, send_counts, recv_counts)
-
-
-class TorchAlltoall:
-    """``dist.all_to_all_single`` on a process group: the counts (int64, one per
-    rank), then the rows with split sizes."""
-
-    def __init__(self, group, description: str):
-        import torch
-        import torch.distributed as dist
-
-        self._dist, self._torch, self._group = dist, torch, group
-        n = dist.get_world_size(group)
-        self._send_counts = torch.zeros(n, dtype=torch.int64)
-        self._recv_counts = torch.zeros(n, dtype=torch.int64)
-        self._description = description
-
-    def describe(self) -> str:
-        return (f"dist.all_to_all_single of the counts, then of the rows with split sizes "
-                f"(back: the counts known), on {self._description}")
-
-    def _exchange(self, rows, send_counts, recv_counts):
-        out = self._torch.empty((int(sum(recv_counts)), rows.shape[1]), dtype=rows.dtype)
-        self._dist.all_to_all_single(out, rows, output_split_sizes=list(recv_counts),
-                                     input_split_sizes=list(send_counts), group=self._group)
-        return out
-
-    def dispatch(self, rows, send_counts):
-        self._send_counts.copy_(self._torch.tensor(send_counts, dtype=self._torch.int64))
-        self._dist.all_to_all_single(self._recv_counts, self._send_counts, group=self._group)
-        recv_counts = self._recv_counts.tolist()
-        return self._exchange(rows, send_counts, recv_counts), recv_counts
-
-    def combine(self, rows, send_counts, recv_counts):
-        return self._exchange(rows, send_counts, recv_counts)
-
-
 # --------------------------------------------------------------------------
 # Comm names
 # --------------------------------------------------------------------------
@@ -264,17 +134,9 @@ def base_comms(names: Sequence[str]) -> list[str]:
     return bases
 
 
-def _ep_comm(base: str, adapter):
-    if base == "harmpi":
-        return HarmpiAlltoall(adapter._harmpi, adapter._comm)
-    if base == "mpi":
-        return MpiAlltoall(adapter._comm)
-    return TorchAlltoall(adapter.group, adapter.group_description())
-
-
-def _describe(name: str, comm, adapter) -> str:
+def _describe(name: str, adapter) -> str:
     if name.startswith("ep:"):
-        return f"{name}: {comm.describe()}"
+        return name + ": " + adapter.describe_alltoall(uneven=True).split(": ", 1)[1]
     return name + ": " + adapter.describe_tensors(DTYPES["bf16"]).split(": ", 1)[1]
 
 
@@ -283,34 +145,8 @@ def _describe(name: str, comm, adapter) -> str:
 # --------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What one run does (the same on every rank)."""
-
-    cfg: MoEConfig
-    n_ranks: int
-    batch: int
-    prompt_len: int
-    steps: int
-    warmup_steps: int
-    rounds: int
-    seed: int
-
-    @property
-    def per_round(self) -> list[int]:
-        return round_steps(self.steps, self.rounds)
-
-    @property
-    def max_len(self) -> int:
-        return self.prompt_len + self.warmup_steps + max(self.per_round) + 1
-
-    def prompt(self):
-        """[batch, prompt_len] ids, the same on every rank."""
-        import torch
-
-        rng = np.random.default_rng([self.seed, 7])
-        return torch.from_numpy(rng.integers(0, self.cfg.vocab,
-                                             (self.batch, self.prompt_len)))
+#: what one run does (the same on every rank): bench.decode_common's plan
+Plan = RunPlan
 
 
 class Round(NamedTuple):
@@ -332,7 +168,7 @@ def decode_round(model: MoEDecoder, comm, prompt, warmup_steps: int, steps: int,
     """Prefill + warm-up + timed steps of this rank's sequences."""
     torch = model.torch
     cfg = model.cfg
-    timed = _Timed(comm, steps, 2 * cfg.layers + (model.shard.mode == "tp"))
+    timed = TimedComm(comm, steps, 2 * cfg.layers + (model.shard.mode == "tp"))
     prompt = prompt[list(model.shard.sequences)]
     barrier()
     with torch.inference_mode():
@@ -357,17 +193,8 @@ def decode_round(model: MoEDecoder, comm, prompt, warmup_steps: int, steps: int,
                  prefill_logits)
 
 
-@dataclasses.dataclass
-class Measured:
-    """One comm's rounds on this rank."""
-
-    rounds: list[Round] = dataclasses.field(default_factory=list)
-
-    def concatenated(self, field: str) -> np.ndarray:
-        return np.concatenate([getattr(r, field) for r in self.rounds])
-
-    def longest(self) -> Round:
-        return max(self.rounds, key=lambda r: r.tokens.shape[1])
+#: one comm's rounds on this rank
+Measured = Rounds
 
 
 def row_margins_ulps(logits: np.ndarray) -> np.ndarray:
@@ -570,9 +397,9 @@ def _run_rounds(plan: Plan, models: dict, comms: dict, comm) -> dict[str, Measur
             measured[name].rounds.append(result)
             if comm.Get_rank() == 0:
                 tok_s = plan.batch * 1e9 / np.median(result.step_ns)
-                print(f"# moe_decode: round {index + 1}/{len(plan.per_round)} {name}: {steps} "
-                      f"steps, {tok_s:.1f} tok/s on rank 0, {time.perf_counter() - t0:.1f} s",
-                      file=sys.stderr, flush=True)
+                progress("moe_decode", f"round {index + 1}/{len(plan.per_round)} {name}: "
+                         f"{steps} steps, {tok_s:.1f} tok/s on rank 0, "
+                         f"{time.perf_counter() - t0:.1f} s")
     return measured
 
 
@@ -582,7 +409,7 @@ def run(plan: Plan, names: Sequence[str], *, threads: int | None = None, load: i
     prints.  Returns the exit code, the same on every rank."""
     from mpi4py import MPI
 
-    from bench.osu import environment_lines, topology
+    from bench.job import environment_lines, topology
 
     comm = MPI.COMM_WORLD if comm is None else comm
     threads_used = set_threads(comm, threads)
@@ -590,24 +417,20 @@ def run(plan: Plan, names: Sequence[str], *, threads: int | None = None, load: i
     bases = base_comms(names)
     adapters = dict(zip(bases, make_impls(bases, comm)))
     try:
-        comms, descriptions = {}, {}
-        for name in names:
-            base = name.split(":", 1)[1]
-            comms[name] = _ep_comm(base, adapters[base]) if name.startswith("ep:") else (
-                adapters[base])
-            descriptions[name] = _describe(name, comms[name], adapters[base])
+        comms = {name: adapters[name.split(":", 1)[1]] for name in names}
+        descriptions = {name: _describe(name, comms[name]) for name in names}
         topo = topology(comm)
         env_lines = environment_lines(comm, topo, harmpi_info_of(adapters.values()))
         if comm.Get_rank() == 0:
             lines = _header(plan, models, descriptions, env_lines, threads_used.count, build_s)
-            print("\n".join(harness.fit_lines(lines)), flush=True)
+            print("\n".join(report.fit_lines(lines)), flush=True)
         with host_load(comm, load) as busy:
             measured = _run_rounds(plan, models, comms, comm)
         rows = [_row(name, measured[name], plan, comm, topo["hosts"] == 1) for name in names]
         ok = mark_agreement(rows)
         if comm.Get_rank() == 0:
             lines = format_table(rows) + _notes(rows) + ([busy.summary()] if load else [])
-            print("\n".join(harness.fit_lines(lines)), flush=True)
+            print("\n".join(report.fit_lines(lines)), flush=True)
             if json_path:
                 _write_json(json_path, plan, rows, topo)
         return 0 if ok else 1
@@ -631,18 +454,11 @@ def _write_json(path: str, plan: Plan, rows: Sequence[dict], topo: dict) -> None
     "Greedy decode of a Qwen3-MoE-shaped model with random bf16 weights, expert-parallel "
     "(all-to-all) and tensor-parallel (all-reduce), one run per comm. Run under MPI: "
     "mpirun -np 2 python -m mpi4py -m bench.moe_decode"))
-@harness.help_option()
+@job.help_option()
 @click.option("--comm", "comm_spec", default=DEFAULT_COMMS, show_default=True,
               help="Comma list of ep:<c> (expert parallel, all-to-all over c) and tp:<c> "
                    f"(tensor parallel, all-reduce over c); c one of {', '.join(EP_COMMS)}.")
-@click.option("--hidden", type=click.IntRange(min=2), default=MoEConfig.hidden,
-              show_default=True)
-@click.option("--layers", type=click.IntRange(min=1), default=MoEConfig.layers,
-              show_default=True)
-@click.option("--heads", type=click.IntRange(min=1), default=MoEConfig.heads,
-              show_default=True)
-@click.option("--kv-heads", type=click.IntRange(min=1), default=MoEConfig.kv_heads,
-              show_default=True)
+@shape_options(MoEConfig)
 @click.option("--experts", type=click.IntRange(min=1), default=MoEConfig.experts,
               show_default=True)
 @click.option("--topk", type=click.IntRange(min=1), default=MoEConfig.topk, show_default=True)
@@ -652,19 +468,11 @@ def _write_json(path: str, plan: Plan, rows: Sequence[dict], topo: dict) -> None
               show_default=True)
 @click.option("--batch", type=click.IntRange(min=1), default=4, show_default=True,
               help="Sequences decoded together (EP: batch / ranks per rank).")
-@click.option("--prompt-len", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--steps", type=click.IntRange(min=1), default=64, show_default=True,
               help="Timed decode steps per comm, split over the rounds.")
-@click.option("--rounds", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--warmup", "warmup_steps", type=click.IntRange(min=0), default=2,
-              show_default=True)
-@click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="torch threads per rank (default: host CPUs / ranks on the host).")
-@click.option("--seed", type=int, default=1234, show_default=True)
-@click.option("--load", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
-              help="N busy processes (unbound spin loops) on each host during the rounds.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True),
-              default=None, help="Write the rows (and tokens) as JSON (rank 0).")
+@run_options(8, threads_help="torch threads per rank (default: host CPUs / ranks on the host).",
+             load_help="N busy processes (unbound spin loops) on each host during the rounds.",
+             json_help="Write the rows (and tokens) as JSON (rank 0).")
 def main(comm_spec, hidden, layers, heads, kv_heads, experts, topk, expert_ffn, vocab, batch,
          prompt_len, steps, rounds, warmup_steps, threads, seed, load, json_path):
     from mpi4py import MPI
@@ -678,9 +486,9 @@ def main(comm_spec, hidden, layers, heads, kv_heads, experts, topk, expert_ffn, 
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     plan = Plan(cfg, n_ranks, batch, prompt_len, steps, warmup_steps, rounds, seed)
-    code = harness.run_or_abort(run, plan, names, threads=threads, load=load,
+    code = job.run_or_abort(run, plan, names, threads=threads, load=load,
                                 json_path=json_path)
-    harness.exit_all(code)
+    job.exit_all(code)
 
 
 if __name__ == "__main__":

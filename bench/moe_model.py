@@ -30,6 +30,7 @@ from typing import Sequence
 from bench.model import (
     FFN_UNIT,
     VOCAB_UNIT,
+    HeadsShape,
     SeededDecoder,
     kv_groups_problem,
     seeded_randn,
@@ -60,7 +61,7 @@ EXTRA_COLUMNS = 2  # a dispatched row: hidden, the global expert id, padding to 
 
 
 @dataclasses.dataclass(frozen=True)
-class MoEConfig:
+class MoEConfig(HeadsShape):
     """Qwen3-MoE-style decoder dimensions (small by default)."""
 
     hidden: int = 1024
@@ -73,10 +74,6 @@ class MoEConfig:
     vocab: int = 8192
     rope_theta: float = 1_000_000.0
     rms_eps: float = 1e-6
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
 
     def check(self, n_ranks: int, batch: int) -> None:
         """Raise ValueError unless both layouts fit ``n_ranks`` ranks and ``batch``."""

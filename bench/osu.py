@@ -1,156 +1,26 @@
-"""The OSU-style command line shared by ``osu_allreduce`` and ``osu_allgather``.
+"""The OSU-style command line shared by ``osu_allreduce`` and ``osu_allgather``
+(``command(ALLTOALL)`` runs the all-to-all the same way).
 
-``command(collective)`` builds the click command; everything that needs MPI
-(topology, timing, gathering per-rank numbers, printing on rank 0) is here,
-the pure parts are in ``bench.harness``.
+``command(collective)`` builds the click command; the MPI side of the method
+(checking, timing and gathering per-rank numbers, printing on rank 0) is
+here.  The pure method is ``bench.harness``, the tables, JSON and plot
+``bench.report``, the topology, header and exit ``bench.job``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from importlib import metadata
-from pathlib import Path
 
 import click
-import numpy as np
 
-from bench import harness
-from bench.harness import DTYPES, Collective, DType, Row
+from bench import harness, job, report
+from bench.harness import DTYPES, Collective, DType
 from bench.impls import ImplUnavailable, close_impls, harmpi_info_of, make_impls, parse_impls
+from bench.job import bench_version, environment_lines, topology
 from bench.load import host_load
+from bench.report import Row
 
-__all__ = ["command", "run", "environment_lines", "topology", "bench_version"]
-
-
-def bench_version() -> str:
-    """harmpi's version: the installed distribution, else the checkout's pyproject.toml."""
-    try:
-        return metadata.version("harmpi")
-    except metadata.PackageNotFoundError:
-        pass
-    try:
-        import tomllib
-
-        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
-    except (OSError, KeyError, ValueError, ImportError):
-        return "0+unknown"
-
-
-# --------------------------------------------------------------------------
-# What the header says about the run (collective: every rank calls these)
-# --------------------------------------------------------------------------
-
-
-def _cpu_list(cpus) -> str:
-    """{0, 1, 2, 5} -> '0-2,5'."""
-    cpus = sorted(cpus)
-    parts, start = [], None
-    for i, cpu in enumerate(cpus):
-        if start is None:
-            start = cpu
-        if i + 1 == len(cpus) or cpus[i + 1] != cpu + 1:
-            parts.append(str(start) if start == cpu else f"{start}-{cpu}")
-            start = None
-    return ",".join(parts)
-
-
-def topology(comm) -> dict:
-    """Hosts, nodes and ranks per node as harmpi sees them (HARMPI_RANKS_PER_NODE honoured).
-
-    A node is the set of ranks of one host (MPI COMM_TYPE_SHARED); with
-    HARMPI_RANKS_PER_NODE=k every k consecutive local ranks of a host form a
-    virtual node.  Used for the header when harmpi is not among the
-    implementations (otherwise ``harmpi.info()`` is quoted).
-    """
-    from mpi4py import MPI
-
-    host_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    host_leader = host_comm.bcast(comm.Get_rank(), root=0)
-    local_rank = host_comm.Get_rank()
-    host_size = host_comm.Get_size()
-    host_comm.Free()
-    per_node_env = os.environ.get("HARMPI_RANKS_PER_NODE", "").strip()
-    per_node = int(per_node_env) if per_node_env else 0
-    node_key = (host_leader, local_rank // per_node if per_node > 0 else 0)
-    keys = comm.allgather(node_key)
-    order = sorted(set(keys))
-    ranks_per_node = [keys.count(key) for key in order]
-    hosts = len({key[0] for key in keys})
-    return {
-        "ranks": comm.Get_size(),
-        "hosts": hosts,
-        "nodes": len(order),
-        "ranks_per_node": ranks_per_node,
-        "virtual": per_node > 0 and len(order) > hosts,
-        "max_ranks_per_host": comm.allreduce(host_size, op=MPI.MAX),
-    }
-
-
-def _ranks_line(topo: dict) -> str:
-    per_node = topo["ranks_per_node"]
-    if len(set(per_node)) == 1:
-        nodes = f"{topo['nodes']} x {per_node[0]}"
-    else:
-        nodes = "+".join(map(str, per_node))
-    where = f"{topo['hosts']} host{'s' if topo['hosts'] != 1 else ''}"
-    if topo["virtual"]:
-        where += (
-            f", virtual nodes (HARMPI_RANKS_PER_NODE={os.environ.get('HARMPI_RANKS_PER_NODE')});"
-            " only harmpi sees them, mpi and gloo see one host"
-        )
-    return f"# Ranks: {topo['ranks']}, nodes: {nodes} ({where})"
-
-
-def _binding_line(affinity: list[str]) -> str:
-    """Rank 0's line from every rank's CPU list."""
-    if len(set(affinity)) == 1:
-        binding = f"every rank may run on CPUs {affinity[0]}"
-    else:
-        binding = ", ".join(f"r{r}:{cpus}" for r, cpus in enumerate(affinity))
-    return f"# Binding: {binding}"
-
-
-def _harmpi_lines(info: dict) -> list[str]:
-    extras = []
-    for key, label in (("algorithm", "algorithm"), ("spin_count", "spin count"),
-                       ("oversubscribed", "oversubscribed"),
-                       ("mpi_thread_level", "MPI thread level")):
-        if key in info:
-            extras.append(f"{label} {info[key] if info[key] is not None else 'auto'}")
-    lines = [
-        f"# harmpi {info.get('version', '?')}: nodes {info.get('nodes')}, "
-        f"ranks per node {info.get('ranks_per_node')}"
-        + (" (virtual)" if info.get("virtual_nodes") else "")
-        + (", " + ", ".join(extras) if extras else ""),
-        f"# harmpi transport: {info.get('transport')} ({info.get('transport_reason', '')})",
-    ]
-    thresholds = info.get("thresholds")
-    if thresholds:
-        lines.append(
-            "# harmpi thresholds: " + ", ".join(f"{k}={v}" for k, v in thresholds.items())
-        )
-    return lines
-
-
-def environment_lines(comm, topo: dict, harmpi_info: dict | None) -> list[str]:
-    """'# ...' lines naming MPI, ranks, nodes, binding, threads, harmpi's choices."""
-    from mpi4py import MPI
-
-    library = MPI.Get_library_version().strip().splitlines()[0].split(",")[0]
-    affinity = comm.gather(_cpu_list(os.sched_getaffinity(0)), root=0)
-    load_1min = os.getloadavg()[0]
-    lines = [
-        f"# MPI: {library} (mpi4py {metadata.version('mpi4py')}), host CPUs: {os.cpu_count()}, "
-        f"1-min load average {load_1min:.2f} (this job included)",
-        _ranks_line(topo),
-    ]
-    if comm.Get_rank() == 0:
-        lines.append(_binding_line(affinity))
-    if harmpi_info is not None:
-        lines += _harmpi_lines(harmpi_info)
-    return lines
+__all__ = ["command", "run"]
 
 
 # --------------------------------------------------------------------------
@@ -168,15 +38,15 @@ def _check_cell(comm, collective: Collective, impl, count: int, wire,
                 seed: int) -> tuple[bool, str]:
     """The untimed check pass for one (impl, size) cell; same answer on every rank."""
     rank, n_ranks = comm.Get_rank(), comm.Get_size()
-    values = collective.init_values(seed, rank, count, wire)
+    values = collective.init_values(seed, rank, count, wire, n_ranks)
     prepared = impl.prepare(collective.op, values, wire)
     prepared.run()
     result = prepared.result()
-    ok, detail = collective.check(result, seed, n_ranks, count, wire)
+    ok, detail = collective.check(result, seed, n_ranks, count, wire, rank)
     digests = comm.allgather(harness.digest(result))
     details = comm.allgather(detail)
     all_ok = all(not d for d in details)
-    identical = len(set(digests)) == 1
+    identical = not collective.same_result or len(set(digests)) == 1
     notes = [f"rank {r}: {d}" for r, d in enumerate(details) if d]
     if not identical:
         groups = {}
@@ -199,7 +69,7 @@ class _Settings:
     check: bool
     stat: str
     seed: int
-    width: int | None = harness.WIDTH  # None: --wide
+    width: int | None = report.WIDTH  # None: --wide
 
     def table_options(self) -> dict:
         return dict(full=self.full, check=self.check, stat=self.stat, width=self.width)
@@ -214,7 +84,8 @@ def _prepare_cell(comm, settings: _Settings, impl, row: Row, wire: DType, notes:
             row.valid, detail = _check_cell(comm, collective, impl, row.count, wire, settings.seed)
             if detail:
                 notes.setdefault((impl.name, detail), []).append(row.size)
-        values = collective.timing_values(settings.seed, comm.Get_rank(), row.count, wire)
+        values = collective.timing_values(settings.seed, comm.Get_rank(), row.count, wire,
+                                          comm.Get_size())
         return impl.prepare(collective.op, values, wire), ""
     except ImplUnavailable as exc:
         return None, str(exc) or type(exc).__name__
@@ -255,7 +126,7 @@ def _run_sizes(comm, settings: _Settings, impls, impl_names, sizes, say):
     # -f with several implementations: the compact table while running, then
     # one full table per implementation (see _full_tables)
     table["full"] = settings.full and len(impl_names) == 1
-    header = harness.format_table([], impl_names, **table)
+    header = report.format_table([], impl_names, **table)
     for line in header:
         say(line)
     rows: list[Row] = []
@@ -265,7 +136,7 @@ def _run_sizes(comm, settings: _Settings, impls, impl_names, sizes, say):
             continue
         size_rows = [_run_cell(comm, settings, impl, nbytes, notes) for impl in impls]
         rows.extend(size_rows)
-        for line in harness.format_table(size_rows, impl_names, **table)[len(header):]:
+        for line in report.format_table(size_rows, impl_names, **table)[len(header):]:
             say(line)
     return rows, notes
 
@@ -288,7 +159,7 @@ def _header_lines(settings: _Settings, env_lines, impls, impl_names) -> list[str
                        "implementation with every column")
     lines.append(timing)
     if len(impls) > 1:
-        reference = harness.reference_impl(impl_names)
+        reference = report.reference_impl(impl_names)
         lines.append(f"# Ratios: latency of each implementation / latency of {reference} "
                      f"(above 1: {reference} is faster)")
     return lines
@@ -316,7 +187,7 @@ def _meta(settings: _Settings, title: str, impls, impl_names, topo: dict, env_li
         "title": title.lstrip("# "),
         "dtype": dtype.name,
         "stat": settings.stat,
-        "latency_fields": harness.latency_fields(settings.stat),
+        "latency_fields": report.latency_fields(settings.stat),
         "impls": impl_names,
         "topology": topo,
         "environment": [line.lstrip("# ") for line in env_lines],
@@ -331,13 +202,13 @@ def _write_outputs(rows, meta: dict, settings: _Settings, impl_names, json_path,
     """--json and --plot (rank 0)."""
     if json_path:
         with open(json_path, "w") as fh:
-            fh.write(harness.rows_to_json(rows, _jsonable(meta)))
+            fh.write(report.rows_to_json(rows, report.jsonable(meta)))
     if plot_path:
         topo = meta["topology"]
         nodes = f"{topo['nodes']} node{'s' if topo['nodes'] != 1 else ''}"
         title = (f"{settings.collective.name} {settings.dtype.name}, {topo['ranks']} ranks, "
                  f"{nodes}")
-        harness.plot_rows(rows, impl_names, plot_path, title)
+        report.plot_rows(rows, impl_names, plot_path, title)
 
 
 def run(
@@ -368,11 +239,11 @@ def run(
     comm = MPI.COMM_WORLD if comm is None else comm
     rank = comm.Get_rank()
     settings = _Settings(collective, DTYPES[dtype_name], iterations, warmup, full, check, stat,
-                         seed, None if wide else harness.WIDTH)
+                         seed, None if wide else report.WIDTH)
 
     def say(text=""):  # rank 0 prints, '#' lines wrapped to the width unless --wide
         if rank == 0:
-            print("\n".join(harness.fit_lines([text], settings.width)), flush=True)
+            print("\n".join(report.fit_lines([text], settings.width)), flush=True)
 
     impls = make_impls(impl_names, comm, gloo_max_iterations=gloo_max_iters)
     try:
@@ -388,7 +259,7 @@ def run(
         if load:
             say(busy.summary())
         if settings.full and len(impl_names) > 1:
-            for line in harness.format_tables(rows, impl_names, check=settings.check,
+            for line in report.format_tables(rows, impl_names, check=settings.check,
                                               stat=settings.stat):
                 say(line)
 
@@ -401,20 +272,6 @@ def run(
         return exit_code
     finally:
         close_impls(impls)
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return str(value)
 
 
 # --------------------------------------------------------------------------
@@ -452,7 +309,7 @@ def command(collective: Collective) -> click.Command:
             "[options]. Only rank 0 prints."
         ),
     )
-    @harness.help_option()
+    @job.help_option()
     @click.option("-m", "--message-size", "message_size", default=None, metavar="[MIN:]MAX",
                   help="Sizes in bytes (K/M suffixes ok), doubling from MIN to MAX. "
                        "Default 2:4M.")
@@ -496,7 +353,7 @@ def command(collective: Collective) -> click.Command:
     @click.option("--wide", is_flag=True,
                   help=f"Print lines as long as they come: several implementations side by "
                        f"side with OSU's column labels, comment lines unwrapped (default: "
-                       f"everything fits {harness.WIDTH} columns; --json has every detail).")
+                       f"everything fits {report.WIDTH} columns; --json has every detail).")
     @click.option("--load", type=click.IntRange(min=0), default=0, show_default=True,
                   metavar="N",
                   help="Run N busy processes (unbound spin loops) on each host while "
@@ -504,11 +361,11 @@ def command(collective: Collective) -> click.Command:
     def main(message_size, extra_sizes, iterations, warmup, full, check, impl_spec, dtype_name,
              stat, json_path, plot_path, gloo_max_iters, seed, wide, load):
         sizes, impl_names = _parse_arguments(message_size, extra_sizes, impl_spec, plot_path)
-        code = harness.run_or_abort(
+        code = job.run_or_abort(
             run, collective, sizes=sizes, impl_names=impl_names, dtype_name=dtype_name,
             iterations=iterations, warmup=warmup, full=full, check=check, stat=stat,
             json_path=json_path, plot_path=plot_path, gloo_max_iters=gloo_max_iters, seed=seed,
             load=load, wide=wide)
-        harness.exit_all(code)
+        job.exit_all(code)
 
     return main

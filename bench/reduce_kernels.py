@@ -19,12 +19,13 @@ shape (rows, count), and the reduce-scatter variant
 Times are the best of several repeats (the machine is shared and small).
 """
 
-import argparse
 import time
 
+import click
 import numba
 import numpy as np
 
+from bench import job
 from harmpi.reduce import SUM_ROWS, SUM_ROWS_X
 
 _STORAGE = {"bf16": np.uint16, "f16": np.uint16, "f32": np.float32, "f64": np.float64}
@@ -112,18 +113,19 @@ def measure(dt, rows, count, repeats=7):
     return njit_us, python_us, aliased_us, x_us, x_inpl_us, gbps, numpy_us
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bf16,f16,f32,f64")
-    parser.add_argument("--rows", default="2,4")
-    parser.add_argument("--count", default="5120,2097152", help="elements per row")
-    args = parser.parse_args(argv)
+@click.command(name="reduce_kernels", help=__doc__.splitlines()[0])
+@job.help_option()
+@click.option("--dtype", "dtypes", default="bf16,f16,f32,f64", show_default=True)
+@click.option("--rows", "row_counts", default="2,4", show_default=True)
+@click.option("--count", "counts", default="5120,2097152", show_default=True,
+              help="Elements per row, comma list.")
+def main(dtypes, row_counts, counts):
     print("# harmpi.reduce sum_rows kernels, one core")
     print(f"# {'dtype':<5} {'rows':>4} {'count':>9} {'njit us':>10} {'python us':>10} "
           f"{'aliased us':>10} {'x us':>10} {'x inpl us':>10} {'GB/s':>7} {'numpy us':>10}")
-    for dt in args.dtype.split(","):
-        for rows in (int(r) for r in args.rows.split(",")):
-            for count in (int(c) for c in args.count.split(",")):
+    for dt in dtypes.split(","):
+        for rows in (int(r) for r in row_counts.split(",")):
+            for count in (int(c) for c in counts.split(",")):
                 njit_us, python_us, aliased_us, x_us, x_inpl_us, gbps, numpy_us = measure(
                     dt, rows, count
                 )

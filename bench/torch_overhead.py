@@ -18,142 +18,184 @@ harmpi         ``harmpi.allreduce(t)``, the direct API
 mpi            ``MPI_Allreduce(MPI_IN_PLACE, ..., SUM)`` on float32
 =============  ==============================================================
 
-Per size the implementations take turns in rounds (a change in the load hits
-them alike); every call starts aligned (a barrier on the benchmark's own
-communicator, untimed) and each rank times its own calls. Printed: the
-slowest rank's median per call (us), each one's ratio to MPI, and the
-attribution torch:harmpi - torch:noop - harmpi: what the backend's own
-code adds beyond torch's wrapper and harmpi's all-reduce. Every
-implementation's result is checked once per size (the sum of r + 1 over
-the ranks, exact in bf16 for these counts).
+harmpi, torch:harmpi and mpi are the adapters of ``bench.impls``, prepared
+as the OSU harness prepares them (``Impl.prepare``); torch:newgrp and
+torch:noop are this benchmark's own groups. Per size the implementations
+take turns in rounds (a change in the load hits them alike); every call
+starts aligned (a barrier, untimed: ``bench.harness.time_op``) and each
+rank times its own calls. Printed: the slowest rank's median per call (us),
+each one's ratio to MPI, and the attribution torch:harmpi - torch:noop -
+harmpi: what the backend's own code adds beyond torch's wrapper and
+harmpi's all-reduce. Every implementation's result is checked once per size
+against the harness's float64 reference (``ALLREDUCE.check``); the timed
+buffers hold zeros, as the OSU harness's do.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
+from functools import partial
 
+import click
 import numpy as np
-import torch
-import torch.distributed as dist
-from mpi4py import MPI
 
-import harmpi
-import harmpi.distributed  # noqa: F401 - backend "harmpi", mpi://
-from bench.harness import parse_names, parse_nbytes
-from harmpi.distributed import ProcessGroupHarmpi
+from bench import job
+from bench.harness import (
+    ALLREDUCE,
+    DTYPES,
+    parse_names,
+    parse_nbytes,
+    rank_stat_us,
+    summarize_ranks,
+    time_op,
+)
+from bench.impl_base import Prepared, storage_from_torch, torch_from_storage
+from bench.impls import close_impls, make_impls
 
 IMPLS = ("torch:harmpi", "torch:newgrp", "torch:noop", "harmpi", "mpi")
+#: the adapters of bench.impls among IMPLS (the others are groups made here)
+ADAPTED = ("torch:harmpi", "harmpi", "mpi")
+SEED = 20240607
 
 
-class _NoopWork(dist._Work):
-    def wait(self, timeout=None):
-        return True
-
-
-class NoopGroup(dist.ProcessGroup):
+def _noop_group(rank: int, n: int):
     """torch's wrapper with nothing behind it: allreduce returns a done work."""
+    import torch.distributed as dist
 
-    _done = _NoopWork()
+    class NoopWork(dist._Work):
+        def wait(self, timeout=None):
+            return True
 
-    def allreduce(self, tensors, opts=None):
-        return self._done
+    class NoopGroup(dist.ProcessGroup):
+        _done = NoopWork()
 
+        def allreduce(self, tensors, opts=None):
+            return self._done
 
-def _caller(name, t, buf, groups, comm):
-    """A no-argument function making one call of implementation ``name``."""
-    if name == "mpi":
-        return lambda: comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT], MPI.SUM)
-    if name == "harmpi":
-        return lambda: harmpi.allreduce(t)
-    group = groups[name]
-    return lambda: dist.all_reduce(t, group=group)
+    return NoopGroup(rank, n)
 
 
-def measure(size, args, groups, comm):
+def _on_group(group, values, dtype) -> Prepared:
+    """``dist.all_reduce(t, group=group)`` on a tensor of ``values``."""
+    import torch.distributed as dist
+
+    tensor = torch_from_storage(values, dtype)
+
+    def run(tensor=tensor, all_reduce=dist.all_reduce, group=group):
+        all_reduce(tensor, group=group)
+
+    return Prepared(run, lambda: storage_from_torch(tensor, dtype))
+
+
+def _prepare(name, adapters, groups, values_of, bf16):
+    """(prepared call, the dtype it reduces) of implementation ``name``."""
+    if name in adapters:
+        wire = adapters[name].wire_dtype("allreduce", bf16)
+        return adapters[name].prepare("allreduce", values_of(wire), wire), wire
+    return _on_group(groups[name], values_of(bf16), bf16), bf16
+
+
+def measure(size: int, settings: dict, adapters: dict, groups: dict, comm) -> dict:
     """{impl: the slowest rank's median per call, us} at ``size`` bytes."""
     n, rank = comm.Get_size(), comm.Get_rank()
-    count = size // 2
-    t = torch.empty(count, dtype=torch.bfloat16)
-    buf = np.empty(max(count // 2, 1), np.float32)
-    calls = {name: _caller(name, t, buf, groups, comm) for name in args.impls}
-    want = torch.full((count,), n * (n + 1) / 2, dtype=torch.bfloat16)
-    for name, call in calls.items():
-        for _ in range(args.warmup):
-            call()
-        t.fill_(rank + 1)
-        buf.fill(rank + 1)
-        call()
-        ok = (np.all(buf == n * (n + 1) / 2) if name == "mpi" else
-              True if name == "torch:noop" else torch.equal(t, want))
-        if not ok:
-            raise SystemExit(f"rank {rank}: {name} all-reduce of {size} B: wrong result")
-    per_round = max(args.iters // args.rounds, 1)
+    bf16 = DTYPES["bf16"]
+    calls = {}
+    for name in settings["impls"]:
+        def values_of(wire, values=ALLREDUCE.timing_values):  # zeros: sums stay finite
+            return values(SEED, rank, size // wire.itemsize, wire)
+
+        calls[name], wire = _prepare(name, adapters, groups, values_of, bf16)
+        for _ in range(settings["warmup"]):
+            calls[name].run()
+        checked = _prepare(name, adapters, groups, partial(values_of, values=ALLREDUCE.init_values),
+                           bf16)[0]
+        checked.run()
+        ok, detail = ALLREDUCE.check(checked.result(), SEED, n, size // wire.itemsize, wire)
+        if not ok and name != "torch:noop":  # noop reduces nothing, by design
+            raise SystemExit(f"rank {rank}: {name} all-reduce of {size} B: wrong result "
+                             f"({detail})")
+    per_round = max(settings["iters"] // settings["rounds"], 1)
     samples = {name: [] for name in calls}
-    for _ in range(args.rounds):
-        for name, call in calls.items():
-            for _ in range(per_round):
-                comm.Barrier()
-                t0 = time.perf_counter_ns()
-                call()
-                samples[name].append(time.perf_counter_ns() - t0)
-    medians = {name: float(np.median(s)) / 1e3 for name, s in samples.items()}
+    for _ in range(settings["rounds"]):
+        for name, prepared in calls.items():
+            samples[name].append(time_op(prepared.run, comm.Barrier, per_round, 0))
+    medians = {name: rank_stat_us(np.concatenate(s), "median") for name, s in samples.items()}
     every = comm.allgather(medians)
-    return {name: max(m[name] for m in every) for name in medians}
+    return {name: summarize_ranks([m[name] for m in every])[2] for name in medians}
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="2K,10K", help="bytes per rank (K/M suffixes)")
-    p.add_argument("--impl", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
-    p.add_argument("--iters", type=int, default=4000, help="timed calls per size and impl")
-    p.add_argument("--rounds", type=int, default=8, help="turns the impls take per size")
-    p.add_argument("--warmup", type=int, default=200)
-    args = p.parse_args(argv)
-    try:
-        args.impls = parse_names(args.impl, IMPLS)
-        args.sizes = [parse_nbytes(s) for s in args.sizes.split(",")]
-    except ValueError as exc:
-        p.error(f"--impl {args.impl!r} / --sizes {args.sizes!r}: {exc}")
-    if any(size % 4 or size <= 0 for size in args.sizes):
-        p.error("every size must be a positive multiple of 4 bytes")
-    return args
-
-
-def report(rows, impls, n):
-    print(f"# dist.all_reduce overhead: {n} ranks, torch {torch.__version__}, "
-          f"1-min load average {os.getloadavg()[0]:.2f}")
-    print("# the slowest rank's median per call, us (each call starts aligned); bf16, "
-          "size = bytes per rank")
+def report_lines(rows, impls, n, torch_version: str) -> list[str]:
+    lines = [f"# dist.all_reduce overhead: {n} ranks, torch {torch_version}, "
+             f"1-min load average {os.getloadavg()[0]:.2f}",
+             "# the slowest rank's median per call, us (each call starts aligned); bf16, "
+             "size = bytes per rank"]
     ratios = [name for name in impls if name != "mpi"] if "mpi" in impls else []
     own = all(k in impls for k in ("torch:harmpi", "torch:noop", "harmpi"))
-    print(f"{'# size':<8}" + "".join(f"{name:>14}" for name in impls)
-          + "".join(f"{name + '/mpi':>18}" for name in ratios)
-          + (f"{'backend own':>13}" if own else ""))
+    lines.append(f"{'# size':<8}" + "".join(f"{name:>14}" for name in impls)
+                 + "".join(f"{name + '/mpi':>18}" for name in ratios)
+                 + (f"{'backend own':>13}" if own else ""))
     for size, med in rows:
         line = f"{size:<8}" + "".join(f"{med[name]:>14.2f}" for name in impls)
         line += "".join(f"{med[name] / med['mpi']:>18.2f}" for name in ratios)
         if own:
             line += f"{med['torch:harmpi'] - med['torch:noop'] - med['harmpi']:>13.2f}"
-        print(line)
+        lines.append(line)
+    return lines
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def run(settings: dict) -> int:
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from harmpi.distributed import ProcessGroupHarmpi
+
     torch.set_num_threads(1)
-    dist.init_process_group("harmpi", init_method="mpi://")  # rendezvous over MPI
-    comm = MPI.COMM_WORLD.Dup()  # the benchmark's barriers and MPI_Allreduce
+    comm = MPI.COMM_WORLD
     n, rank = comm.Get_size(), comm.Get_rank()
-    groups = {"torch:harmpi": dist.group.WORLD, "torch:noop": NoopGroup(rank, n)}
-    if "torch:newgrp" in args.impls:
-        groups["torch:newgrp"] = dist.new_group(list(range(n)), backend="harmpi")
-        assert isinstance(groups["torch:newgrp"], ProcessGroupHarmpi)
-    rows = [(size, measure(size, args, groups, comm)) for size in args.sizes]
-    if rank == 0:
-        report(rows, args.impls, n)
-    comm.Free()
-    dist.destroy_process_group()
+    # torch:harmpi first: the default group is harmpi's, as torch:harmpi times it
+    names = ["torch:harmpi"] + [name for name in ("harmpi", "mpi") if name in settings["impls"]]
+    impls = make_impls(names, comm)
+    try:
+        adapters = {impl.name: impl for impl in impls}
+        groups = {"torch:noop": _noop_group(rank, n)}
+        if "torch:newgrp" in settings["impls"]:
+            groups["torch:newgrp"] = dist.new_group(list(range(n)), backend="harmpi")
+            assert isinstance(groups["torch:newgrp"], ProcessGroupHarmpi)
+        rows = [(size, measure(size, settings, adapters, groups, comm))
+                for size in settings["sizes"]]
+        if rank == 0:
+            print("\n".join(report_lines(rows, settings["impls"], n, torch.__version__)),
+                  flush=True)
+        return 0
+    finally:
+        close_impls(impls)
+
+
+@click.command(name="torch_overhead", help=(
+    "Where the time of dist.all_reduce on backend harmpi goes: torch's wrapper, the backend, "
+    "harmpi's all-reduce, against MPI_Allreduce. Run under MPI: mpirun -np 2 python -m mpi4py "
+    "-m bench.torch_overhead. Only rank 0 prints."))
+@job.help_option()
+@click.option("--sizes", default="2K,10K", show_default=True,
+              help="Bytes per rank (K/M suffixes), comma list.")
+@click.option("--impl", "impl_spec", default=",".join(IMPLS), show_default=True,
+              help=f"Comma list of {', '.join(IMPLS)}.")
+@click.option("--iters", type=int, default=4000, show_default=True,
+              help="Timed calls per size and impl.")
+@click.option("--rounds", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Turns the impls take per size.")
+@click.option("--warmup", type=int, default=200, show_default=True)
+def main(sizes, impl_spec, iters, rounds, warmup):
+    try:
+        impls = parse_names(impl_spec, IMPLS)
+        nbytes = [parse_nbytes(text) for text in sizes.split(",")]
+    except ValueError as exc:
+        raise click.UsageError(f"--impl {impl_spec!r} / --sizes {sizes!r}: {exc}") from exc
+    if any(size % 4 or size <= 0 for size in nbytes):
+        raise click.UsageError("every size must be a positive multiple of 4 bytes")
+    settings = dict(sizes=nbytes, impls=impls, iters=iters, rounds=rounds, warmup=warmup)
+    job.exit_all(job.run_or_abort(run, settings))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ is itself scheduled by the host.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import resource
@@ -39,11 +38,14 @@ import shutil
 import statistics
 import tempfile
 import time
+from types import SimpleNamespace
 
+import click
 import numpy as np
 from mpi4py import MPI
 
 import harmpi
+from bench import job
 from bench.load import host_load
 
 POLICIES = ("spin", "auto", "sleep")
@@ -143,24 +145,6 @@ class _Fifo:
             os.close(self.fd)
 
 
-def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m bench.wait_cost",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--late-s", type=float, default=1.0, help="how late the last rank comes (s)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--floors", default=",".join(FLOORS),
-                   help="the machine's floor rows to add (pipe-block, pipe-poll; '' for none)")
-    p.add_argument("--load", type=int, default=0, metavar="N",
-                   help="N busy processes on each host for the run (bench.load)")
-    args = p.parse_args(argv)
-    args.floors = [s.strip() for s in args.floors.split(",") if s.strip()]
-    for name in args.floors:
-        if name not in FLOORS:
-            p.error(f"--floors: unknown row {name!r} (known: {', '.join(FLOORS)})")
-    return args
-
-
 def _print(results, size, args, busy):
     print(f"# bench.wait_cost: {size} ranks, rank {size - 1} comes {args.late_s} s late, "
           f"10 KB all-reduce, {args.repeats} repeats; rank 0's view")
@@ -199,8 +183,8 @@ def _measure(world, comms, x, args):
     return {name: [g for g in got if g is not None] for name, got in results.items()}, busy
 
 
-def main(argv=None):
-    args = _parse(argv)
+def run(args) -> int:
+    """Every policy and floor row (collective); rank 0 prints."""
     world = MPI.COMM_WORLD
     size = world.Get_size()
     if size < 2:
@@ -219,6 +203,28 @@ def main(argv=None):
         _print(results, size, args, busy)
     for comm in comms.values():
         comm.Free()
+    return 0
+
+
+@click.command(name="wait_cost", help=(__doc__.split("\n")[0] + " Run under MPI: mpirun -np 2 "
+               "python -m mpi4py -m bench.wait_cost. Only rank 0 prints."))
+@job.help_option()
+@click.option("--late-s", type=float, default=1.0, show_default=True,
+              help="How late the last rank comes (s).")
+@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("--policies", default=",".join(POLICIES), show_default=True)
+@click.option("--floors", default=",".join(FLOORS), show_default=True,
+              help="The machine's floor rows to add (pipe-block, pipe-poll; '' for none).")
+@click.option("--load", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="N busy processes on each host for the run (bench.load).")
+def main(late_s, repeats, policies, floors, load):
+    floor_rows = [s.strip() for s in floors.split(",") if s.strip()]
+    for name in floor_rows:
+        if name not in FLOORS:
+            raise click.UsageError(f"--floors: unknown row {name!r} (known: {', '.join(FLOORS)})")
+    args = SimpleNamespace(late_s=late_s, repeats=repeats, policies=policies, floors=floor_rows,
+                           load=load)
+    job.exit_all(job.run_or_abort(run, args))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 from support.have import HAVE_HARMPI, HAVE_TORCH
 from support.jobs import run_module
 
-from bench import harness
+from bench import harness, report
 from bench.decode import COMM_KINDS
 from bench.decode_results import (
     collective_latency_ns,
@@ -24,9 +24,10 @@ from bench.decode_results import (
     top2_margin_ulps,
 )
 from bench.demo import mpirun_argv, summary_lines
-from bench.harness import ALLGATHER, ALLREDUCE, DTYPES, Row
+from bench.harness import ALLGATHER, ALLREDUCE, ALLTOALL, DTYPES
 from bench.impls import HarmpiImpl, Impl, MpiImpl, TorchImpl, parse_impls, torch_backend
 from bench.model import FFN_UNIT, VOCAB_UNIT, ModelConfig, shard_layout, unit_seed
+from bench.report import Row
 from bench.threads import threads_per_rank
 
 # --------------------------------------------------------------------------
@@ -214,10 +215,10 @@ def _row(impl, size, avg, valid=None):
 
 def test_single_impl_table_has_osu_columns():
     rows = [_row("mpi", 1024, 1.5, True), _row("mpi", 2048, 2.25, True)]
-    lines = harness.format_table(rows, ["mpi"])
+    lines = report.format_table(rows, ["mpi"])
     assert lines[0].split() == ["#", "Size", "Avg", "Latency(us)"]
     assert lines[1].split() == ["1024", "1.50"]
-    full = harness.format_table(rows, ["mpi"], full=True, check=True)
+    full = report.format_table(rows, ["mpi"], full=True, check=True)
     assert full[0].split("  ")[0] == "# Size"
     for column in ("Avg Latency(us)", "Min Latency(us)", "Max Latency(us)", "Iterations",
                    "BusBW(GB/s)", "Validation"):
@@ -227,7 +228,7 @@ def test_single_impl_table_has_osu_columns():
 
 def test_full_tables_one_per_implementation_fit_a_terminal():
     rows = [_row(name, size, 2.0, True) for name in ("harmpi", "mpi") for size in (8, 10240)]
-    lines = harness.format_tables(rows, ["harmpi", "mpi"], check=True, stat="median")
+    lines = report.format_tables(rows, ["harmpi", "mpi"], check=True, stat="median")
     assert lines[1] == "# harmpi" and lines[6] == "# mpi"
     assert lines[2].startswith("# Size") and "Median Latency(us)" in lines[2]
     assert lines[8].split() == ["8", "2.00", "1.80", "2.20", "100", "1.250", "Pass"]
@@ -235,7 +236,7 @@ def test_full_tables_one_per_implementation_fit_a_terminal():
 
 
 def test_median_header():
-    lines = harness.format_table([_row("mpi", 8, 1.0)], ["mpi"], stat="median")
+    lines = report.format_table([_row("mpi", 8, 1.0)], ["mpi"], stat="median")
     assert "Median Latency(us)" in lines[0]
     assert "  Median" in lines[0]  # still separated from the Size column
 
@@ -244,7 +245,7 @@ def test_multi_impl_table_has_ratio_columns_against_harmpi():
     rows = [_row("harmpi", 10240, 2.0, True), _row("mpi", 10240, 5.0, True),
             _row("gloo", 10240, 1000.0, False), _row("harmpi", 20480, 4.0),
             Row("mpi", "bf16", 20480, None, None, None, 0, None, note="not run")]
-    lines = harness.format_table(rows, ["harmpi", "mpi", "gloo"], check=True)
+    lines = report.format_table(rows, ["harmpi", "mpi", "gloo"], check=True)
     assert "harmpi" in lines[0] and "gloo" in lines[0]  # implementation names above their columns
     assert lines[0].endswith("- / harmpi --")  # over the ratio columns
     assert lines[1].startswith("# Size")
@@ -255,20 +256,20 @@ def test_multi_impl_table_has_ratio_columns_against_harmpi():
     second = lines[3].split()
     assert second == ["20480", "4.00", "-", "n/a", "-", "n/a", "n/a", "n/a", "n/a"]
     # --wide: OSU's labels and named ratio columns, however wide
-    wide = harness.format_table(rows, ["harmpi", "mpi", "gloo"], check=True, width=None)
+    wide = report.format_table(rows, ["harmpi", "mpi", "gloo"], check=True, width=None)
     assert wide[1].split()[-2:] == ["mpi/harmpi", "gloo/harmpi"]
     assert "Avg Latency(us)" in wide[1] and "Validation" in wide[1]
     assert wide[2].split() == first
 
 
 def test_reference_impl_choice():
-    assert harness.reference_impl(["mpi", "harmpi", "gloo"]) == "harmpi"
-    assert harness.reference_impl(["mpi", "harmpi:shm"]) == "harmpi:shm"
-    assert harness.reference_impl(["mpi", "gloo"]) == "mpi"
+    assert report.reference_impl(["mpi", "harmpi", "gloo"]) == "harmpi"
+    assert report.reference_impl(["mpi", "harmpi:shm"]) == "harmpi:shm"
+    assert report.reference_impl(["mpi", "gloo"]) == "mpi"
 
 
 def test_json_rows_have_the_documented_keys():
-    doc = json.loads(harness.rows_to_json([_row("harmpi", 10240, 2.0, True)], {"ranks": 2}))
+    doc = json.loads(report.rows_to_json([_row("harmpi", 10240, 2.0, True)], {"ranks": 2}))
     assert doc["meta"] == {"ranks": 2}
     row = doc["rows"][0]
     for key in ("impl", "dtype", "size", "avg_us", "min_us", "max_us", "iterations", "valid",
@@ -282,7 +283,7 @@ def test_json_rows_have_the_documented_keys():
 def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "lat.png"
     rows = [_row("mpi", 8, 1.0), _row("mpi", 16, 2.0), _row("gloo", 8, 900.0)]
-    harness.plot_rows(rows, ["mpi", "gloo"], str(path), "t")
+    report.plot_rows(rows, ["mpi", "gloo"], str(path), "t")
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -680,7 +681,7 @@ def test_decode_tp_api_refuses_other_comms():
 
 
 def _version():
-    from bench.osu import bench_version
+    from bench.job import bench_version
 
     return bench_version()
 
@@ -691,12 +692,12 @@ def _version():
 
 
 def test_json_meta_says_which_statistic_each_latency_field_holds():
-    fields = harness.latency_fields("median")
+    fields = report.latency_fields("median")
     assert "each rank's median" in fields["avg_us"] and "mean over ranks" in fields["avg_us"]
     assert "Median Latency(us)" in fields["avg_us"]
     assert "smallest over ranks" in fields["min_us"] and "largest" in fields["max_us"]
     with pytest.raises(KeyError):
-        harness.latency_fields("p99")
+        report.latency_fields("p99")
 
 
 @pytest.mark.parametrize("rank, shown", [("0", True), ("1", False)])
@@ -794,3 +795,20 @@ def test_wait_cost_under_mpirun():
     assert share["pipe-block"] < 5 < share["pipe-poll"], result.stdout
     assert all(float(cols[4]) > 0 and float(cols[6]) > 0 for cols in rows.values()), result.stdout
     assert all(len(line) <= 100 for line in result.stdout.splitlines())
+
+
+def test_alltoall_descriptor_checks_each_ranks_blocks():
+    """ALLTOALL: rank q gets block q of every rank's input, in rank order; any
+    other block, or a block from the wrong rank, fails the check."""
+    dtype, n, count = DTYPES["bf16"], 3, 5
+    inputs = [ALLTOALL.init_values(7, r, count, dtype, n) for r in range(n)]
+    assert all(len(x) == n * count for x in inputs)
+    for q in range(n):
+        got = np.concatenate([x[q * count:(q + 1) * count] for x in inputs])
+        assert ALLTOALL.check(got, 7, n, count, dtype, rank=q) == (True, "")
+        ok, detail = ALLTOALL.check(got, 7, n, count, dtype, rank=(q + 1) % n)
+        assert not ok and "values differ" in detail
+    swapped = np.concatenate([inputs[1][:count], inputs[0][:count], inputs[2][:count]])
+    ok, detail = ALLTOALL.check(swapped, 7, n, count, dtype, rank=0)
+    assert not ok and "from rank 0" in detail
+    assert ALLTOALL.busbw_factor(4) == 3.0 and ALLTOALL.blocks(4) == 4

@@ -14,10 +14,10 @@ from support import REPO
 from support.have import HAVE_TORCH
 from support.jobs import job_env, run_module
 
-from bench import harness
+from bench import report
 from bench.decode import _method_lines, _report_lines
 from bench.decode_results import format_decode_table
-from bench.harness import Row
+from bench.report import Row
 
 WIDTH = 100
 IMPL_SETS = [["mpi"], ["harmpi", "mpi"], ["harmpi", "mpi", "gloo"],
@@ -41,36 +41,36 @@ def _rows(impls, sizes=(2, 10240, 4194304), avg=123456.78, valid=True):
 @pytest.mark.parametrize("stat", ["mean", "median"])
 def test_osu_tables_fit(impls, full, check, stat):
     rows = _rows(impls)
-    table = harness.format_table(rows, impls, full=full, check=check, stat=stat)
+    table = report.format_table(rows, impls, full=full, check=check, stat=stat)
     assert _widest(table) <= WIDTH, "\n".join(table)
     # the header alone decides the layout, so lines printed size by size match it
-    header = harness.format_table([], impls, full=full, check=check, stat=stat)
+    header = report.format_table([], impls, full=full, check=check, stat=stat)
     assert table[:len(header)] == header
-    full_tables = harness.format_tables(rows, impls, check=check, stat=stat)
+    full_tables = report.format_tables(rows, impls, check=check, stat=stat)
     assert _widest(full_tables) <= WIDTH, "\n".join(full_tables)
 
 
 def test_side_by_side_while_it_fits_then_one_line_per_implementation():
     three = ["harmpi", "mpi", "gloo"]
-    side = harness.format_table(_rows(three, sizes=(1024,)), three, check=True)
+    side = report.format_table(_rows(three, sizes=(1024,)), three, check=True)
     assert side[1].split()[:3] == ["#", "Size", "Avg(us)"] and len(side) == 3
     five = IMPL_SETS[3]
-    stacked = harness.format_table(_rows(five, sizes=(1024, 2048)), five, check=True)
+    stacked = report.format_table(_rows(five, sizes=(1024, 2048)), five, check=True)
     assert stacked[0].split()[:5] == ["#", "Size", "Implementation", "Avg", "Latency(us)"]
     assert [line.split()[1] for line in stacked[1:]] == five * 2
     # --wide: side by side with OSU's labels, however long
-    wide = harness.format_table(_rows(five, sizes=(1024,)), five, check=True, width=None)
+    wide = report.format_table(_rows(five, sizes=(1024,)), five, check=True, width=None)
     assert "Avg Latency(us)" in wide[1] and _widest(wide) > WIDTH
 
 
 def test_comment_lines_wrap_and_tables_do_not():
     long = "# harmpi thresholds: " + ", ".join(f"knob_{i}=123456" for i in range(20))
     table = "1024" + " " * 120 + "1.00"
-    out = harness.fit_lines([long, table, "# short"])
+    out = report.fit_lines([long, table, "# short"])
     assert _widest(out[:-2]) <= WIDTH and out[-2:] == [table, "# short"]
     assert all(line.startswith("#   ") for line in out[1:-2])
     assert " ".join(part.lstrip("# ") for part in out[:-2]) == long.lstrip("# ")
-    assert harness.fit_lines([long], None) == [long]
+    assert report.fit_lines([long], None) == [long]
 
 
 def _decode_row(comm, tok_s=1234.5, agree=True):
@@ -88,7 +88,7 @@ def test_decode_table_and_notes_fit():
     table = format_decode_table(rows)
     assert _widest(table) <= WIDTH, "\n".join(table)
     assert table[2].split()[:2] == ["harmpi", "1234.5"] and table[2].split()[-1] == "yes"
-    printed = harness.fit_lines(_report_lines(rows) + _method_lines(True) + _method_lines(False))
+    printed = report.fit_lines(_report_lines(rows) + _method_lines(True) + _method_lines(False))
     assert _widest(printed) <= WIDTH, "\n".join(printed)
     wide = format_decode_table(rows, wide=True)
     assert "prefill ms" in wide[1] and "ranks agree" in wide[1]

@@ -51,7 +51,7 @@ from typing import NamedTuple, Sequence
 import click
 import numpy as np
 
-from bench import harness
+from bench import harness, job
 from bench.harness import DTYPES
 
 __all__ = [
@@ -580,7 +580,7 @@ def _run_window(harmpi, comm, plan: _Plan, buffers: _Buffers, checker: _Checker,
 
 
 def _header_lines(comm, plan: _Plan, harmpi_info: dict) -> list[str]:
-    from bench.osu import bench_version, environment_lines, topology
+    from bench.job import bench_version, environment_lines, topology
 
     env_lines = environment_lines(comm, topology(comm), harmpi_info)
     mix = ", ".join(f"{name} {p:.1%}" for name, p in zip(SIZE_CLASSES, _CLASS_P))
@@ -601,7 +601,7 @@ def _header_lines(comm, plan: _Plan, harmpi_info: dict) -> list[str]:
 
 def _write_json(path: str, plan: _Plan, harmpi_info: dict, windows: Sequence[Window],
                 summary: dict) -> None:
-    from bench.osu import _jsonable
+    from bench.report import jsonable as _jsonable
 
     document = {"meta": {"benchmark": "soak", **dataclasses.asdict(plan),
                          "harmpi_info": _jsonable(harmpi_info)},
@@ -667,7 +667,7 @@ def run(plan: _Plan, json_path: str | None, comm=None) -> int:
         "exit 1 on any wrong value."
     ),
 )
-@harness.help_option()
+@job.help_option()
 @click.option("--calls", type=click.IntRange(min=1), default=1_000_000, show_default=True,
               help="Mixed harmpi calls (the checks' calls come on top).")
 @click.option("--check-every", type=click.IntRange(min=1), default=1000, show_default=True,
@@ -682,7 +682,7 @@ def run(plan: _Plan, json_path: str | None, comm=None) -> int:
               default=None, help="Write the windows and the summary as JSON (rank 0).")
 def main(calls, check_every, window, warmup, seed, json_path):
     plan = _Plan(calls=calls, check_every=check_every, seed=seed, window=window, warmup=warmup)
-    harness.exit_all(harness.run_or_abort(run, plan, json_path))
+    job.exit_all(job.run_or_abort(run, plan, json_path))
 
 
 if __name__ == "__main__":
