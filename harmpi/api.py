@@ -6,19 +6,18 @@ before any data moves. Checks that need the other ranks (sizes and kinds
 agree) ride along with the first publish of the collective and raise
 HarmpiMismatchError on every rank, again before the caller's buffer is
 written. Everything after the checks is one call of the entry the context
-picked when it was made (harmpi.context); a non-zero status it returns
+picked when it was made (harmpi.runtime.context); a non-zero status it returns
 becomes an exception in Context.fail.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
-from . import dtypes, kind
-from . import native as _native_module  # (a local "native" is the served operator)
 from .algorithms import alltoall as _a2a
 from .algorithms.base import Call
 from .args import check_op as _check_op
@@ -26,12 +25,20 @@ from .args import context as _context
 from .args import describe as _describe
 from .args import refuse
 from .args import shape_digest as _shape_digest
+from .base import dtypes, kind
 from .config import Config
-from .context import AUTO_CODE
 from .errors import HarmpiArgumentError
 from .logits import allgather_dim, gather_logits, normalize_dim
-from .registry import STATE
+from .runtime import native as _native_module  # (a local "native" is the served operator)
+from .runtime.context import AUTO_CODE
+from .runtime.registry import STATE
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .runtime.context import Context
+
+#: a contiguous CPU torch tensor or numpy array (the collectives' buffers)
+Buffer = TypeVar("Buffer")
 
 __all__ = ["init", "finalize", "allreduce", "allgather", "alltoall", "barrier", "info",
            "gather_logits"]
@@ -44,7 +51,7 @@ _COMM_WORLD = MPI.COMM_WORLD
 _STATE = STATE
 
 
-def init(comm=None, config=None):
+def init(comm: MPI.Comm | None = None, config: Config | None = None) -> Context:
     """Set up harmpi for ``comm`` (default MPI.COMM_WORLD); collective, optional.
 
     The first collective on a communicator initialises it anyway; calling
@@ -71,7 +78,7 @@ def init(comm=None, config=None):
     return existing
 
 
-def finalize():
+def finalize() -> None:
     """Free every window, transport and communicator harmpi made (collective).
     Call it before MPI.Finalize(); after it, it raises HarmpiError like every
     other harmpi call (MPI has reclaimed harmpi's windows by then)."""
@@ -80,7 +87,8 @@ def finalize():
     _STATE.free_all()
 
 
-def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
+def allreduce(x: Buffer, op: Any = "sum", comm: MPI.Comm | None = None,
+              algorithm: str | None = None, dtype: str | None = None) -> Buffer:
     """Sum ``x`` element-wise over every rank of ``comm``, in place; return ``x``.
 
     Before: rank r holds x_r (same shape and dtype on every rank).
@@ -99,7 +107,7 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
     Threads: the collectives of ``comm`` belong to the thread that set it up
     (its first harmpi call or :func:`init`), the same thread on every rank
     (checked by name at set-up); a call from another thread raises
-    HarmpiError at once, before anything moves (harmpi.owner). Give a
+    HarmpiError at once, before anything moves (harmpi.runtime.owner). Give a
     thread of its own a communicator of its own (``comm.Dup()``).
     """
     native = _STATE.native
@@ -152,7 +160,8 @@ def _gather_out(x, out, n, fmt, is_torch, nranks, dtype):
     return out, out_addr
 
 
-def allgather(x, dim=0, comm=None, dtype=None, out=None):
+def allgather(x: Buffer, dim: int = 0, comm: MPI.Comm | None = None, dtype: str | None = None,
+              out: Buffer | None = None) -> Buffer:
     """Concatenate every rank's ``x`` along dimension ``dim``; return the result.
 
     Before: rank r holds x_r, shape (d0, d1, ...) on every rank.
@@ -194,7 +203,9 @@ def allgather(x, dim=0, comm=None, dtype=None, out=None):
     return out
 
 
-def alltoall(x, send_counts=None, comm=None, out=None, recv_counts=None, dtype=None):
+def alltoall(x: Buffer, send_counts: Any = None, comm: MPI.Comm | None = None,
+             out: Buffer | None = None, recv_counts: Any = None,
+             dtype: str | None = None) -> Buffer | tuple[Buffer, Any]:
     """Send rows of ``x`` to every rank of ``comm`` and receive theirs.
 
     Before: rank r holds x_r; its rows (dim 0), in order, are cut into
@@ -413,7 +424,7 @@ def _a2a_status(ctx, rc, plan, P, addr, row_n, fmt, code):
         raise _a2a.pair_error(ctx.topo.rank, "alltoall", *bad)
 
 
-def barrier(comm=None):
+def barrier(comm: MPI.Comm | None = None) -> None:
     """Wait until every rank of ``comm`` has called barrier (node flags + rail)."""
     allreduce(np.zeros(1, np.float32), comm=comm, algorithm="auto")
 
@@ -422,7 +433,7 @@ _THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                   MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
 
 
-def info(comm=None):
+def info(comm: MPI.Comm | None = None) -> dict[str, Any]:
     """What harmpi knows about ``comm``: topology, transport and thresholds (a dict)."""
     _STATE.check_open()  # (a context made before MPI_Finalize is still known)
     ctx = _STATE.get(comm)

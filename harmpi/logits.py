@@ -114,16 +114,21 @@ import math
 import threading
 import weakref
 import zlib
+from typing import Any, TypeVar
 
 import numba
 import numpy as np
 from numba import types
 
-from . import dtypes, kind, node
+from . import node
 from .args import context, describe, refuse, shape_digest
-from .context import AUTO_CODE
-from .control import voidptr as _voidptr
+from .base import dtypes, kind
+from .base.control import voidptr as _voidptr
 from .errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError
+from .runtime.context import AUTO_CODE
+
+#: a CPU torch tensor or numpy array: one rank's vocabulary shard
+Shard = TypeVar("Shard")
 
 __all__ = ["ROUTES", "gather_logits", "gather_uneven", "reset_widths", "allgather_dim",
            "choose_route", "check_route", "normalize_dim", "negzero_bytes", "tail_patterns",
@@ -470,7 +475,7 @@ def _addr(x, is_torch):
 
 # -- public ---------------------------------------------------------------------
 
-def gather_logits(shard, comm=None, route=None):
+def gather_logits(shard: Shard, comm: Any = None, route: str | None = None) -> Shard:
     """Concatenate every rank's vocabulary shard along the last dimension.
 
     Before: rank r holds ``shard`` of shape (*lead, w_r): same lead shape and
@@ -533,7 +538,7 @@ def _gather_logits(ctx, st, cfg, shard, addr, fmt, is_torch, shape, route):
     return full[:rows * V].reshape(lead + (V,))
 
 
-def reset_widths(comm=None):
+def reset_widths(comm: Any = None) -> None:
     """Forget the width table this rank learned on ``comm`` (local, no
     communication). For a vocabulary split changed on purpose: call it on
     every rank, and the next gather_logits learns the widths again on every
@@ -544,7 +549,8 @@ def reset_widths(comm=None):
         st.table = None
 
 
-def gather_uneven(t, outs, comm=None, route=None):
+def gather_uneven(t: Shard, outs: list[Shard], comm: Any = None,
+                  route: str | None = None) -> list[Shard]:
     """``outs[r][...] = t of rank r`` for every rank r; return ``outs``.
 
     The torch.distributed ``all_gather(tensor_list, t)`` of shards whose last

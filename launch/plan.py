@@ -89,7 +89,7 @@ FORWARD_PREFIXES = ("HARMPI_", "OMP_", "GOMP_", "KMP_", "I_MPI_", "MASTER_")
 #: the per-rank shim every command runs under (a file: it must not import this package)
 RANKENV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rankenv.py")
 #: what the launcher's interpreter runs every program under: harmpi's runner
-#: (harmpi/run.py; an uncaught exception or a non-zero exit ends the job)
+#: (harmpi/cli/run.py; an uncaught exception or a non-zero exit ends the job)
 RUNNER = ("-m", "harmpi.run")
 _PYTHON = re.compile(r"^python(3(\.\d+)?)?$")
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from harmpi import Config, dtypes, logits
+from harmpi import Config, logits
+from harmpi.base import dtypes
 from harmpi.errors import HarmpiArgumentError
 
 torch = pytest.importorskip("torch")

@@ -62,8 +62,10 @@ import numba
 import numpy as np
 from numba import types
 
-from .. import kind, node
-from ..control import (
+from .. import node
+from ..base import kind
+from ..base.arena import FLAG_LINE_NBYTES, W_CULPRIT
+from ..base.control import (
     ABANDONED,
     MISMATCH,
     OK,
@@ -73,12 +75,11 @@ from ..control import (
     RAIL_TIMEOUT,
     control_at,
 )
-from ..control import ARRAY as _ctl
-from ..control import voidptr as _voidptr
+from ..base.control import ARRAY as _ctl
+from ..base.control import voidptr as _voidptr
+from ..base.kind import POISON_TAG, rail_tag
+from ..base.sync import load_acquire, monotonic_ns
 from ..errors import HarmpiError, HarmpiMismatchError, HarmpiTimeoutError, HarmpiTransportError
-from ..kind import POISON_TAG, rail_tag
-from ..shm import FLAG_LINE_NBYTES, W_CULPRIT
-from ..sync import load_acquire, monotonic_ns
 from ..transports import sockio
 from .har_latency import rail_views
 
@@ -895,7 +896,7 @@ class MpiAlltoall:
         take part in the first exchange of the call its peers may be in, with
         row bytes REFUSED_ROW_NBYTES, so they fail it at once, naming this
         rank. Returns whether every rank refused (the context goes on)."""
-        from ..topology import check_arrivals, gather_records  # noqa: PLC0415
+        from ..base.topology import check_arrivals, gather_records  # noqa: PLC0415
 
         ctx = self.ctx
         comm, timeout_s = ctx.setup_comm, ctx.config.timeout_s
@@ -909,7 +910,7 @@ class MpiAlltoall:
     def run(self, call, row_nb, plan, make_out):
         from mpi4py import MPI  # noqa: PLC0415
 
-        from ..topology import check_arrivals, gather_records, wait_polled  # noqa: PLC0415
+        from ..base.topology import check_arrivals, gather_records, wait_polled  # noqa: PLC0415
         from .base import mismatch_error  # noqa: PLC0415
 
         ctx = self.ctx
@@ -965,7 +966,7 @@ def warm_up():
     """Compile the kernels HierAlltoall calls from Python (typed at their
     first call) with the types it passes, on scratch memory: harmpi's
     precompile runs this, so a job's first multi-node all-to-all does not."""
-    from .. import control  # noqa: PLC0415
+    from ..base import control  # noqa: PLC0415
 
     P, L, slot = 2, 1, 4096
     scratch = np.zeros(2 * slot, np.uint8)

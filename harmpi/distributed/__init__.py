@@ -47,8 +47,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import worldenv
 from ..errors import HarmpiError
+from ..platform import worldenv
 from .channel import BACKEND
 from .creation import create_group
 from .group import ProcessGroupHarmpi
@@ -84,7 +84,7 @@ def register():
     is imported already), the MPI rendezvous ``mpi://``, and the torch op
     ``torch.ops.harmpi.all_reduce_`` when the native module is built; under
     an MPI launcher, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE where
-    unset (harmpi.worldenv)."""
+    unset (harmpi.platform.worldenv)."""
     global _registered
     if _registered:
         return

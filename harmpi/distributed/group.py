@@ -67,11 +67,11 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from .. import api
-from ..context import AUTO_CODE
+from ..base.kind import COLL_ALLGATHER, COLL_ALLREDUCE, COLL_ALLTOALL
 from ..errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError, HarmpiTimeoutError
-from ..kind import COLL_ALLGATHER, COLL_ALLREDUCE, COLL_ALLTOALL
-from ..registry import STATE
-from ..torch import describe
+from ..runtime.context import AUTO_CODE
+from ..runtime.registry import STATE
+from ..runtime.torchbuf import describe
 from .channel import GroupChannel
 from .tables import (
     AVG,

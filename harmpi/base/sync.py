@@ -32,7 +32,7 @@ Waiting (the policy is a context's ``wait`` setting, HARMPI_WAIT):
   scheduler then takes back from its own compute. It goes straight to a
   yield window (BUSY_YIELD_NS, or the context's own if longer), then
   sleeps. A yielding rank stays runnable, and with the thread's short
-  scheduler slice (harmpi.schedslice) each yield puts it back only that
+  scheduler slice (harmpi.platform.schedslice) each yield puts it back only that
   slice, so it runs again as soon as the task it let in has had a turn;
   a woken sleeper runs at once for the same reason.
 - ``spin``: poll with ``pause`` for ``spin_count`` iterations, then
@@ -71,7 +71,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .mpiprogress import iprobe
+from ..platform.mpiprogress import iprobe
 
 __all__ = ["load_acquire", "store_release", "compare_exchange", "ABANDONED", "cpu_relax",
            "sched_yield", "monotonic_ns", "realtime_ns", "sleep_us", "wait_flags_ge", "poke",
@@ -118,7 +118,7 @@ WAIT_POLICIES = {"spin": WAIT_SPIN, "auto": WAIT_AUTO, "sleep": WAIT_SLEEP}
 (WS_POLICY, WS_GAP, WS_FLOOR, WS_CAP, WS_SLICE, WS_EXPIRED, WS_YIELD, WS_BUSY_FD, WS_BUSY_BUF,
  WS_BUSY_CPUS, WS_BUSY_AT, WS_BUSY) = range(12)
 WS_WORDS = 12
-#: how often a wait may look at the host's run queue (harmpi.sync.host_busy)
+#: how often a wait may look at the host's run queue (harmpi.base.sync.host_busy)
 BUSY_LOOK_NS = 10_000_000
 #: the score (of 1024) from which the host counts as busy
 BUSY_SCORE = 512
