@@ -28,7 +28,8 @@ from .args import shape_digest as _shape_digest
 from .base import dtypes, kind
 from .config import Config
 from .errors import HarmpiArgumentError
-from .logits import allgather_dim, gather_logits, normalize_dim
+from .gatherdim import allgather_dim, normalize_dim
+from .logits import gather_logits
 from .runtime import native as _native_module  # (a local "native" is the served operator)
 from .runtime.context import AUTO_CODE
 from .runtime.registry import STATE
@@ -178,7 +179,7 @@ def allgather(x: Buffer, dim: int = 0, comm: MPI.Comm | None = None, dtype: str 
     Cost: dim=0, and any dim after dimensions of size 1 only, is the
     allgather itself. Otherwise the allgather lands in a scratch buffer and
     one compiled strided copy puts it in place: n * x.nbytes more bytes read
-    and written, plus a few us of Python (harmpi.logits.allgather_dim).
+    and written, plus a few us of Python (harmpi.gatherdim.allgather_dim).
     """
     # (0 and False: the dim-0 path, no more Python on it; a dim that names
     # dimension 0 too, -1 of a 1-d x, joins it)

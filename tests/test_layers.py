@@ -230,7 +230,7 @@ LAYERS = (
     ("node: compiled one-node steps", ("harmpi.node",)),
     ("algorithms", ("harmpi.algorithms",)),
     ("runtime: contexts, registry, compile, native", ("harmpi.runtime",)),
-    ("the API", ("harmpi.api", "harmpi.args", "harmpi.logits", "harmpi.profile",
+    ("the API", ("harmpi.api", "harmpi.args", "harmpi.logits", "harmpi.gatherdim", "harmpi.profile",
                  "harmpi.allreduce", "harmpi.allgather", "harmpi.alltoall", "harmpi._callable")),
     ("torch.distributed backend", ("harmpi.distributed",)),
     ("command lines", ("harmpi.cli", "harmpi.run", "harmpi.precompile", "harmpi.report")),

@@ -28,7 +28,8 @@ The package, one concept a module:
 
 ==========  ===========================================================
 group       ProcessGroupHarmpi: the collectives, what each call does
-channel     its base: the group's state, MPI channel, headers, lifetime
+mpicolls    its base: the collectives MPI carries (broadcast, p2p, ...), barriers
+channel     their base: the group's state, MPI channel, headers, lifetime
 work        the work objects the calls return
 waits       every wait on MPI, under the group's deadline
 tables      dtype, op and call codes the ranks agree on

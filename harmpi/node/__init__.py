@@ -22,6 +22,7 @@ One concept per module, each using only the ones above it:
               all-reduce and allgather
 ``entries``   what a context runs (f(ctl, x_addr, n, fmt) -> status), and the
               enter/leave every entry starts and ends with
+``rowcopy``   rows of raw memory copied by a plan (harmpi.logits' strided copies)
 
 The names other modules use are re-exported here (``node.stage``,
 ``node.ONE_NODE_STEP``, ...).
