@@ -105,11 +105,14 @@ def _first_round_exits():
 
 
 def who(ctx):
+    """This rank, as the errors name it."""
     topo = ctx.topo
     return f"rank {topo.rank} (node {topo.node_index}, local rank {topo.local_rank})"
 
 
 def raise_for_status(ctx, rc, call, state=None):
+    """Raise the exception of status ``rc`` of ``call`` (``state``: the
+    (peer, a, b) the step left, else the control block's), nothing else."""
     if rc == RAISED:
         exc, ctx.pending_error = ctx.pending_error, None
         raise exc
