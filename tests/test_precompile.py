@@ -329,7 +329,7 @@ def test_workers_compile_harmpis_own_kernels(tmp_path):
                           env=env, capture_output=True, text=True, timeout=500, cwd=copy.parent)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["how"] == "compiled", done.stderr
-    record = json.loads((copy / "__pycache__" / compilenote.RECORD).read_text())
+    record = json.loads((copy / "runtime" / "__pycache__" / compilenote.RECORD).read_text())
     assert record["processes"] == 2 and record["worker_failures"] == 0, (record, done.stderr)
     assert record["compiled_here"] == 0 < record["kernels"], record
     assert _counted_import(env) == {"how": "warm", "compiles": []}
@@ -361,7 +361,7 @@ def test_two_ranks_import_harmpi_on_a_cold_cache(tmp_path, mpirun, mpi_env):
     ranks = sorted(json.loads(line)["how"] for line in job.stdout.splitlines()
                    if line.startswith("{"))
     assert ranks == ["compiled", "waited"], job.stdout + job.stderr
-    record = json.loads((copy / "__pycache__" / compilenote.RECORD).read_text())
+    record = json.loads((copy / "runtime" / "__pycache__" / compilenote.RECORD).read_text())
     assert record["worker_failures"] == 0, record
     assert "harmpi kernels compiled in" in job.stderr, job.stderr
     print(f"2 ranks, {COLD} cold: {wall_s:.0f} s; {json.dumps(record)[:300]}")
