@@ -21,7 +21,8 @@ list (tests/test_layers.py checks it):
 ``algorithms/``   one module per algorithm (shm, har_latency, leader, ...)
 ``runtime/``      the context of a communicator, the registry, compiling, native
 ``api``           the calls (allreduce, allgather, alltoall, gather_logits, ...),
-                  with ``args``, ``logits``, ``profile`` and the callable modules
+                  with ``args``, ``logits``, ``gatherdim``, ``profile`` and the
+                  callable modules
 ``distributed/``  torch.distributed backend "harmpi"
 ``cli/``          ``python -m harmpi.run|precompile|report``
 

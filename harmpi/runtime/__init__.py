@@ -4,6 +4,11 @@
 ``compilenote``  kernels compile once per host and say so (run at ``import harmpi``)
 ``owner``        which thread may call a communicator's collectives
 ``torchbuf``     torch tensors as raw memory (the only module that imports torch)
-``context``      one communicator's set-up: its algorithm, transports and entries
+``waits``        how a context's waits spin, yield and sleep
+``signals``      Ctrl-C held over a set-up, and the wakeup pipe drained after a wait
+``entries``      what a context runs for a collective, chosen when it is made
+``failures``     a failed step's status turned into the exception every rank raises
+``context``      one communicator's context: topology, arena, transports, entries
+``native``       the torch extension harmpi._C (``harmpi.native``: load, name_group, status)
 ``registry``     contexts by communicator; the free, finalize, fork and exit hooks
 """
