@@ -58,11 +58,11 @@ $(STAMP): requirements.txt requirements-deepspeed.txt pyproject.toml setup.py \
           harmpi/_native.cpp | $(SYSTEM_STAMP)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
-	@# builds harmpi._C (setup.py: the native part, harmpi/native.py) against the
+	@# builds harmpi._C (setup.py: the native part, harmpi/runtime/native.py) against the
 	@# installed torch; without a C++ compiler harmpi keeps its Python path
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	@# compile every numba kernel a job uses (multi-node and rail ones too) once, before
-	@# ranks need them, by one worker process per idle CPU (harmpi/compilepool.py); it
+	@# ranks need them, by one worker process per idle CPU (harmpi/runtime/compilepool.py); it
 	@# prints the time it took
 	$(PY) -m harmpi.precompile
 	$(PY) -c "from harmpi import native; native.load(); print('harmpi native:', native.status())"

@@ -35,7 +35,7 @@ class _StepProfile:
 
 def step_profiles(impls) -> dict:
     """name -> _StepProfile of every backend that runs on a harmpi context."""
-    from harmpi.registry import STATE
+    from harmpi.runtime.registry import STATE
 
     out = {}
     for impl in impls:

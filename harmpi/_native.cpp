@@ -1,5 +1,5 @@
 // harmpi._C: the native part of harmpi, built at install by setup.py with
-// torch's extension tooling (harmpi/native.py loads it).
+// torch's extension tooling (harmpi/runtime/native.py loads it).
 //
 // It serves the world communicator's context when its entry is compiled (one
 // node, or one rank; harmpi.context), three ways:
@@ -60,7 +60,7 @@ constexpr size_t kScalarTypes = static_cast<size_t>(at::ScalarType::NumOptions);
 
 // The attached context (ctl == nullptr: none).
 struct Served {
-  const char* ctl = nullptr;   // its control block (harmpi/control.py)
+  const char* ctl = nullptr;   // its control block (harmpi/base/control.py)
   int64_t gate_offset = 0;     // byte offset of the control block's gate field
   entry_t entry = nullptr;     // its compiled entry
   std::array<int8_t, kScalarTypes> format = [] {  // format id per scalar type (-1: not served)
@@ -73,9 +73,9 @@ struct Served {
 Served g_served;
 
 // The attached context's all-to-all (one node): its compiled step
-// f(ctl, x, out, row_nbytes, plan, code) -> status (harmpi/algorithms/alltoall.py),
+// f(ctl, x, out, row_nbytes, plan, code) -> status (harmpi/algorithms/alltoall/),
 // the plan array it fills, the number of ranks, and how the kind word is
-// made (harmpi/kind.py: format | collective | digest of the row shape).
+// made (harmpi/base/kind.py: format | collective | digest of the row shape).
 using a2a_entry_t = int64_t (*)(int64_t ctl_addr, int64_t x_addr, int64_t out_addr,
                                 int64_t row_nbytes, int64_t plan_addr, int64_t code);
 struct ServedAlltoall {
@@ -241,7 +241,7 @@ int64_t row_shape_digest(const at::Tensor& t) {
 // harmpi.alltoall(t)'s hot path, an even split of a tensor on the served
 // context: the result tensor, or an int: kNotMine (the Python path takes it),
 // the step's failure status (> 0), or kBadPairBase - the first bad pair.
-// The plan (the step's per-call scratch, harmpi/algorithms/alltoall.py) is
+// The plan (the step's per-call scratch, harmpi/algorithms/alltoall/) is
 // this thread's: a call from a thread that does not own the context is
 // refused by the step, and must not write into the owner's plan meanwhile.
 py::object alltoall(py::handle obj) {

@@ -6,32 +6,41 @@ before any data moves. Checks that need the other ranks (sizes and kinds
 agree) ride along with the first publish of the collective and raise
 HarmpiMismatchError on every rank, again before the caller's buffer is
 written. Everything after the checks is one call of the entry the context
-picked when it was made (harmpi.context); a non-zero status it returns
+picked when it was made (harmpi.runtime.context); a non-zero status it returns
 becomes an exception in Context.fail.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from mpi4py import MPI
 
-from . import dtypes, kind
-from . import native as _native_module  # (a local "native" is the served operator)
 from .algorithms import alltoall as _a2a
+from .algorithms.alltoall import plan as _plan
 from .algorithms.base import Call
 from .args import check_op as _check_op
 from .args import context as _context
 from .args import describe as _describe
 from .args import refuse
 from .args import shape_digest as _shape_digest
+from .base import dtypes, kind
 from .config import Config
-from .context import AUTO_CODE
 from .errors import HarmpiArgumentError
-from .logits import allgather_dim, gather_logits, normalize_dim
-from .registry import STATE
+from .gatherdim import allgather_dim, normalize_dim
+from .logits import gather_logits
+from .runtime import native as _native_module  # (a local "native" is the served operator)
+from .runtime.context import AUTO_CODE
+from .runtime.registry import STATE
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .runtime.context import Context
+
+#: a contiguous CPU torch tensor or numpy array (the collectives' buffers)
+Buffer = TypeVar("Buffer")
 
 __all__ = ["init", "finalize", "allreduce", "allgather", "alltoall", "barrier", "info",
            "gather_logits"]
@@ -44,7 +53,7 @@ _COMM_WORLD = MPI.COMM_WORLD
 _STATE = STATE
 
 
-def init(comm=None, config=None):
+def init(comm: MPI.Comm | None = None, config: Config | None = None) -> Context:
     """Set up harmpi for ``comm`` (default MPI.COMM_WORLD); collective, optional.
 
     The first collective on a communicator initialises it anyway; calling
@@ -71,7 +80,7 @@ def init(comm=None, config=None):
     return existing
 
 
-def finalize():
+def finalize() -> None:
     """Free every window, transport and communicator harmpi made (collective).
     Call it before MPI.Finalize(); after it, it raises HarmpiError like every
     other harmpi call (MPI has reclaimed harmpi's windows by then)."""
@@ -80,7 +89,8 @@ def finalize():
     _STATE.free_all()
 
 
-def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
+def allreduce(x: Buffer, op: Any = "sum", comm: MPI.Comm | None = None,
+              algorithm: str | None = None, dtype: str | None = None) -> Buffer:
     """Sum ``x`` element-wise over every rank of ``comm``, in place; return ``x``.
 
     Before: rank r holds x_r (same shape and dtype on every rank).
@@ -99,7 +109,7 @@ def allreduce(x, op="sum", comm=None, algorithm=None, dtype=None):
     Threads: the collectives of ``comm`` belong to the thread that set it up
     (its first harmpi call or :func:`init`), the same thread on every rank
     (checked by name at set-up); a call from another thread raises
-    HarmpiError at once, before anything moves (harmpi.owner). Give a
+    HarmpiError at once, before anything moves (harmpi.runtime.owner). Give a
     thread of its own a communicator of its own (``comm.Dup()``).
     """
     native = _STATE.native
@@ -152,7 +162,8 @@ def _gather_out(x, out, n, fmt, is_torch, nranks, dtype):
     return out, out_addr
 
 
-def allgather(x, dim=0, comm=None, dtype=None, out=None):
+def allgather(x: Buffer, dim: int = 0, comm: MPI.Comm | None = None, dtype: str | None = None,
+              out: Buffer | None = None) -> Buffer:
     """Concatenate every rank's ``x`` along dimension ``dim``; return the result.
 
     Before: rank r holds x_r, shape (d0, d1, ...) on every rank.
@@ -169,7 +180,7 @@ def allgather(x, dim=0, comm=None, dtype=None, out=None):
     Cost: dim=0, and any dim after dimensions of size 1 only, is the
     allgather itself. Otherwise the allgather lands in a scratch buffer and
     one compiled strided copy puts it in place: n * x.nbytes more bytes read
-    and written, plus a few us of Python (harmpi.logits.allgather_dim).
+    and written, plus a few us of Python (harmpi.gatherdim.allgather_dim).
     """
     native = _STATE.native_allgather
     if native is not None and not dim and dim is not None and out is None and dtype is None \
@@ -204,7 +215,9 @@ def allgather(x, dim=0, comm=None, dtype=None, out=None):
     return out
 
 
-def alltoall(x, send_counts=None, comm=None, out=None, recv_counts=None, dtype=None):
+def alltoall(x: Buffer, send_counts: Any = None, comm: MPI.Comm | None = None,
+             out: Buffer | None = None, recv_counts: Any = None,
+             dtype: str | None = None) -> Buffer | tuple[Buffer, Any]:
     """Send rows of ``x`` to every rank of ``comm`` and receive theirs.
 
     Before: rank r holds x_r; its rows (dim 0), in order, are cut into
@@ -262,7 +275,7 @@ def alltoall(x, send_counts=None, comm=None, out=None, recv_counts=None, dtype=N
     result = _alltoall_run(ctx, plan, P, addr, row_n, row_nb, fmt, code, expect_total, make_out)
     if send_counts is None:
         return result
-    return result, plan[2 * P:3 * P].tolist()
+    return result, _plan.recv(plan, P).tolist()
 
 
 def _alltoall_run(ctx, plan, P, addr, row_n, row_nb, fmt, code, expect_total, make_out):
@@ -345,18 +358,18 @@ def _fill_plan(plan, P, rows, send_counts, recv_counts):
                 f"multiple of the {P} ranks (pass send_counts)")
         if recv_counts is not None:
             raise HarmpiArgumentError("recv_counts is only for calls with send_counts")
-        plan[5 * P + 2] = rows // P
+        plan[_plan.even_rows_at(P)] = rows // P
         return rows
-    plan[5 * P + 2] = -1
-    plan[:P] = _counts(send_counts, P, "send_counts")
-    total = int(plan[:P].sum())
+    plan[_plan.even_rows_at(P)] = -1
+    _plan.send(plan, P)[:] = _counts(send_counts, P, "send_counts")
+    total = int(_plan.send(plan, P).sum())
     if total != rows:
         raise HarmpiArgumentError(f"send_counts sum to {total} rows, x has {rows}")
     if recv_counts is None:
-        plan[P:2 * P] = -1
+        _plan.expect(plan, P)[:] = -1
         return None
-    plan[P:2 * P] = _counts(recv_counts, P, "recv_counts")
-    return int(plan[P:2 * P].sum())
+    _plan.expect(plan, P)[:] = _counts(recv_counts, P, "recv_counts")
+    return int(_plan.expect(plan, P).sum())
 
 
 def _counts(counts, P, name):
@@ -408,8 +421,8 @@ def _start_finish(ctx, plan, P, addr, row_nb, row_n, fmt, code, make_out):
         ctx.raise_status(rc, addr, row_n, fmt, code, "alltoall")
     result, out_addr = None, 0
     try:
-        if plan[5 * P + 1] < 0:
-            result, out_addr = make_out(int(plan[2 * P:3 * P].sum()))
+        if plan[_plan.bad_pair_at(P)] < 0:
+            result, out_addr = make_out(int(_plan.recv(plan, P).sum()))
     except BaseException:
         # the peers are inside the steps that remain: take part, then raise
         rc = _a2a.ALLTOALL_FINISH(ctx.ctl, addr, 0, row_nb, plan, code)
@@ -429,7 +442,7 @@ def _a2a_status(ctx, rc, plan, P, addr, row_n, fmt, code):
         raise _a2a.pair_error(ctx.topo.rank, "alltoall", *bad)
 
 
-def barrier(comm=None):
+def barrier(comm: MPI.Comm | None = None) -> None:
     """Wait until every rank of ``comm`` has called barrier (node flags + rail)."""
     allreduce(np.zeros(1, np.float32), comm=comm, algorithm="auto")
 
@@ -438,7 +451,7 @@ _THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                   MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
 
 
-def info(comm=None):
+def info(comm: MPI.Comm | None = None) -> dict[str, Any]:
     """What harmpi knows about ``comm``: topology, transport and thresholds (a dict)."""
     _STATE.check_open()  # (a context made before MPI_Finalize is still known)
     ctx = _STATE.get(comm)

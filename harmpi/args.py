@@ -14,9 +14,9 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from . import dtypes, kind
+from .base import dtypes, kind
 from .errors import HarmpiArgumentError, HarmpiError
-from .registry import STATE
+from .runtime.registry import STATE
 
 __all__ = ["BF16_NAMES", "byte_order_refusal", "check_op", "context", "describe",
            "describe_array", "describe_subclass", "refuse", "shape_digest", "torch_module"]
@@ -80,13 +80,13 @@ def describe_subclass(x, dtype, writable):
 
 
 def torch_module(x):
-    """harmpi.torch if ``x`` is a torch tensor (imported on first sight), else None."""
+    """harmpi.runtime.torchbuf if ``x`` is a torch tensor (imported on first sight), else None."""
     ht = STATE.torch
     if ht is None:
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(x, torch.Tensor):
             return None
-        from . import torch as ht  # noqa: PLC0415 - torch only once a tensor is seen
+        from .runtime import torchbuf as ht  # noqa: PLC0415 - torch only once a tensor is seen
         STATE.torch = ht
         STATE.attach_native()
     return ht if isinstance(x, ht.Tensor) else None

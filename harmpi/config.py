@@ -19,7 +19,7 @@ HARMPI_SPIN_COUNT          (auto)     HARMPI_WAIT=spin: busy-poll iterations
 HARMPI_SCHED_SLICE_US      (auto)     the scheduler slice (µs) asked for on the
                                       thread that runs the collectives, so a
                                       woken rank preempts other work at once
-                                      (Linux 6.12+; harmpi.schedslice); auto:
+                                      (Linux 6.12+; harmpi.platform.schedslice); auto:
                                       100, 0: the thread's own slice
 HARMPI_SLOT_BYTES          1048576    bytes per rank per buffer in the node arena;
                                       larger tensors are processed in chunks
@@ -75,7 +75,7 @@ __all__ = ["Config", "ALGORITHMS", "ALGORITHM_IDS", "ALGORITHM_NAMES", "TRANSPOR
 
 #: All-reduce algorithms by name. "auto" picks among them by size and topology.
 ALGORITHMS = ("shm", "shm_rsag", "har_latency", "har_bandwidth", "leader", "flat_ring")
-#: small integers carried in the meta code (harmpi.kind), so ranks that forced
+#: small integers carried in the meta code (harmpi.base.kind), so ranks that forced
 #: different algorithms are told so instead of deadlocking (harmpi.algorithms
 #: checks that its ALLREDUCE table lists ALGORITHMS in this order)
 ALGORITHM_IDS = {"auto": 0, **{name: i + 1 for i, name in enumerate(ALGORITHMS)}}
@@ -162,12 +162,12 @@ class Config:
     """Tunables of one harmpi context (see the module docstring)."""
 
     timeout_s: float = 60.0
-    #: how waits spin and sleep: auto, sleep or spin (harmpi.sync)
+    #: how waits spin and sleep: auto, sleep or spin (harmpi.base.sync)
     wait: str = "auto"
-    #: wait "spin": None: 20000, or 64 when ranks outnumber cores (harmpi.context)
+    #: wait "spin": None: 20000, or 64 when ranks outnumber cores (harmpi.runtime.context)
     spin_count: int | None = None
     #: the collectives' thread's scheduler slice (µs): None auto (100), 0 off
-    #: (harmpi.schedslice)
+    #: (harmpi.platform.schedslice)
     sched_slice_us: int | None = None
     slot_nbytes: int = 1 << 20
     small_max_nbytes: int = 64 << 10

@@ -1,6 +1,5 @@
-"""Gathers that are not a plain concatenation along dim 0: vocabulary-sharded
-logits (uneven shards along the last dimension), and allgather along any
-dimension.
+"""Vocabulary-sharded logits: uneven shards gathered along the last dimension
+(allgather along any other dimension: harmpi.gatherdim).
 
 gather_logits
 -------------
@@ -95,17 +94,6 @@ two-node step for the Python har_bandwidth. Hence the default threshold,
 192 KiB, the largest measured size at which it did not lose; with
 HARMPI_HAR_LATENCY_MAX_BYTES changed, move it below that too.
 
-allgather along any dimension
------------------------------
-:func:`allgather_dim` serves ``harmpi.allgather(x, dim)`` for dim != 0.
-When every dimension before ``dim`` has size 1 the layouts of the dim-0 and
-the dim result coincide: the dim-0 allgather writes the result directly, at
-its cost. Otherwise the allgather lands in a per-communicator scratch buffer
-and one compiled strided copy (n * outer memcpy's of x.shape[dim] * inner
-elements, outer/inner: the product of the dimensions before/after dim) moves
-it into place: n * x.nbytes bytes more read and written, plus a few us of
-Python around the collective (one rank, a (4, 1280) bf16 tensor, on a
-loaded 2-core VM: dim 1 took 6-8 us more than dim 0, copy included).
 """
 
 from __future__ import annotations
@@ -114,20 +102,22 @@ import math
 import threading
 import weakref
 import zlib
+from typing import Any, TypeVar
 
-import numba
 import numpy as np
-from numba import types
 
-from . import dtypes, kind, node
-from .args import context, describe, refuse, shape_digest
-from .context import AUTO_CODE
-from .control import voidptr as _voidptr
+from .args import context, describe, refuse
+from .base import dtypes, kind
 from .errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError
+from .node.rowcopy import DST_OFF, DST_ROW, copy_rows, make_plan, pad_rows, same_bytes
+from .runtime.context import AUTO_CODE
 
-__all__ = ["ROUTES", "gather_logits", "gather_uneven", "reset_widths", "allgather_dim",
-           "choose_route", "check_route", "normalize_dim", "negzero_bytes", "tail_patterns",
-           "make_plan", "copy_rows", "pad_rows", "same_bytes"]
+#: a CPU torch tensor or numpy array: one rank's vocabulary shard
+Shard = TypeVar("Shard")
+
+__all__ = ["ROUTES", "gather_logits", "gather_uneven", "reset_widths", "choose_route",
+           "check_route", "negzero_bytes", "tail_patterns", "state_of", "gather_raw",
+           "empty_like", "PLANS_MAX"]
 
 #: the routes of gather_logits (Config.logits_route also takes "auto")
 ROUTES = ("allgather", "allreduce")
@@ -139,69 +129,10 @@ _HINT = ("(gather_logits: every rank must pass its shard with the same leading s
          "purpose, call harmpi.logits.reset_widths(comm) on every rank first)")
 #: digest of the width exchange's allgather (its kind word differs from any data call's)
 _WIDTHS_DIGEST = kind.shape_digest(("harmpi.logits", "widths"))
-_PLANS_MAX = 256
-
-#: rows of a copy plan (int64[5, k], one column per segment; see copy_rows)
-SEG, SRC_OFF, SRC_ROW, DST_OFF, DST_ROW = range(5)
-
-
-# -- compiled copies ----------------------------------------------------------
-
-@numba.njit(types.void(types.intp, types.intp, types.int64, types.Array(types.int64, 2, "C")),
-            cache=True, nogil=True)
-def copy_rows(src_addr, dst_addr, rows, plan):
-    """For i < rows and each segment r (column of ``plan``): copy
-    plan[SEG, r] bytes from src_addr + plan[SRC_OFF, r] + i*plan[SRC_ROW, r]
-    to dst_addr + plan[DST_OFF, r] + i*plan[DST_ROW, r] (row-major over the
-    destination). One array argument: each array numba types costs ~0.2 us."""
-    for i in range(rows):
-        for r in range(plan.shape[1]):
-            node.copy_bytes(dst_addr + plan[DST_OFF, r] + i * plan[DST_ROW, r],
-                            src_addr + plan[SRC_OFF, r] + i * plan[SRC_ROW, r], plan[SEG, r])
-
-
-@numba.njit(types.void(types.intp, types.intp, types.intp, types.int64, types.int64, types.int64,
-                       types.int64, types.intp, types.int64), cache=True, nogil=True)
-def pad_rows(dst_addr, src_addr, pat_addr, rows, row_nbytes, off_nbytes, seg_nbytes, tail_addr,
-             tail_nbytes):
-    """dst row i = pat[:off] | src row i (seg bytes) | pat[:rest], for i < rows;
-    then tail_nbytes from tail_addr after the last row."""
-    rest = row_nbytes - off_nbytes - seg_nbytes
-    for i in range(rows):
-        d = dst_addr + i * row_nbytes
-        node.copy_bytes(d, pat_addr, off_nbytes)
-        node.copy_bytes(d + off_nbytes, src_addr + i * seg_nbytes, seg_nbytes)
-        node.copy_bytes(d + off_nbytes + seg_nbytes, pat_addr, rest)
-    node.copy_bytes(dst_addr + rows * row_nbytes, tail_addr, tail_nbytes)
-
-
-@numba.njit(types.boolean(types.intp, types.intp, types.int64), cache=True, nogil=True)
-def same_bytes(a_addr, b_addr, nbytes):
-    """Whether nbytes bytes at a_addr and b_addr are equal."""
-    if nbytes <= 0:
-        return True
-    a = numba.carray(_voidptr(a_addr), (nbytes,), np.uint8)
-    b = numba.carray(_voidptr(b_addr), (nbytes,), np.uint8)
-    for i in range(nbytes):
-        if a[i] != b[i]:
-            return False
-    return True
+PLANS_MAX = 256
 
 
 # -- pure helpers ---------------------------------------------------------------
-
-def normalize_dim(dim, ndim):
-    """``dim`` as an index in [0, ndim) (negative counts from the end; a 0-d
-    tensor counts as 1-d), or HarmpiArgumentError."""
-    if isinstance(dim, bool) or not hasattr(dim, "__index__"):
-        raise HarmpiArgumentError(f"dim must be an integer, got {dim!r}")
-    d = dim.__index__()
-    ndim = max(ndim, 1)
-    if not -ndim <= d < ndim:
-        raise HarmpiArgumentError(f"dim={d} is out of range for a {ndim}-d input "
-                                  f"(expected {-ndim} <= dim < {ndim})")
-    return d % ndim
-
 
 def check_route(route):
     """HarmpiArgumentError unless ``route`` is None, "auto" or one of ROUTES."""
@@ -260,13 +191,6 @@ def _digest(*parts):
     return zlib.crc32(repr(parts).encode()) & 0xFFFFFF
 
 
-def make_plan(seg, src_off, src_row, dst_off, dst_row):
-    """A copy_rows plan: each argument one value per segment (or one for all)."""
-    cols = np.broadcast_arrays(*(np.asarray(v, np.int64) for v in
-                                 (seg, src_off, src_row, dst_off, dst_row)))
-    return np.ascontiguousarray(np.stack(cols).reshape(5, -1))
-
-
 # -- per-communicator state -----------------------------------------------------
 
 class _Table:
@@ -285,7 +209,7 @@ class _Table:
     def cached(self, key, make):
         value = self._cache.get(key)
         if value is None:
-            if len(self._cache) > _PLANS_MAX:
+            if len(self._cache) > PLANS_MAX:
                 self._cache.clear()
             value = self._cache[key] = make()
         return value
@@ -341,7 +265,7 @@ class _State:
     def uneven_table(self, widths, rank):
         table = self.tables.get(widths)
         if table is None:
-            if len(self.tables) > _PLANS_MAX:
+            if len(self.tables) > PLANS_MAX:
                 self.tables.clear()
             table = self.tables[widths] = _Table(widths, rank)
         return table
@@ -357,7 +281,7 @@ class _State:
 _STATES = weakref.WeakKeyDictionary()
 
 
-def _state(ctx):
+def state_of(ctx):
     st = _STATES.get(ctx)
     if st is None:
         st = _STATES[ctx] = _State()
@@ -366,7 +290,7 @@ def _state(ctx):
 
 # -- the collectives underneath ---------------------------------------------------
 
-def _gather(ctx, src, dst, n, fmt, digest, op):
+def gather_raw(ctx, src, dst, n, fmt, digest, op):
     """The context's allgather entry on raw addresses (n elements per rank)."""
     try:
         rc = ctx.gather(ctx.ctl, src, dst, n, fmt, digest)
@@ -407,7 +331,7 @@ def _exchange_widths(ctx, width, route):
     mine = np.array([width], np.int64)
     widths = np.empty(n, np.int64)
     # raw int64 bits travel as f64 elements: the allgather only copies
-    _gather(ctx, mine.ctypes.data, widths.ctypes.data, 1, dtypes.F64, _WIDTHS_DIGEST, op)
+    gather_raw(ctx, mine.ctypes.data, widths.ctypes.data, 1, dtypes.F64, _WIDTHS_DIGEST, op)
     return _Table(widths.tolist(), rank)
 
 
@@ -418,7 +342,7 @@ def _allgather_route(ctx, st, table, src, rows, lead, fmt, isz, dst, assemble_ds
     n, W = len(table.widths), table.wmax
     digest = table.digest(lead)
     if assemble_dst is None and rows == 1 and table.uniform:
-        _gather(ctx, src, dst, W, fmt, digest, "gather_logits")
+        gather_raw(ctx, src, dst, W, fmt, digest, "gather_logits")
         return
     pad, assemble = table.plan(rows, isz)
     block = rows * W * isz
@@ -430,7 +354,7 @@ def _allgather_route(ctx, st, table, src, rows, lead, fmt, isz, dst, assemble_ds
     if assemble_dst is not None:
         assemble = assemble.copy()
         assemble[DST_OFF], assemble[DST_ROW] = assemble_dst
-    _gather(ctx, src, gathered, rows * W, fmt, digest, "gather_logits")
+    gather_raw(ctx, src, gathered, rows * W, fmt, digest, "gather_logits")
     copy_rows(gathered, dst, rows, assemble)
 
 
@@ -460,7 +384,7 @@ def _check_shard(shard):
     return addr, fmt, is_torch, shape
 
 
-def _empty(like, shape, is_torch):
+def empty_like(like, shape, is_torch):
     return like.new_empty(shape) if is_torch else np.empty(shape, like.dtype)
 
 
@@ -470,7 +394,7 @@ def _addr(x, is_torch):
 
 # -- public ---------------------------------------------------------------------
 
-def gather_logits(shard, comm=None, route=None):
+def gather_logits(shard: Shard, comm: Any = None, route: str | None = None) -> Shard:
     """Concatenate every rank's vocabulary shard along the last dimension.
 
     Before: rank r holds ``shard`` of shape (*lead, w_r): same lead shape and
@@ -497,7 +421,7 @@ def gather_logits(shard, comm=None, route=None):
         refuse(comm, kind.COLL_ALLGATHER, exc)  # the peers may be in the call: tell them
         raise
     cfg = ctx.config
-    st = _state(ctx)
+    st = state_of(ctx)
     st.enter("gather_logits")
     try:
         return _gather_logits(ctx, st, cfg, shard, addr, fmt, is_torch, shape, route)
@@ -524,16 +448,16 @@ def _gather_logits(ctx, st, cfg, shard, addr, fmt, is_torch, shape, route):
     chosen = choose_route(route, cfg.logits_route, ctx.topo.node_count, rows * V * isz,
                           cfg.logits_allreduce_max_nbytes)
     if chosen == "allgather":
-        out = _empty(shard, lead + (V,), is_torch)
+        out = empty_like(shard, lead + (V,), is_torch)
         _allgather_route(ctx, st, table, addr, rows, lead, fmt, isz, _addr(out, is_torch),
                          None)
         return out
-    full = _empty(shard, (rows * V + TAIL_PER_RANK * len(table.widths),), is_torch)
+    full = empty_like(shard, (rows * V + TAIL_PER_RANK * len(table.widths),), is_torch)
     _allreduce_route(ctx, st, table, addr, rows, lead, fmt, isz, _addr(full, is_torch))
     return full[:rows * V].reshape(lead + (V,))
 
 
-def reset_widths(comm=None):
+def reset_widths(comm: Any = None) -> None:
     """Forget the width table this rank learned on ``comm`` (local, no
     communication). For a vocabulary split changed on purpose: call it on
     every rank, and the next gather_logits learns the widths again on every
@@ -544,7 +468,8 @@ def reset_widths(comm=None):
         st.table = None
 
 
-def gather_uneven(t, outs, comm=None, route=None):
+def gather_uneven(t: Shard, outs: list[Shard], comm: Any = None,
+                  route: str | None = None) -> list[Shard]:
     """``outs[r][...] = t of rank r`` for every rank r; return ``outs``.
 
     The torch.distributed ``all_gather(tensor_list, t)`` of shards whose last
@@ -561,7 +486,7 @@ def gather_uneven(t, outs, comm=None, route=None):
         refuse(comm, kind.COLL_ALLGATHER, exc)  # the peers may be in the call: tell them
         raise
     rank, lead, n = ctx.topo.rank, shape[:-1], ctx.topo.size
-    st = _state(ctx)
+    st = state_of(ctx)
     st.enter("gather_uneven")
     try:
         table = st.uneven_table(tuple(widths), rank)
@@ -608,49 +533,3 @@ def _uneven_args(t, outs, comm, route):
                                   f"{shape[-1]}")
     check_route(route)
     return ctx, addr, fmt, shape, addrs, widths
-
-
-def allgather_dim(x, dim, comm, dtype, out):
-    """``harmpi.allgather(x, dim, ...)`` for a dim that is not dimension 0
-    (harmpi.api's allgather takes that itself; see the module docstring)."""
-    shape = tuple(x.shape) or (1,)
-    d = normalize_dim(dim, len(shape))
-    addr, count, fmt, is_torch = describe(x, dtype, False)
-    ctx = context(comm)
-    n = ctx.topo.size
-    res_shape = shape[:d] + (shape[d] * n,) + shape[d + 1:]
-    if out is None:
-        out = _empty(x, res_shape, is_torch)
-    o_addr, _, o_fmt, o_torch = describe(out, dtype, True)
-    if o_torch != is_torch or o_fmt != fmt or tuple(out.shape) != res_shape:
-        raise HarmpiArgumentError(
-            f"out must be a {'tensor' if is_torch else 'numpy array'} of x's dtype and shape "
-            f"{res_shape} (x's shape with dim {d} times {n}); got {type(out).__name__} of shape "
-            f"{tuple(out.shape)}" + ("" if o_fmt == fmt else " and another dtype"))
-    digest = shape_digest((shape, d))
-    outer = math.prod(shape[:d])
-    if outer == 1 or count == 0:  # the dim-0 layout is the result's
-        _gather(ctx, addr, o_addr, count, fmt, digest, "allgather")
-        return out
-    isz = dtypes.FORMATS[fmt].itemsize
-    st = _state(ctx)
-    st.enter("allgather")
-    try:
-        buf = st.scratch(n * count * isz)
-        _gather(ctx, addr, buf, count, fmt, digest, "allgather")
-        copy_rows(buf, o_addr, outer, _dim_plan(st, count // outer * isz, outer, n))
-    finally:
-        st.lock.release()
-    return out
-
-
-def _dim_plan(st, seg, outer, n):
-    """copy_rows arguments from n blocks of (outer, seg bytes) to (outer, n*seg)."""
-    key = (seg, outer, n)
-    plan = st.plans.get(key)
-    if plan is None:
-        if len(st.plans) > _PLANS_MAX:
-            st.plans.clear()
-        plan = st.plans[key] = make_plan(seg, np.arange(n) * outer * seg, seg,
-                                         np.arange(n) * seg, n * seg)
-    return plan

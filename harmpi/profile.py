@@ -1,9 +1,11 @@
 """``harmpi.profile()``: profile every collective of a communicator in a
 ``with`` block; callable as a module too (see harmpi._callable). What is
-recorded and how: harmpi.profiling."""
+recorded and how: harmpi.record.breakdown."""
+
+from typing import Any
 
 from ._callable import make_module_callable
-from .profiling import (
+from .record.breakdown import (
     SUMMARY_WIDTH,
     Profile,
     clock_offsets,
@@ -12,13 +14,13 @@ from .profiling import (
     merged_arrivals,
     trace_events,
 )
-from .registry import STATE
+from .runtime.registry import STATE
 
 __all__ = ["profile", "Profile", "SUMMARY_WIDTH", "clock_offsets", "finish", "format_summary",
            "merged_arrivals", "trace_events"]
 
 
-def profile(comm=None, records=None, trace=None):
+def profile(comm: Any = None, records: int | None = None, trace: str | None = None) -> Profile:
     """Profile every harmpi collective on ``comm`` (default COMM_WORLD)
     inside a ``with`` block (collective on entry: it times the clocks).
 

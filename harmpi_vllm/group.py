@@ -49,7 +49,7 @@ HOW = ("run one process per vLLM rank under MPI and let vLLM start no workers of
 #: rank's Python between steps) and every sleep puts the wake-up (~90 us on
 #: a VM) on the step's critical path (issue 38: 1x2 compiled, 16 x 128
 #: tokens, tokens/s median: auto 139.7, spin 173.3, vLLM's shm op 168.8).
-#: Ranks that outnumber their cores still yield at once (harmpi.sync).
+#: Ranks that outnumber their cores still yield at once (harmpi.base.sync).
 VLLM_WAIT = "spin"
 
 

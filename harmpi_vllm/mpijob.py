@@ -126,7 +126,8 @@ def plan_job(world_size: int, environ: Mapping[str, str], *, python: str | None 
     from harmpi_launch.cli import plan_inputs  # noqa: PLC0415 - the CLI's own reading
     from harmpi_launch.errors import LaunchError, MpiNotFoundError  # noqa: PLC0415
     from harmpi_launch.mpi import find_mpi  # noqa: PLC0415
-    from harmpi_launch.plan import build_command, plan_layout  # noqa: PLC0415
+    from harmpi_launch.placement import plan_layout  # noqa: PLC0415
+    from harmpi_launch.plan import build_command  # noqa: PLC0415
     from harmpi_launch.topology import detect_topology  # noqa: PLC0415
 
     python = python or sys.executable

@@ -15,7 +15,8 @@ Makefile's ``python -m launch.mpienv --exports``).
 from .errors import LaunchError, MpiNotFoundError, TooManyRanksError
 from .hosts import Host, parse_hostfile, parse_hosts
 from .mpi import MpiInfo, find_mpi, find_mpirun, parse_mpi_version
-from .plan import Layout, PlanInputs, build_command, openmpi_defaults, plan_layout
+from .placement import Layout, PlanInputs, plan_layout
+from .plan import build_command, openmpi_defaults
 from .topology import Cpu, HostTopology, detect_topology, read_sysfs_topology
 
 __all__ = [

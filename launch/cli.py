@@ -19,7 +19,8 @@ import click
 from .errors import LaunchError, MpiNotFoundError, TooManyRanksError
 from .hosts import Host, parse_hostfile, parse_hosts, unresolvable
 from .mpi import MpiInfo, find_mpi
-from .plan import BIND_TO, MAP_BY, TRANSPORTS, Layout, PlanInputs, build_command, plan_layout
+from .placement import BIND_TO, MAP_BY, TRANSPORTS, Layout, PlanInputs, plan_layout
+from .plan import build_command
 from .runner import Finished, run_mpirun
 from .topology import HostTopology, detect_topology
 from .torchrun import check_node_flags

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("numba")
 
-from harmpi.kind import ABANDON_TAG  # noqa: E402
+from harmpi.base.kind import ABANDON_TAG  # noqa: E402
 from harmpi.transports import sockio  # noqa: E402
 from harmpi.transports.tcp import TcpTransport  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Kernels compile once per host (issue 22): of several processes starting on
 a cold numba cache one compiles and the others wait for it and load from
-the cache; the announced time is measured here (harmpi.compilenote)."""
+the cache; the announced time is measured here (harmpi.runtime.compilenote)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import pytest
 from support import REPO  # noqa: E402 (the checkout, one definition)
 
-from harmpi import compilenote
+from harmpi.runtime import compilenote
 
 KERNELS = '''
 import numba
@@ -64,7 +64,7 @@ def _package(tmp_path):
 
 def _ranks(tmp_path, pkg, n, hold_s=3.0):
     cache = tmp_path / "cache"
-    script = RANK.format(note=str(REPO / "harmpi/compilenote.py"), hold_s=hold_s,
+    script = RANK.format(note=str(REPO / "harmpi/runtime/compilenote.py"), hold_s=hold_s,
                          pkg=str(pkg), cache=str(cache))
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "NUMBA_CACHE_DIR": str(cache)}
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
@@ -172,7 +172,7 @@ def test_a_change_in_another_module_recompiles_the_kernels_that_use_it(tmp_path)
     (pkg / "api.py").write_text("from . import kernels  # noqa\n")  # uses the kernels
     (pkg / "kernels.py").write_text(LAYOUT_KERNEL)
     cache = tmp_path / "cache"
-    script = LAYOUT_RANK.format(note=str(REPO / "harmpi/compilenote.py"), pkg=str(pkg),
+    script = LAYOUT_RANK.format(note=str(REPO / "harmpi/runtime/compilenote.py"), pkg=str(pkg),
                                 cache=str(cache))
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "NUMBA_CACHE_DIR": str(cache)}
 

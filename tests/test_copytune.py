@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 from support.arena import FakeArena
 
-from harmpi import Config, control, copytune, node
-from harmpi.dtypes import F32
+from harmpi import Config, node
+from harmpi.base import control, copytune
+from harmpi.base.dtypes import F32
 from harmpi.errors import HarmpiArgumentError
 
 

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 from support.arena import FakeArena
 
-from harmpi import control, kind, node
+from harmpi import node
+from harmpi.base import control, kind
+from harmpi.base.control import MISMATCH, OK
+from harmpi.base.dtypes import F32, F64
+from harmpi.base.kind import MAX_TAG, POISON_TAG, rail_tag
+from harmpi.base.sync import wait_flags_ge
 from harmpi.config import ALGORITHMS, Config
-from harmpi.control import MISMATCH, OK
-from harmpi.dtypes import F32, F64
 from harmpi.errors import HarmpiArgumentError
-from harmpi.kind import MAX_TAG, POISON_TAG, rail_tag
-from harmpi.sync import wait_flags_ge
 
 
 def test_config_defaults_and_env():
@@ -69,7 +70,7 @@ _TUNE_STATES = []  # kept alive while the control blocks point at them
 
 
 def _control(arena, small_max_nbytes=1 << 40, stream_stores="auto"):
-    from harmpi import copytune
+    from harmpi.base import copytune
     ctl = control.new()
     _TUNE_STATES.append(np.zeros(copytune.STATE_WORDS, np.int64))
     node.init_control(ctl, arena, 10, 1.0, 0, small_max_nbytes, stream_stores,
@@ -159,8 +160,8 @@ def test_singleton_process_arena_and_topology(mpi_env):
 def test_mpi_progress_hook_calls_mpi_iprobe():
     from mpi4py import MPI
 
-    from harmpi import mpiprogress
-    from harmpi.sync import poke
+    from harmpi.base.sync import poke
+    from harmpi.platform import mpiprogress
     hook = mpiprogress.new_hook()
     assert hook[0] != 0, "MPI_Iprobe not found in the loaded MPI library"
     assert hook[1] == MPI._handleof(MPI.COMM_SELF)

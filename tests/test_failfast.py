@@ -20,7 +20,8 @@ import pytest
 from support import REPO
 from support.jobs import job_limit_s, job_script
 
-from harmpi import Config, HarmpiArgumentError, failfast
+from harmpi import Config, HarmpiArgumentError
+from harmpi.platform import failfast
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -134,7 +135,7 @@ def test_the_traceback_survives_torchs_excepthook(tmp_path, starter):
     assert proc.returncode != 0 and "rank 0 exits" not in proc.stdout
     err = proc.stderr
     assert err.count("[rank1]: Traceback (most recent call last)") == 1, err[-3000:]
-    assert "runpy" not in err and "harmpi/failfast.py" not in err  # starts at the program
+    assert "runpy" not in err and "harmpi/platform/failfast.py" not in err  # starts at the program
     assert err.count("[rank1]: RuntimeError: rank 1 fails on purpose") == 1, err[-3000:]
     assert "rank 1 of 2 ended with an uncaught RuntimeError" in err, err[-3000:]
     assert err.index("[rank1]: Traceback") < err.index("rank 1 of 2 ended with")
@@ -316,7 +317,7 @@ def test_no_abort_in_a_forked_child_or_without_a_world(world, monkeypatch):
 
 
 def test_a_world_context_config_opts_out(world, monkeypatch):
-    from harmpi import registry
+    from harmpi.runtime import registry
 
     ctx = types.SimpleNamespace(config=Config(abort_on_exception=False))
     monkeypatch.setattr(registry.STATE, "world", ctx)
@@ -354,7 +355,7 @@ def test_the_runner_aborts_on_an_exception_from_the_program(world, capfd):
         failfast.run(program, env={})
     err = capfd.readouterr().err
     assert "[rank1]: RuntimeError: from the program" in err, err
-    assert "harmpi/failfast.py" not in err  # the traceback starts at the program
+    assert "harmpi/platform/failfast.py" not in err  # the traceback starts at the program
     assert world.aborted == [1]
     with pytest.raises(RuntimeError):
         failfast.run(program, env={"HARMPI_ABORT_ON_EXCEPTION": "0"})

@@ -869,5 +869,5 @@ def test_two_rank_job_through_the_launcher():
 def test_launcher_transports_match_the_library():
     # launch/ keeps its own list so that planning never imports numba
     from harmpi.config import TRANSPORTS as LIBRARY_TRANSPORTS
-    from launch.plan import TRANSPORTS as LAUNCH_TRANSPORTS
+    from launch.placement import TRANSPORTS as LAUNCH_TRANSPORTS
     assert LAUNCH_TRANSPORTS == LIBRARY_TRANSPORTS

@@ -1,8 +1,15 @@
-"""harmpi's layers (issue 23): ``import harmpi`` imports harmpi and nothing
-else, and changes nothing of the interpreter's: torch stays out of
-``sys.modules`` unless the program imported it, ``sys.exit`` and
-``sys.excepthook`` stay Python's (also under mpirun, where the launcher
-variables are set), and torch's rendezvous table keeps torch's handlers."""
+"""harmpi's layers (issues 23 and 40).
+
+``import harmpi`` imports harmpi and nothing else, and changes nothing of
+the interpreter's: torch stays out of ``sys.modules`` unless the program
+imported it, ``sys.exit`` and ``sys.excepthook`` stay Python's (also under
+mpirun, where the launcher variables are set), and torch's rendezvous table
+keeps torch's handlers.
+
+The source reads top to bottom: every module belongs to one band of LAYERS
+and imports (at the top or inside a function) only modules of its own band
+or of bands below; no import cycle; no private name used across modules; no
+module over MAX_LINES lines."""
 
 import ast
 import os
@@ -143,7 +150,16 @@ def _imported(module, path, modules):
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 found.add(sub if sub in modules else target)
+        elif _imports_by_name(node):
+            found.add(node.args[0].value)
     return {m for m in found if m in modules and m != module}
+
+
+def _imports_by_name(node):
+    """``importlib.import_module("harmpi.x")``: an import spelled as a call."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module" and len(node.args) == 1
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str))
 
 
 def _cycles(edges):
@@ -184,6 +200,113 @@ def test_no_import_cycle_in_harmpi():
 def test_the_cycle_finder_finds_cycles():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(edges) == [["a", "b", "c"]]
+
+
+def test_the_import_reader_sees_lazy_imports(tmp_path):
+    """An import inside a function, relative or absolute, or spelled
+    importlib.import_module("..."), is an arrow like one at the top."""
+    (tmp_path / "low.py").write_text(
+        "def late():\n"
+        "    from . import high\n"
+        "    import pkg.other\n"
+        "    importlib.import_module('pkg.third')\n")
+    modules = {name: "" for name in ("pkg.low", "pkg.high", "pkg.other", "pkg.third")}
+    assert _imported("pkg.low", str(tmp_path / "low.py"), modules) == {
+        "pkg.high", "pkg.other", "pkg.third"}
+
+
+# -- layers: the folders, bottom to top ----------------------------------------------
+
+#: harmpi's bands, bottom first: a module belongs to the band of its longest
+#: matching name (a package and its modules, or one module); it may import
+#: its own band and the bands below, never one above
+LAYERS = (
+    ("errors, config, version: what every layer may name",
+     ("harmpi.errors", "harmpi.config", "harmpi.version")),
+    ("platform: OS, MPI and interpreter shims", ("harmpi.platform",)),
+    ("base: dtypes, kind, control block, sync, arena, topology", ("harmpi.base",)),
+    ("kernels, transports, profiling records",
+     ("harmpi.reduce", "harmpi.transports", "harmpi.record")),
+    ("node: compiled one-node steps", ("harmpi.node",)),
+    ("algorithms", ("harmpi.algorithms",)),
+    ("runtime: contexts, registry, compile, native", ("harmpi.runtime",)),
+    ("the API", ("harmpi.api", "harmpi.args", "harmpi.logits", "harmpi.gatherdim", "harmpi.profile",
+                 "harmpi.allreduce", "harmpi.allgather", "harmpi.alltoall", "harmpi._callable")),
+    ("torch.distributed backend", ("harmpi.distributed",)),
+    ("command lines", ("harmpi.cli", "harmpi.run", "harmpi.precompile", "harmpi.report")),
+    ("the package: import harmpi", ("harmpi",)),
+)
+
+
+def _band(module, layers=LAYERS):
+    """The index of ``module``'s band in ``layers``, or None."""
+    best, band = "", None
+    for i, (_what, names) in enumerate(layers):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > len(best):
+                best, band = name, i
+    return band
+
+
+def _upward(edges, layers=LAYERS):
+    """Every arrow from a module to one in a band above its own."""
+    return sorted(f"{m} ({layers[_band(m, layers)][0]}) -> {n} ({layers[_band(n, layers)][0]})"
+                  for m, targets in edges.items() for n in targets
+                  if _band(n, layers) > _band(m, layers))
+
+
+def test_every_module_has_a_band():
+    missing = sorted(m for m in _modules() if _band(m) is None)
+    assert not missing, f"modules in no band of LAYERS (add them where they belong): {missing}"
+
+
+def test_no_import_runs_up_the_layers():
+    modules = _modules()
+    edges = {m: _imported(m, p, modules) for m, p in modules.items()}
+    up = _upward(edges)
+    assert not up, "imports from a lower layer to a higher one:\n  " + "\n  ".join(up)
+
+
+def test_the_layer_check_finds_an_upward_import():
+    layers = (("low", ("p.low",)), ("high", ("p.high", "p")))
+    edges = {"p.low.a": {"p.high"}, "p.high": {"p.low.b"}, "p.low.b": set(), "p": {"p.low.a"}}
+    assert _upward(edges, layers) == ["p.low.a (low) -> p.high (high)"]
+    assert _band("p.low.b", layers) == 0 and _band("p.other", layers) == 1
+
+
+# -- module size ----------------------------------------------------------------------
+
+MAX_LINES = 600
+#: the trees whose modules MAX_LINES bounds
+SIZED = ("harmpi", "launch", "harmpi_vllm", "bench")
+
+
+def _long_modules(root, limit=MAX_LINES):
+    """(path relative to root, lines) of every .py file over ``limit`` lines."""
+    found = []
+    for tree in SIZED:
+        for where, _dirs, files in os.walk(os.path.join(root, tree)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(where, name)
+                    with open(path) as f:
+                        lines = sum(1 for _ in f)
+                    if lines > limit:
+                        found.append((os.path.relpath(path, root), lines))
+    return sorted(found)
+
+
+def test_no_module_is_over_the_line_limit():
+    long = [f"{path}: {n} lines" for path, n in _long_modules(REPO)]
+    assert not long, f"modules over {MAX_LINES} lines (split them by concept):\n  " + \
+        "\n  ".join(long)
+
+
+def test_the_size_check_finds_a_long_module(tmp_path):
+    (tmp_path / "harmpi").mkdir()
+    (tmp_path / "harmpi" / "long.py").write_text("x = 1\n" * 601)
+    (tmp_path / "harmpi" / "short.py").write_text("x = 1\n" * 600)
+    assert _long_modules(str(tmp_path)) == [(os.path.join("harmpi", "long.py"), 601)]
 
 
 def _private_uses(module, path, modules):

@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 
-from harmpi import Config, dtypes, logits
+from harmpi import Config, gatherdim, logits
+from harmpi.base import dtypes
 from harmpi.errors import HarmpiArgumentError
+from harmpi.node import rowcopy
 
 torch = pytest.importorskip("torch")
 
@@ -13,14 +15,14 @@ torch = pytest.importorskip("torch")
                                                (-3, 3, 0), (0, 0, 0), (-1, 0, 0),
                                                (np.int64(1), 2, 1)])
 def test_normalize_dim(dim, ndim, expect):
-    assert logits.normalize_dim(dim, ndim) == expect
+    assert gatherdim.normalize_dim(dim, ndim) == expect
 
 
 @pytest.mark.parametrize("dim, ndim", [(1, 1), (-2, 1), (3, 3), (-4, 3), (1, 0), (1.0, 2),
                                        (None, 2), (True, 2), ("0", 2)])
 def test_normalize_dim_rejects(dim, ndim):
     with pytest.raises(HarmpiArgumentError, match="dim"):
-        logits.normalize_dim(dim, ndim)
+        gatherdim.normalize_dim(dim, ndim)
 
 
 def test_choose_route():
@@ -96,7 +98,7 @@ def test_copy_rows_assembles_uneven_blocks():
         gathered[q, :, :s.shape[1]] = s
     out = np.full((rows, V), 0xFFFF, np.uint16)
     _, assemble = table.plan(rows, isz)
-    logits.copy_rows(gathered.ctypes.data, out.ctypes.data, rows, assemble)
+    rowcopy.copy_rows(gathered.ctypes.data, out.ctypes.data, rows, assemble)
     assert np.array_equal(out, np.concatenate(shards, -1))
 
 
@@ -106,15 +108,15 @@ def test_copy_rows_pads_and_dim_plans():
     src = np.arange(rows * w, dtype=np.float32).reshape(rows, w)
     dst = np.full((rows, W), -1, np.float32)
     pad, _ = table.plan(rows, 4)
-    logits.copy_rows(src.ctypes.data, dst.ctypes.data, rows, pad)
+    rowcopy.copy_rows(src.ctypes.data, dst.ctypes.data, rows, pad)
     assert np.array_equal(dst[:, :w], src) and np.all(dst[:, w:] == -1)
     # allgather along dim 1 of (2, 3, 4) over 3 ranks: blocks (3, 2, 12) -> (2, 9, 4)
     n, shape = 3, (2, 3, 4)
     blocks = [np.arange(24, dtype=np.float64).reshape(shape) + 100 * q for q in range(n)]
     scratch = np.stack(blocks)
     out = np.empty((2, 9, 4))
-    plan = logits._dim_plan(logits._State(), 3 * 4 * 8, 2, n)
-    logits.copy_rows(scratch.ctypes.data, out.ctypes.data, 2, plan)
+    plan = gatherdim._dim_plan(logits._State(), 3 * 4 * 8, 2, n)
+    rowcopy.copy_rows(scratch.ctypes.data, out.ctypes.data, 2, plan)
     assert np.array_equal(out, np.concatenate(blocks, 1))
 
 
@@ -125,7 +127,7 @@ def test_pad_rows_writes_negative_zeros_around_the_shard(off, w, V):
     tail = np.array([7.0, 8.0], np.float32)
     pat = logits.negzero_bytes(4, V)
     dst = np.full(rows * V + 2, 99.0, np.float32)
-    logits.pad_rows(dst.ctypes.data, src.ctypes.data, pat.ctypes.data, rows, V * 4, off * 4,
+    rowcopy.pad_rows(dst.ctypes.data, src.ctypes.data, pat.ctypes.data, rows, V * 4, off * 4,
                     w * 4, tail.ctypes.data, tail.nbytes)
     body = dst[:rows * V].reshape(rows, V)
     assert np.array_equal(body[:, off:off + w], src)
@@ -135,20 +137,20 @@ def test_pad_rows_writes_negative_zeros_around_the_shard(off, w, V):
 
 
 def test_make_plan_broadcasts():
-    plan = logits.make_plan([2, 4], 0, [8, 9], 16, 32)
+    plan = rowcopy.make_plan([2, 4], 0, [8, 9], 16, 32)
     assert plan.dtype == np.int64 and plan.flags.c_contiguous
     assert plan.tolist() == [[2, 4], [0, 0], [8, 9], [16, 16], [32, 32]]
-    assert logits.make_plan(3, 0, 3, 0, 5).shape == (5, 1)
+    assert rowcopy.make_plan(3, 0, 3, 0, 5).shape == (5, 1)
 
 
 def test_same_bytes():
     a = np.arange(10, dtype=np.uint8)
     b = a.copy()
-    assert logits.same_bytes(a.ctypes.data, b.ctypes.data, 10)
+    assert rowcopy.same_bytes(a.ctypes.data, b.ctypes.data, 10)
     b[9] = 0
-    assert not logits.same_bytes(a.ctypes.data, b.ctypes.data, 10)
-    assert logits.same_bytes(a.ctypes.data, b.ctypes.data, 9)
-    assert logits.same_bytes(0, 0, 0)
+    assert not rowcopy.same_bytes(a.ctypes.data, b.ctypes.data, 10)
+    assert rowcopy.same_bytes(a.ctypes.data, b.ctypes.data, 9)
+    assert rowcopy.same_bytes(0, 0, 0)
 
 
 def test_table_offsets_and_digest():

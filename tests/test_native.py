@@ -1,7 +1,7 @@
 """harmpi.native without MPI: the built module and its torch version check,
 what the hot path declines, that it hands the entry the control block and
 the tensor's address, length and format (the ids it is given, from
-harmpi.dtypes), and the operators torch.ops.harmpi.all_reduce_ (in place)
+harmpi.base.dtypes), and the operators torch.ops.harmpi.all_reduce_ (in place)
 and all_reduce (out of place): their CPU kernels (the entry, or the fallback
 with the status and group), their Meta/fake kernels, and torch.compile
 against eager code where the reduced tensor is aliased, viewed, an input of
@@ -16,9 +16,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harmpi import HarmpiError, control, dtypes, native, node  # noqa: E402
-from harmpi.registry import STATE  # noqa: E402
-from harmpi.torch import FORMAT_IDS  # noqa: E402
+from harmpi import HarmpiError, native, node  # noqa: E402
+from harmpi.base import control, dtypes  # noqa: E402
+from harmpi.runtime.registry import STATE  # noqa: E402
+from harmpi.runtime.torchbuf import FORMAT_IDS  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "c++")) is None and native.load() is None,

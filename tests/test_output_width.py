@@ -96,7 +96,7 @@ def test_decode_table_and_notes_fit():
 
 @pytest.mark.timeout(600)  # importing harmpi compiles its kernels on a cold cache
 def test_profile_summary_fits():
-    from harmpi import profiling as hprofile
+    from harmpi.record import breakdown as hprofile
 
     ranks = 4
     s = {

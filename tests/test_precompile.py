@@ -1,5 +1,5 @@
 """Kernels compile over the host's cores (issue 36): workers share a cold
-numba cache (harmpi.compilepool), and what they leave loads in a fresh
+numba cache (harmpi.runtime.compilepool), and what they leave loads in a fresh
 process without one compile, with every signature's own machine code."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from support import REPO
 
-from harmpi import compilenote, compilepool
+from harmpi.runtime import compilenote, compilepool
 
 #: a package of kernels shaped like harmpi's: explicit signatures (six on one
 #: kernel, so workers save six entries of one index at once), a lazily typed
@@ -72,7 +72,7 @@ from pathlib import Path
 pkg = types.ModuleType("harmpi")
 pkg.__path__ = [{harmpi!r}]
 sys.modules["harmpi"] = pkg
-from harmpi import compilenote
+from harmpi.runtime import compilenote
 from kernpkg import build
 how = compilenote.compile_once(build.compile_all, Path({pkg!r}), Path({cache!r}), processes={n})
 print(json.dumps({{"how": how}}))
@@ -191,7 +191,7 @@ def test_workers_past_their_deadline_are_ended_and_the_parent_compiles(tmp_path)
     script = PARENT.format(harmpi=str(REPO / "harmpi"), pkg=str(pkg),
                            cache=str(tmp_path / "cache"), n=2).replace(
         "from kernpkg import build", "from kernpkg import build\n"
-        "from harmpi import compilepool\ncompilepool.WORKER_DEADLINE_S = 5.0")
+        "from harmpi.runtime import compilepool\ncompilepool.WORKER_DEADLINE_S = 5.0")
     t0 = time.monotonic()
     out, err = _run(tmp_path, script, env={"WORKER_PIDS": str(tmp_path / "pids")})
     assert out["how"] == "compiled" and time.monotonic() - t0 < 120, err
@@ -312,7 +312,7 @@ mpi4py.rc.initialize = mpi4py.rc.finalize = False
 pkg = types.ModuleType("harmpi")
 pkg.__path__ = [{harmpi!r}]
 sys.modules["harmpi"] = pkg
-from harmpi import compilenote
+from harmpi.runtime import compilenote
 how = compilenote.compile_once(compilenote.compile_all, Path({harmpi!r}), processes=2)
 print(json.dumps({{"how": how}}))
 '''
@@ -329,7 +329,7 @@ def test_workers_compile_harmpis_own_kernels(tmp_path):
                           env=env, capture_output=True, text=True, timeout=500, cwd=copy.parent)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["how"] == "compiled", done.stderr
-    record = json.loads((copy / "__pycache__" / compilenote.RECORD).read_text())
+    record = json.loads((copy / "runtime" / "__pycache__" / compilenote.RECORD).read_text())
     assert record["processes"] == 2 and record["worker_failures"] == 0, (record, done.stderr)
     assert record["compiled_here"] == 0 < record["kernels"], record
     assert _counted_import(env) == {"how": "warm", "compiles": []}
@@ -339,7 +339,7 @@ HARMPI_JOB = '''
 import json, time
 t0 = time.monotonic()
 import harmpi
-from harmpi import compilenote
+from harmpi.runtime import compilenote
 print(json.dumps({"how": compilenote.outcome, "s": time.monotonic() - t0}))
 '''
 
@@ -361,7 +361,7 @@ def test_two_ranks_import_harmpi_on_a_cold_cache(tmp_path, mpirun, mpi_env):
     ranks = sorted(json.loads(line)["how"] for line in job.stdout.splitlines()
                    if line.startswith("{"))
     assert ranks == ["compiled", "waited"], job.stdout + job.stderr
-    record = json.loads((copy / "__pycache__" / compilenote.RECORD).read_text())
+    record = json.loads((copy / "runtime" / "__pycache__" / compilenote.RECORD).read_text())
     assert record["worker_failures"] == 0, record
     assert "harmpi kernels compiled in" in job.stderr, job.stderr
     print(f"2 ranks, {COLD} cold: {wall_s:.0f} s; {json.dumps(record)[:300]}")
@@ -381,7 +381,7 @@ class Count(event.Listener):
 
 event.register("numba:compile", Count())
 import harmpi
-from harmpi import compilenote
+from harmpi.runtime import compilenote
 compilenote.compile_all()  # the lazily typed kernels too
 print(json.dumps({"how": compilenote.outcome, "compiles": compiles}))
 '''

@@ -1,13 +1,15 @@
-"""harmpi.profrec / harmpi.profiling / harmpi.report without MPI peers: the
+"""harmpi.record.recorder / harmpi.record.breakdown / harmpi.report without MPI peers: the
 compiled record against plain arithmetic, histogram buckets, the ring's
 bound, the summary text, the trace and the PNG."""
 
 import json
 import types
 
-from harmpi import control, kind, profrec, report
-from harmpi import profiling as hprofile
+from harmpi.base import control, kind
+from harmpi.cli import report
 from harmpi.config import Config
+from harmpi.record import breakdown as hprofile
+from harmpi.record import recorder
 
 
 def test_config_fields():
@@ -20,10 +22,10 @@ def test_config_fields():
 
 def test_buckets_monotonic_and_close():
     values = [1, 2, 3, 7, 8, 9, 100, 1000, 12345, 10**6, 3 * 10**9]
-    buckets = [profrec.bucket_of(v) for v in values]
+    buckets = [recorder.bucket_of(v) for v in values]
     assert buckets == sorted(buckets)
     for v, b in zip(values[3:], buckets[3:]):
-        mid = profrec.bucket_value_ns(b)
+        mid = recorder.bucket_value_ns(b)
         assert abs(mid - v) / v < 0.1, (v, mid)
 
 
@@ -43,29 +45,29 @@ def _control(state, enter, first, last, who, arrivals, nbytes=10240, code=None):
 
 
 def test_record_aggregates_and_ring_bound():
-    st = profrec.new_state(3, 4)
+    st = recorder.new_state(3, 4)
     words = st.size
     base = 10**12
     for i in range(10):
-        profrec.record(_control(st, base + i, base + i - 5, base + i + 100, i % 3, 3))
+        recorder.record(_control(st, base + i, base + i - 5, base + i + 100, i % 3, 3))
     assert st.size == words
-    assert st[profrec.H_CALLS] == 10 and st[profrec.H_WRITTEN] == 10
-    assert st[profrec.H_BYTES] == 10 * 10240
-    assert st[profrec.H_WAIT_NS] == 10 * 100
-    lay = profrec.layout(3, 4)
+    assert st[recorder.H_CALLS] == 10 and st[recorder.H_WRITTEN] == 10
+    assert st[recorder.H_BYTES] == 10 * 10240
+    assert st[recorder.H_WAIT_NS] == 10 * 100
+    lay = recorder.layout(3, 4)
     assert list(st[lay["count"]:lay["count"] + 3]) == [4, 3, 3]
     assert list(st[lay["delay"]:lay["delay"] + 3]) == [4 * 105, 3 * 105, 3 * 105]
-    assert st[lay["hist"]:lay["hist"] + profrec.NBUCKETS].sum() == 10
-    ring = st[lay["ring"]:].reshape(4, profrec.REC_WORDS)
+    assert st[lay["hist"]:lay["hist"] + recorder.NBUCKETS].sum() == 10
+    ring = st[lay["ring"]:].reshape(4, recorder.REC_WORDS)
     # the last four records, in ring order (record 8 and 9 wrapped to rows 0 and 1)
-    assert sorted(ring[:, profrec.R_ENTER] - base) == [6, 7, 8, 9]
+    assert sorted(ring[:, recorder.R_ENTER] - base) == [6, 7, 8, 9]
 
 
 def test_record_alone_waits_nothing():
-    st = profrec.new_state(1, 2)
-    profrec.record(_control(st, 10**12, 0, 0, -1, 0))
-    assert st[profrec.H_WAIT_NS] == 0
-    assert st[profrec.H_STRAGGLED] == 0
+    st = recorder.new_state(1, 2)
+    recorder.record(_control(st, 10**12, 0, 0, -1, 0))
+    assert st[recorder.H_WAIT_NS] == 0
+    assert st[recorder.H_STRAGGLED] == 0
 
 
 def _fake_ctx():
@@ -76,9 +78,9 @@ def _fake_ctx():
 def _stats():
     parts = []
     for r in range(2):
-        st = profrec.new_state(2, 8)
+        st = recorder.new_state(2, 8)
         for i in range(5):
-            profrec.record(_control(st, 10**12 + 1000 * i, 10**12, 10**12 + 500, 1, 2))
+            recorder.record(_control(st, 10**12 + 1000 * i, 10**12, 10**12 + 500, 1, 2))
         p = hprofile.Profile.__new__(hprofile.Profile)
         p.state, p.records_cap = st, 8
         p.ctx = types.SimpleNamespace(topo=types.SimpleNamespace(rank=r))
@@ -96,9 +98,9 @@ def test_merge_and_summary():
 
 
 def test_trace_and_png(tmp_path):
-    st = profrec.new_state(2, 8)
+    st = recorder.new_state(2, 8)
     for i in range(5):
-        profrec.record(_control(st, 10**12 + 10**5 * i, 10**12 + 10**5 * i,
+        recorder.record(_control(st, 10**12 + 10**5 * i, 10**12 + 10**5 * i,
                                 10**12 + 10**5 * i + 300, 1, 2))
     p = hprofile.Profile.__new__(hprofile.Profile)
     p.state, p.records_cap, p.offsets = st, 8, [(0, 0, 0), (0, 0, 0)]

@@ -13,7 +13,7 @@ from support import REPO  # noqa: E402 (the checkout, one definition)
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from harmpi import report  # noqa: E402
+from harmpi.cli import report  # noqa: E402
 
 
 def _doc(n=100, slow=(0, 60)):

@@ -1,4 +1,4 @@
-"""The scheduler slice a context asks for on its thread (harmpi.schedslice):
+"""The scheduler slice a context asks for on its thread (harmpi.platform.schedslice):
 held and given back in pairs, counted per thread, never on a thread it
 cannot serve, and set from HARMPI_SCHED_SLICE_US."""
 
@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from harmpi import schedslice
 from harmpi.config import Config
 from harmpi.errors import HarmpiArgumentError
+from harmpi.platform import schedslice
 
 NOW = schedslice.current()
 CUSTOM = NOW is not None and NOW[0] == 0 and NOW[2] > schedslice.SLICE_MIN_US * 1000

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 CODE = """
     import os, signal, time, harmpi
     from mpi4py import MPI
-    from harmpi.registry import STATE, DrainFirst
+    from harmpi.runtime.registry import STATE, DrainFirst
 
     def ctrl_c():
         try:

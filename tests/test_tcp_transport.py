@@ -435,7 +435,7 @@ def test_on_a_busy_host_the_rail_does_not_spin(make_pair, tmp_path):
     # a billion polls of spin would outlast the test: on a busy host
     # (sync.host_busy, a score already past the line) the loop skips them and
     # sleeps in poll(2) until its deadline, using next to no CPU
-    from harmpi import sync
+    from harmpi.base import sync
     p = tmp_path / "loadavg"
     p.write_text("9.0 9.0 9.0 9/300 1\n")
     fd = os.open(p, os.O_RDONLY)

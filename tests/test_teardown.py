@@ -17,7 +17,7 @@ LAYOUTS = {
 ONE_SIDED = """
     import dataclasses, os, sys, time, harmpi, numpy as np
     from mpi4py import MPI
-    from harmpi.registry import STATE
+    from harmpi.runtime.registry import STATE
     comm = MPI.COMM_WORLD
     r, n = comm.rank, comm.size
     # (6 s: a set-up fails when a rank comes 0.75 x that late, as it may on a
@@ -95,7 +95,7 @@ def test_free_and_finalize_after_a_one_sided_failure_return_on_every_rank(tmp_pa
 CYCLES = """
     import ctypes, gc, os, resource, sys, time, harmpi, numpy as np
     from mpi4py import MPI
-    from harmpi.context import Context
+    from harmpi.runtime.context import Context
     if {keep}:   # contexts never freed: shows that the test can fail
         Context.free = lambda self: None
     resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))

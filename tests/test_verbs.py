@@ -16,7 +16,7 @@ from support.verbs_double import (
 )
 
 from harmpi import Config, HarmpiArgumentError, HarmpiTimeoutError, HarmpiTransportError, transports
-from harmpi.kind import ABANDON_TAG, POISON_TAG, rail_tag
+from harmpi.base.kind import ABANDON_TAG, POISON_TAG, rail_tag
 from harmpi.transports import verbs_proto as proto
 from harmpi.transports.verbs import VerbsTransport
 

@@ -9,7 +9,7 @@ import pytest
 from support.verbs_double import run_ranks
 
 from harmpi import HarmpiTransportError
-from harmpi.kind import rail_tag
+from harmpi.base.kind import rail_tag
 from harmpi.transports import verbs_probe
 
 pytestmark = pytest.mark.verbs_device

@@ -1,4 +1,4 @@
-"""The sleeping wait of harmpi.sync, between two processes, without MPI.
+"""The sleeping wait of harmpi.base.sync, between two processes, without MPI.
 
 A forked child waits on a flag in an anonymous shared mapping the way a
 rank waits on a peer's epoch word; the parent plays the peer: it publishes
@@ -20,7 +20,7 @@ import numba
 import numpy as np
 import pytest
 
-from harmpi import sync
+from harmpi.base import sync
 
 pytestmark = pytest.mark.skipif(not sync.HAS_FUTEX, reason="no futex on this platform")
 

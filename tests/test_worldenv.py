@@ -1,8 +1,8 @@
-"""harmpi.worldenv without MPI: which variables are set, from what, and when not."""
+"""harmpi.platform.worldenv without MPI: which variables are set, from what, and when not."""
 
 import logging
 
-from harmpi import worldenv
+from harmpi.platform import worldenv
 
 
 class _Comm:

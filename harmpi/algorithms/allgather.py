@@ -31,10 +31,11 @@ import logging
 import numpy as np
 from mpi4py import MPI
 
-from .. import kind, node
-from ..control import POISONED
-from ..kind import rail_tag
-from ..topology import check_arrivals, gather_records, wait_polled
+from .. import node
+from ..base import kind
+from ..base.control import POISONED
+from ..base.kind import rail_tag
+from ..base.topology import check_arrivals, gather_records, wait_polled
 from .base import Call, chunks, mismatch_error, recv_check
 
 __all__ = ["HierAllgather"]

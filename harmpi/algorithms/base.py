@@ -7,17 +7,18 @@ import ctypes
 import numpy as np
 from mpi4py import MPI
 
-from .. import dtypes, kind, node
+from .. import node
+from ..base import dtypes, kind
+from ..base.kind import POISON_TAG
 from ..config import ALGORITHM_NAMES
 from ..errors import HarmpiMismatchError
-from ..kind import POISON_TAG
 
 __all__ = ["Call", "RailAlgorithm", "chunks", "rail_allreduce", "recv_check", "mismatch_error"]
 
 
 class Call:
     """One collective call, already validated: x[:n] at ``addr``, of storage
-    format ``fmt`` (harmpi.dtypes), with kind word ``code`` (harmpi.kind)."""
+    format ``fmt`` (harmpi.base.dtypes), with kind word ``code`` (harmpi.base.kind)."""
 
     __slots__ = ("addr", "n", "itemsize", "fmt", "w", "code", "op")
 

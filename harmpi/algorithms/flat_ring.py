@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import node
-from ..kind import POISON_TAG, rail_tag
+from ..base.kind import POISON_TAG, rail_tag
 from .base import chunks, mismatch_error, recv_check
 
 __all__ = ["FlatRingAllreduce"]

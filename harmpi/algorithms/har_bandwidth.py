@@ -25,7 +25,7 @@ flag round: from a few hundred KiB on TCP.
 from __future__ import annotations
 
 from .. import node
-from ..kind import rail_tag
+from ..base.kind import rail_tag
 from .base import RailAlgorithm, chunks, rail_allreduce
 
 __all__ = ["HarBandwidthAllreduce"]

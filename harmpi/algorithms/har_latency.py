@@ -42,10 +42,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from .. import control, dtypes, kind, node
-from ..control import MISMATCH, OK, POISONED, RAIL_FAILED, RAIL_LATE, RAIL_TIMEOUT
+from .. import node
+from ..base import control, dtypes, kind
+from ..base.control import MISMATCH, OK, POISONED, RAIL_FAILED, RAIL_LATE, RAIL_TIMEOUT
 from ..errors import HarmpiTimeoutError
-from ..transports import TcpTransport, sockio
+from ..transports import sockio
 from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
 
 __all__ = ["HarLatencyAllreduce", "HAR2_STEP", "HAR2_START", "HAR2_FINISH", "rail_complete",
@@ -287,8 +288,9 @@ class HarLatencyAllreduce(RailAlgorithm):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        #: two nodes over tcp: the step runs compiled (else the Python loop)
-        self.compiled = self.G == 2 and isinstance(self.transport, TcpTransport)
+        #: two nodes over a rail compiled steps drive (tcp): the step runs
+        #: compiled (else the Python loop)
+        self.compiled = self.G == 2 and self.transport.compiled_rail
         if self.compiled:
             t = self.transport
             # rows of its own: the transport's may be reallocated by its other users

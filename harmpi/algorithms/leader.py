@@ -27,7 +27,7 @@ L*m reads on the leader, two flag rounds, one copy-out per rank.
 from __future__ import annotations
 
 from .. import node
-from ..kind import rail_tag
+from ..base.kind import rail_tag
 from .base import chunks, rail_allreduce
 
 __all__ = ["LeaderAllreduce"]

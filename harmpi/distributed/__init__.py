@@ -28,7 +28,8 @@ The package, one concept a module:
 
 ==========  ===========================================================
 group       ProcessGroupHarmpi: the collectives, what each call does
-channel     its base: the group's state, MPI channel, headers, lifetime
+mpicolls    its base: the collectives MPI carries (broadcast, p2p, ...), barriers
+channel     their base: the group's state, MPI channel, headers, lifetime
 work        the work objects the calls return
 waits       every wait on MPI, under the group's deadline
 tables      dtype, op and call codes the ranks agree on
@@ -47,8 +48,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import worldenv
 from ..errors import HarmpiError
+from ..platform import worldenv
 from .channel import BACKEND
 from .creation import create_group
 from .group import ProcessGroupHarmpi
@@ -84,7 +85,7 @@ def register():
     is imported already), the MPI rendezvous ``mpi://``, and the torch op
     ``torch.ops.harmpi.all_reduce_`` when the native module is built; under
     an MPI launcher, RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE where
-    unset (harmpi.worldenv)."""
+    unset (harmpi.platform.worldenv)."""
     global _registered
     if _registered:
         return

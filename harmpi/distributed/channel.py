@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from ..base.topology import arrive, world_ranks
 from ..config import Config
 from ..errors import (
     HarmpiArgumentError,
@@ -33,8 +34,7 @@ from ..errors import (
     HarmpiMismatchError,
     HarmpiTimeoutError,
 )
-from ..registry import STATE
-from ..topology import arrive, world_ranks
+from ..runtime.registry import STATE
 from .tables import CALL_NAMES, CALLS, DTYPE_BY_CODE, HEADER_TAG, dtype_code
 from .waits import STRANDED, cancel, unfinished, wait_requests
 from .work import MpiWork
@@ -369,7 +369,7 @@ def _private_comms(comm, timeout_s):
 def _native_sum():
     """harmpi._C.allreduce_sum (the default group's hot path), or None when
     the native module is not built."""
-    from .. import native  # noqa: PLC0415 - imports harmpi._C (torch's C++ side)
+    from ..runtime import native  # noqa: PLC0415 - imports harmpi._C (torch's C++ side)
 
     mod = native.load()
     return getattr(mod, "allreduce_sum", None) if mod is not None else None

@@ -12,10 +12,10 @@ import time
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .. import worldenv
+from ..base.topology import LATE_FRACTION
 from ..config import Config
 from ..errors import HarmpiArgumentError, HarmpiError, HarmpiTimeoutError
-from ..topology import LATE_FRACTION
+from ..platform import worldenv
 from .group import ProcessGroupHarmpi
 from .waits import group_timeout
 

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.futures import Future
 
-from ..context import AUTO_CODE
 from ..errors import HarmpiError
+from ..runtime.context import AUTO_CODE
 from .waits import STRANDED
 
 __all__ = ["DONE", "DoneWork", "MpiWork", "SplitWork"]

@@ -5,7 +5,7 @@ have explicit signatures (one per storage type: uint16 for bf16/f16,
 float32, float64, selected by a zero-length *witness* array of that type),
 so they compile once per machine and load in milliseconds afterwards. They
 receive raw addresses (``tensor.data_ptr()``) and the rank's control block
-(harmpi.control), so the Python around a collective stays at one compiled
+(harmpi.base.control), so the Python around a collective stays at one compiled
 call.
 
 One concept per module, each using only the ones above it:
@@ -22,6 +22,7 @@ One concept per module, each using only the ones above it:
               all-reduce and allgather
 ``entries``   what a context runs (f(ctl, x_addr, n, fmt) -> status), and the
               enter/leave every entry starts and ends with
+``rowcopy``   rows of raw memory copied by a plan (harmpi.logits' strided copies)
 
 The names other modules use are re-exported here (``node.stage``,
 ``node.ONE_NODE_STEP``, ...).

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numba
 from numba import types
 
-from .. import control
-from ..control import ABANDONED, INTERRUPTED, OK
-from ..shm import FLAG_LINE_NBYTES, W_CULPRIT, W_EPOCH
-from ..sync import ABANDONED as FLAG_ABANDONED
-from ..sync import cpu_relax, fence, load_acquire, store_release
+from ..base import control
+from ..base.arena import FLAG_LINE_NBYTES, W_CULPRIT, W_EPOCH
+from ..base.control import ABANDONED, INTERRUPTED, OK
+from ..base.sync import ABANDONED as FLAG_ABANDONED
+from ..base.sync import cpu_relax, fence, load_acquire, store_release
 from .layout import flag_addr, wake
 
 __all__ = ["abandon", "CULPRIT_INTERRUPTED", "CULPRIT_REFUSED", "CULPRIT_DISAGREED",
@@ -32,10 +32,10 @@ _ctl = control.ARRAY
 #: culprit word of a rank that gave up because it was interrupted (SIGINT)
 CULPRIT_INTERRUPTED = -2
 #: culprit word of a rank that gave up after refusing its own arguments
-#: (its refusal met a real call across nodes: harmpi.context.Context.refuse)
+#: (its refusal met a real call across nodes: harmpi.runtime.context.Context.refuse)
 CULPRIT_REFUSED = -3
 #: culprit word of a rank that gave up after the ranks disagreed in a way
-#: that may have left step counters apart (harmpi.context.Context.fail)
+#: that may have left step counters apart (harmpi.runtime.context.Context.fail)
 CULPRIT_DISAGREED = -4
 
 

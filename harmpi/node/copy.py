@@ -1,7 +1,7 @@
 """Copy intrinsics: plain, streaming and flushing copies between raw addresses.
 
 How a rank fills shared memory another core reads next is chosen per size
-by harmpi.copytune and held in the control block's ``mode``: plain stores,
+by harmpi.base.copytune and held in the control block's ``mode``: plain stores,
 streaming (non-temporal) stores, or plain stores with the readers flushing
 what they read (``done_reading``). Everything here is compiled; the
 intrinsics emit the LLVM instructions directly.
@@ -17,7 +17,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .. import copytune
+from ..base import copytune
 
 __all__ = ["memcpy", "stream_copy", "done_reading", "streams", "publish_copy", "copy_bytes",
            "STREAM_MIN_NBYTES"]

@@ -14,8 +14,8 @@ import numba
 from numba import types
 from numba.extending import overload
 
-from .. import dtypes
 from .. import reduce as _reduce
+from ..base import dtypes
 
 __all__ = ["sigs", "sum_rows", "sum_rows_x", "sum2", "format_itemsize"]
 

@@ -18,10 +18,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .. import control, copytune, dtypes, kind, profrec
-from ..control import ABANDONED, BUSY, OK, WRONG_THREAD
-from ..shm import FLAG_LINE_NBYTES, W_CULPRIT
-from ..sync import compare_exchange, store_release
+from ..base import control, copytune, dtypes, kind
+from ..base.arena import FLAG_LINE_NBYTES, W_CULPRIT
+from ..base.control import ABANDONED, BUSY, OK, WRONG_THREAD
+from ..base.sync import compare_exchange, store_release
+from ..record import recorder
 from .dispatch import format_itemsize
 from .flags import ENTERED_BASE, stage_check, stage_post
 from .layout import part_bounds, ring_pos
@@ -60,7 +61,7 @@ def thread_self(typingctx):
 @numba.njit(types.boolean(_ctl), cache=True, nogil=True)
 def foreign_thread(ctl):
     """Whether the calling thread is not the one that owns the context
-    (control field ``owner``, set by harmpi.registry; 0: any thread)."""
+    (control field ``owner``, set by harmpi.runtime.registry; 0: any thread)."""
     owner = ctl[0].owner
     return owner != 0 and owner != thread_self()
 
@@ -93,7 +94,7 @@ def enter(ctl):
 @numba.njit(types.void(_ctl), cache=True, nogil=True)
 def leave(ctl):
     if ctl[0].profile != 0:
-        profrec.record(ctl)
+        recorder.record(ctl)
     store_release(ctl.ctypes.data + _BUSY_OFFSET, 0)
 
 
@@ -263,7 +264,7 @@ def solo_step(ctl, x_addr, n, fmt):
         return WRONG_THREAD
     if ctl[0].profile != 0:
         begin(ctl, n * format_itemsize(fmt), ctl[0].auto_code | fmt)
-        profrec.record(ctl)
+        recorder.record(ctl)
     return OK
 
 

@@ -22,7 +22,7 @@ finished reading everything of step k. So no trailing barrier is needed.
   r0:  write p0 ... write p1 ...  write p0   (r0 passed k+1's wait)
   r1:  read  p0 ... (must finish reading p0 before publishing k+1)
 
-Statuses (harmpi.control): OK; TIMEOUT (err_peer, err_a, err_b: the local
+Statuses (harmpi.base.control): OK; TIMEOUT (err_peer, err_a, err_b: the local
 rank that did not publish, the epoch awaited, the value seen); MISMATCH
 (err_*: the peer, its byte count and its kind); POISONED (a rank posted
 that its part failed); ABANDONED and INTERRUPTED (harmpi.node.abandon).
@@ -33,11 +33,11 @@ from __future__ import annotations
 import numba
 from numba import types
 
-from .. import control, kind
-from ..control import ABANDONED, MISMATCH, OK, POISONED, TIMEOUT
-from ..shm import FLAG_LINE_NBYTES, W_CULPRIT, W_EPOCH, W_META, W_STATUS
-from ..sync import ABANDONED as FLAG_ABANDONED
-from ..sync import (
+from ..base import control, kind
+from ..base.arena import FLAG_LINE_NBYTES, W_CULPRIT, W_EPOCH, W_META, W_STATUS
+from ..base.control import ABANDONED, MISMATCH, OK, POISONED, TIMEOUT
+from ..base.sync import ABANDONED as FLAG_ABANDONED
+from ..base.sync import (
     WAIT_INTERRUPTED,
     compare_exchange,
     load_acquire,

@@ -1,7 +1,7 @@
 """The node's part of the control block, and where a step's words and slots are.
 
-``init_control`` fills the control block (harmpi.control) from the rank's
-arena (harmpi.shm); the compiled helpers below turn its fields into
+``init_control`` fills the control block (harmpi.base.control) from the rank's
+arena (harmpi.base.arena); the compiled helpers below turn its fields into
 addresses: local rank j's flag line (epoch, meta, status and culprit words),
 the two parities of slots, a rank's share of a reduce-scatter, and where a
 small step writes in its slot (the ring).
@@ -13,9 +13,10 @@ import numba
 import numpy as np
 from numba import types
 
-from .. import control, copytune, mpiprogress
-from ..shm import FLAG_LINE_NBYTES, W_EPOCH
-from ..sync import WAIT_SPIN, wake_sleepers
+from ..base import control, copytune
+from ..base.arena import FLAG_LINE_NBYTES, W_EPOCH
+from ..base.sync import WAIT_SPIN, wake_sleepers
+from ..platform import mpiprogress
 
 __all__ = ["init_control", "PART_ALIGN_NBYTES", "slots2d", "step_parity", "parity_slot_addr",
            "slot_addr", "next_slot_addr", "part_bounds", "ring_pos", "hook_addr", "wait_addr",
@@ -41,7 +42,7 @@ def init_control(ctl, arena, spin_count: int, timeout_s: float, auto_code: int,
     and picks, see copytune; ``tune_state`` is its int64[STATE_WORDS]
     array), "on", "off" or "flush". ``wait_policy`` (sync.WAIT_*) and the
     spin floor and cap of policy auto, and its yield window after the spin:
-    how waits spin, yield and sleep (harmpi.sync);
+    how waits spin, yield and sleep (harmpi.base.sync);
     an arena without sleeper lines always spins."""
     c = ctl[0]
     c["flags"] = arena.flags_addr

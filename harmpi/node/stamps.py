@@ -3,7 +3,7 @@
 Only while the control block's ``profile`` word is non-zero. ``begin``
 (called by an entry right after ``enter``) notes the collective's size,
 kind and entry time. A rank's first publish of a collective posts its entry
-time in its stamp line (harmpi.shm), tagged with the epoch; after the wait
+time in its stamp line (harmpi.base.arena), tagged with the epoch; after the wait
 for that epoch every rank reads every local rank's stamp, so each learns the
 first and the last arrival and who that was, without a message of its own.
 A later publish posts what ``prof_stamp`` then holds (the two-node step:
@@ -15,9 +15,9 @@ from __future__ import annotations
 import numba
 from numba import types
 
-from .. import control
-from ..shm import FLAG_LINE_NBYTES, STAMP_WORDS
-from ..sync import load_acquire, monotonic_ns, store_release
+from ..base import control
+from ..base.arena import FLAG_LINE_NBYTES, STAMP_WORDS
+from ..base.sync import load_acquire, monotonic_ns, store_release
 from .layout import local_rank_of
 
 __all__ = ["begin", "post_stamp", "read_stamps", "heard"]

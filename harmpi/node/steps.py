@@ -13,8 +13,8 @@ import numba
 import numpy as np
 from numba import types
 
-from .. import control, copytune
-from ..control import OK
+from ..base import control, copytune
+from ..base.control import OK
 from .copy import copy_bytes, done_reading, memcpy, stream_copy, streams
 from .dispatch import sigs, sum2, sum_rows, sum_rows_x
 from .flags import publish_wait, publish_wait_status, stage_at

@@ -26,7 +26,7 @@ made the kernel ~50% slower), and each block's results go to ``out`` and
 import numba
 import numpy as np
 
-from .. import dtypes
+from ..base import dtypes
 from .convert import dec_hi, dec_lo, dec_one, enc_one, enc_pair
 from .primitives import (
     BLOCK,

@@ -20,8 +20,8 @@ import logging
 
 from mpi4py import MPI
 
+from ..base.topology import arrive, gather_records, vote, world_ranks
 from ..errors import HarmpiTransportError
-from ..topology import arrive, gather_records, vote, world_ranks
 from .base import MAX_TAG, POISON_TAG, Pending, Transport
 from .mpi import MpiTransport
 from .tcp import TcpTransport

@@ -19,8 +19,8 @@ import abc
 import os
 import time
 
+from ..base.kind import MAX_TAG, POISON_TAG
 from ..errors import HarmpiTimeoutError
-from ..kind import MAX_TAG, POISON_TAG
 
 __all__ = ["Transport", "Pending", "POISON_TAG", "MAX_TAG", "timeout_error", "idle",
            "NAP_FIRST_S", "NAP_MAX_S"]
@@ -40,11 +40,14 @@ class Transport(abc.ABC):
     naps = False
     #: past the spin budget, how long a wait still yields the core between
     #: polls before it naps (ns; the context sets it when ranks outnumber
-    #: cores: harmpi.sync's yield window)
+    #: cores: harmpi.base.sync's yield window)
     yield_ns = 0
     #: address of the context's wait state (sync.WS_*; 0: none): the tcp
     #: rail's busy-host look (sync.host_busy) reads and updates it
     wait_state = 0
+    #: whether compiled steps can drive this transport themselves (its
+    #: sockets through sockio: the two-node compiled all-reduce, har_latency)
+    compiled_rail = False
 
     @abc.abstractmethod
     def post(self, sends, recvs) -> Pending:
@@ -71,6 +74,21 @@ class Transport(abc.ABC):
         ``unclean = True``: the context then gives up, so its peers fail at
         once instead of waiting for a flag round this rank never posts.
         """
+
+    def watch_signals(self, sigfd: int) -> None:
+        """Let this transport's waits notice a SIGINT written to ``sigfd``
+        (Python's wakeup fd). A transport whose waits run Python (where the
+        signal handler runs anyway) has nothing to do."""
+
+    def give_up(self, extra_ops=()) -> None:
+        """This rank gave up on the collective in progress: tell every peer
+        at once, best effort and without waiting, so a peer that waits on
+        this rank fails now instead of at its deadline. ``extra_ops``: op
+        rows of compiled steps that drive this transport (compiled_rail)."""
+
+    def close_local(self) -> None:
+        """Release what needs no peer to take part (sockets); what needs a
+        collective (a communicator's free) is left to MPI_Finalize."""
 
     def close(self):
         """Release resources (connections, registered memory)."""

@@ -16,9 +16,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..base.kind import ABANDON_TAG
+from ..base.topology import world_ranks
 from ..errors import HarmpiMismatchError, HarmpiTimeoutError
-from ..kind import ABANDON_TAG
-from ..topology import world_ranks
 from .base import NAP_FIRST_S, Pending, Transport, idle
 
 _EMPTY = np.empty(0, np.uint8)
@@ -101,7 +101,7 @@ class MpiTransport(Transport):
         self._check_abandoned(pending, statuses, what)
         return [(st.Get_count(MPI.BYTE), st.Get_tag()) for st in statuses[: pending.nrecv]]
 
-    def give_up(self):
+    def give_up(self, extra_ops=()):
         """This rank gave up on the collective in progress: tell every peer
         (a message with ABANDON_TAG), so that a peer completing its exchange
         with this rank later fails instead of completing a step this rank

@@ -12,7 +12,7 @@ payload bytes, and never consumes the next message.
 
 A rank that gives up on a collective (timeout, Ctrl-C, a peer's failure)
 writes an *abandon notice* on each socket before closing it: a header with
-0 bytes and ABANDON_TAG (harmpi.kind). A receive that reads it as its header
+0 bytes and ABANDON_TAG (harmpi.base.kind). A receive that reads it as its header
 fails (ERR_ABANDONED), and so does a receive whose message is complete but
 followed by a notice (one MSG_PEEK after each message): the sender gave up
 after sending its part, so the step must not complete here either.
@@ -55,8 +55,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..kind import ABANDON_TAG
-from ..sync import (
+from ..base.kind import ABANDON_TAG
+from ..base.sync import (
     SLEEP_POKE_NS,
     busy_window,
     monotonic_ns,
@@ -356,7 +356,7 @@ def progress(ops, k, spin, timeout_ns, pollfds, scratch, hook_addr, yield_ns,  #
     Every SLEEP_POKE_NS of waiting it lets MPI progress before a sleep
     in poll(2) (``hook_addr``: an mpiprogress hook and the wakeup fd, 0 for
     none). For the first ``yield_ns`` past the spin it yields the core
-    instead of sleeping (harmpi.sync's yield window: ranks outnumber cores).
+    instead of sleeping (harmpi.base.sync's yield window: ranks outnumber cores).
     ``state_addr``: the context's wait state (0: none); on a busy host
     (sync.busy_window) the loop does not spin, and yields before it
     sleeps, as the node's waits do."""

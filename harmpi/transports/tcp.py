@@ -31,9 +31,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import mpiprogress
+from ..base.topology import arrive, wait_polled, world_ranks
 from ..errors import HarmpiTimeoutError, HarmpiTransportError
-from ..topology import arrive, wait_polled, world_ranks
+from ..platform import mpiprogress
+from ..platform.machine import boot_id
 from . import sockio
 from .base import Pending, Transport, timeout_error
 
@@ -49,11 +50,7 @@ _MAGIC = 0x68726D7069746370  # "hrmpitcp"
 def host_key():
     """Ranks with equal keys reach each other over 127.0.0.1: same kernel
     (boot id) and same network namespace."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = socket.gethostname()
+    boot = boot_id() or socket.gethostname()
     try:
         netns = os.readlink("/proc/self/ns/net")
     except OSError:
@@ -96,6 +93,7 @@ class _TcpPending(Pending):
 
 class TcpTransport(Transport):
     name = "tcp"
+    compiled_rail = True
 
     def __init__(self, comm, spin_count: int = 1, connect_timeout_s: float = 30.0):
         self.comm = comm
@@ -377,6 +375,9 @@ class TcpTransport(Transport):
                     s.send(notice, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
                 except OSError:
                     pass  # full or already reset: the close below tells the peer
+        self.close()
+
+    def close_local(self):
         self.close()
 
     def close(self):

@@ -83,9 +83,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from ..base.kind import ABANDON_TAG
+from ..base.topology import arrive, world_ranks
 from ..errors import HarmpiTimeoutError, HarmpiTransportError
-from ..kind import ABANDON_TAG
-from ..topology import arrive, world_ranks
 from . import verbs_proto as proto
 from .base import NAP_FIRST_S, Pending, Transport, idle, timeout_error
 
@@ -444,7 +444,7 @@ class VerbsTransport(Transport):
                 late.append(self._world[s.peer])
         raise timeout_error(self._world[self.rank], what, timeout_s, self.name, waiting, late)
 
-    def give_up(self):
+    def give_up(self, extra_ops=()):
         """This rank gives up on the collective in progress: tell every peer
         (a zero-byte write with ABANDON_TAG), so a peer waiting on this rank
         fails at once instead of at its deadline. Best effort: no wait."""

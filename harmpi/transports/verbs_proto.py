@@ -14,7 +14,7 @@ Wire records
 
 Immediate (32 bits, carried by every RDMA WRITE WITH IMMEDIATE)::
 
-    bits  0..15  tag: the collective's rail tag (harmpi.kind.rail_tag, the
+    bits  0..15  tag: the collective's rail tag (harmpi.base.kind.rail_tag, the
                  digest every rail carries), or POISON_TAG / ABANDON_TAG
     bit  16      LAST: this chunk ends the message
     bits 17..31  the chunk's sequence number on this QP, modulo 2**15
@@ -40,8 +40,8 @@ from __future__ import annotations
 import dataclasses
 import struct
 
+from ..base.kind import ABANDON_TAG, MAX_TAG, POISON_TAG
 from ..errors import HarmpiTransportError
-from ..kind import ABANDON_TAG, MAX_TAG, POISON_TAG
 
 __all__ = ["ConnInfo", "Layout", "PortInfo", "DeviceInfo", "PortChoice", "choose_port",
            "chunk_sizes", "encode_imm", "decode_imm", "completion_error", "WC_STATUS",

@@ -42,7 +42,7 @@ def test_default_allgather_runs_from_cpp_on_one_node(world, topo, shape):
     dim-0 allgather of a tensor runs from C++ (harmpi.allgather's hot path):
     every rank's x in rank order, the same bits everywhere; elsewhere it
     declines (-1) and the Python path runs."""
-    from harmpi.registry import STATE  # noqa: PLC0415
+    from harmpi.runtime.registry import STATE  # noqa: PLC0415
 
     r, n = world.Get_rank(), world.Get_size()
     x = (torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) + 100 * r) \

@@ -222,7 +222,7 @@ def test_default_call_runs_from_cpp_on_one_node(world, topo):
     """Where harmpi._C serves the world context (one node, module built), an
     even split of a tensor runs from C++: its result, identical to the
     Python path's; elsewhere it declines (-1) and the Python path runs."""
-    from harmpi.registry import STATE  # noqa: PLC0415
+    from harmpi.runtime.registry import STATE  # noqa: PLC0415
 
     n, r = world.Get_size(), world.Get_rank()
     x, want = inputs("bf16", [[3] * n for _ in range(n)], r, (2, 3), 77, "torch")

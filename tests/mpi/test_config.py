@@ -7,7 +7,8 @@ import pytest
 from conftest import torch
 
 import harmpi
-from harmpi import copytune, schedslice, sync
+from harmpi.base import copytune, sync
+from harmpi.platform import schedslice
 
 
 def info_wait(comm):
@@ -94,10 +95,10 @@ def test_init_refuses_another_config_for_a_set_up_communicator(world):
 
 @pytest.mark.parametrize("wait", ["auto", "sleep", "spin"])
 def test_the_yield_window_is_set_only_for_auto_when_ranks_outnumber_cores(world, wait):
-    from harmpi import context
+    from harmpi.runtime import waits
     comm = world.Dup()
     ctx = harmpi.init(comm, config=dataclasses.replace(harmpi.Config.from_env(), wait=wait))
-    expected = context.OVERSUBSCRIBED_YIELD_NS if wait == "auto" and ctx.oversubscribed else 0
+    expected = waits.OVERSUBSCRIBED_YIELD_NS if wait == "auto" and ctx.oversubscribed else 0
     assert ctx.ctl[0]["wait_yield"] == expected
     window = f"), yield {expected // 1000} us, then futex"
     assert (window in info_wait(comm)) == (expected > 0), info_wait(comm)

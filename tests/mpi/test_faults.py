@@ -110,7 +110,7 @@ def _wait_for_gave_up(world, count, limit_s=100.0):
 def test_two_threads_on_one_communicator_are_refused_not_mixed(world):
     """While the thread that set the communicator up waits inside a
     collective, a second thread's call on it raises at once (it is not the
-    owner: harmpi.owner); the first completes correctly. (More in
+    owner: harmpi.runtime.owner); the first completes correctly. (More in
     test_threads.py.)"""
     r, size = world.Get_rank(), world.Get_size()
     if size == 1:

@@ -11,7 +11,7 @@ from conftest import torch
 from mpi4py import MPI
 
 import harmpi
-from harmpi import profrec
+from harmpi.record import recorder
 
 #: injected lateness; large against this machine's scheduling noise
 SLEEP_S = 0.1
@@ -168,7 +168,7 @@ def test_memory_bounded(world):
             for _ in range(calls):
                 harmpi.allreduce(x, comm=comm)
         assert p.state.nbytes == before
-        assert p.state.nbytes < 64 * profrec.REC_WORDS * 8 + 16384
+        assert p.state.nbytes < 64 * recorder.REC_WORDS * 8 + 16384
         assert len(p.records()) == 64
         assert p.stats()["calls"] == calls
 
@@ -178,13 +178,13 @@ def test_clock_offsets_across_hosts_within_their_bound(world, monkeypatch):
     CLOCK_MONOTONIC 1000*h s ahead: every rank gets its host's offset to
     rank 0's clock within the bound it states (half the best round trip),
     and the ranks of a host share one estimate."""
-    from harmpi import profiling as hprofile
+    from harmpi.record import breakdown as hprofile
 
     rank = world.Get_rank()
     host = rank // 2
     skew = host * 1000 * 10**9
     real_mono = hprofile._mono
-    monkeypatch.setattr(hprofile, "_boot_id", lambda: f"test-host-{host}")
+    monkeypatch.setattr(hprofile, "_machine", lambda: f"test-host-{host}")
     monkeypatch.setattr(hprofile, "_mono", lambda: real_mono() + skew)
     offsets = hprofile.clock_offsets(world)
     assert len(offsets) == world.Get_size()

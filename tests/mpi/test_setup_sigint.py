@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import harmpi
-from harmpi import context
+from harmpi.runtime import context
 
 
 def test_ctrl_c_in_the_blocking_set_up_is_held_until_it_is_done(world, monkeypatch):

@@ -1,5 +1,5 @@
 """Threads and one communicator: a context belongs to the thread that set it
-up (harmpi.owner). Another thread's call is refused at once, on every rank,
+up (harmpi.runtime.owner). Another thread's call is refused at once, on every rank,
 so no call ever returns a sum paired with another thread's call."""
 
 import dataclasses

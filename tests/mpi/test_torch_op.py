@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import harmpi
 from harmpi import native
-from harmpi.registry import STATE
+from harmpi.runtime.registry import STATE
 
 if native.load() is None:  # the same on every rank
     pytest.skip(f"no torch operator: harmpi.native {native.status()}", allow_module_level=True)

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import harmpi
-from harmpi.registry import STATE
+from harmpi.runtime.registry import STATE
 from harmpi.transports.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,5 +1,5 @@
 """Under mpirun, ``import harmpi.distributed`` gives libraries torchrun's rank variables
-(harmpi.worldenv): RANK and WORLD_SIZE from MPI, the local pair from the launcher."""
+(harmpi.platform.worldenv): RANK and WORLD_SIZE from MPI, the local pair from the launcher."""
 
 import os
 

@@ -20,7 +20,7 @@ mpi_fallback   nodes of different sizes, or three or more: MpiAlltoall, a
                polled MPI_Ialltoallv after a check of every pair
 =============  ===============================================================
 
-Steps (the entry a context picks, harmpi.context): one node: one_node;
+Steps (the entry a context picks, harmpi.runtime.context): one node: one_node;
 two nodes of the same size: two_nodes; else mpi_fallback.
 Invariants: every implementation checks every (sender, receiver) count
 against the receiver's expectation, and every rank that sees a bad pair

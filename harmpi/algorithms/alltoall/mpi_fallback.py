@@ -3,7 +3,7 @@
 Used when rails do not span every node (nodes of different sizes), or on
 three or more nodes, where a pair that disagrees would be seen by its two
 nodes only. Steps, on harmpi's duplicate of the communicator, every wait
-polled under the context's deadline (harmpi.topology):
+polled under the context's deadline (harmpi.base.topology):
   1. gather every rank's (row bytes, kind) and arrival time; any
      difference fails every rank alike (a refusal shows as row bytes
      REFUSED_ROW_NBYTES and is named);
@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import kind, node
+from ... import node
+from ...base import kind
 from .plan import expect, pair_error, recv, send, spread_even_rows
 
 __all__ = ["MpiAlltoall", "REFUSED_ROW_NBYTES"]

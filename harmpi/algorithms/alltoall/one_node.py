@@ -40,9 +40,9 @@ import numpy as np
 from numba import types
 
 from ... import node
-from ...control import ARRAY as _ctl
-from ...control import OK, control_at
-from ...control import voidptr as _voidptr
+from ...base.control import ARRAY as _ctl
+from ...base.control import OK, control_at
+from ...base.control import voidptr as _voidptr
 from .plan import (
     bad_pair_at,
     geometry,

@@ -33,10 +33,10 @@ import numpy as np
 from numba.extending import register_jitable
 
 from ... import node
-from ...control import ABANDONED
-from ...control import voidptr as _voidptr
-from ...shm import FLAG_LINE_NBYTES, W_CULPRIT
-from ...sync import load_acquire
+from ...base.arena import FLAG_LINE_NBYTES, W_CULPRIT
+from ...base.control import ABANDONED
+from ...base.control import voidptr as _voidptr
+from ...base.sync import load_acquire
 from .plan import expect
 
 __all__ = ["RAIL_TAG_BAD", "RAIL_COUNTS_BAD", "TOLD_WORDS", "TOLD_NBYTES", "TOLD_MAGIC",

@@ -40,10 +40,10 @@ from __future__ import annotations
 import numpy as np
 
 from ... import node
-from ...control import MISMATCH, OK, POISONED, RAIL_FAILED, RAIL_TIMEOUT
+from ...base.arena import FLAG_LINE_NBYTES
+from ...base.control import MISMATCH, OK, POISONED, RAIL_FAILED, RAIL_TIMEOUT
+from ...base.kind import POISON_TAG, rail_tag
 from ...errors import HarmpiError, HarmpiMismatchError, HarmpiTimeoutError, HarmpiTransportError
-from ...kind import POISON_TAG, rail_tag
-from ...shm import FLAG_LINE_NBYTES
 from . import rail_message as rail
 from .one_node import fill_slot, own_rows
 from .plan import (
@@ -337,7 +337,7 @@ def warm_up():
     """Compile the kernels HierAlltoall calls from Python (typed at their
     first call) with the types it passes, on scratch memory: harmpi's
     precompile runs this, so a job's first multi-node all-to-all does not."""
-    from ... import control  # noqa: PLC0415
+    from ...base import control  # noqa: PLC0415
 
     P, L, slot = 2, 1, 4096
     scratch = np.zeros(2 * slot, np.uint8)

@@ -33,11 +33,11 @@ import numpy as np
 from numba import types
 
 from ... import node
-from ...control import ARRAY as _ctl
-from ...control import MISMATCH, OK, POISONED, RAIL_FAILED
-from ...control import voidptr as _voidptr
-from ...kind import POISON_TAG
-from ...sync import monotonic_ns
+from ...base.control import ARRAY as _ctl
+from ...base.control import MISMATCH, OK, POISONED, RAIL_FAILED
+from ...base.control import voidptr as _voidptr
+from ...base.kind import POISON_TAG
+from ...base.sync import monotonic_ns
 from ...transports import sockio
 from ..har_latency import rail_outcome, rail_views
 from .one_node import fill_slot, own_rows

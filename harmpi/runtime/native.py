@@ -6,7 +6,7 @@ argument unboxing). The C++ module checks the tensor on its C++ side and
 calls the numba kernel through a function pointer in ~0.05 us.
 
 What it serves: the world communicator's context when its default entry is
-compiled (one node, or one rank; harmpi.context), torch tensors only, three
+compiled (one node, or one rank; harmpi.runtime.context), torch tensors only, three
 ways: ``allreduce(t)``, the hot path of ``harmpi.allreduce(t)`` (it returns
 -1 for a tensor it does not take, and the API goes on on its Python path),
 and two operators, which :func:`load` registers:
@@ -38,7 +38,7 @@ model the operator had sampled tokens other than Gloo's.
 
 The control block's ``gate`` field is 1 while the module may use the
 context; Context clears it when the context breaks or is freed. The
-dtype -> format pairs come from harmpi.dtypes at attach time (the C++ side
+dtype -> format pairs come from harmpi.base.dtypes at attach time (the C++ side
 has no table of its own).
 
 Building: at install, by setup.py with torch's extension tooling, when torch
@@ -51,7 +51,7 @@ torch), or with ``HARMPI_NATIVE=0`` (``Config(native=False)``), the API keeps
 its Python path, there is no operator, and ``harmpi.info()["native"]`` says
 why.
 
-This module imports torch, so only harmpi.torch's users (the API's torch
+This module imports torch, so only harmpi.runtime.torchbuf's users (the API's torch
 branch, harmpi.distributed) use it.
 """
 
@@ -64,8 +64,8 @@ import mmap
 import sys
 from pathlib import Path
 
-from . import control
-from .errors import HarmpiArgumentError
+from ..base import control
+from ..errors import HarmpiArgumentError
 
 log = logging.getLogger("harmpi")
 
@@ -117,7 +117,7 @@ def _module_file():
 def checkout_root(package_dir: Path | None = None) -> Path | None:
     """The source checkout harmpi runs from (a plain or editable ``pip install
     -e .``), or None when it runs from an installed copy (site-packages)."""
-    package_dir = Path(__file__).resolve().parent if package_dir is None else package_dir
+    package_dir = Path(__file__).resolve().parents[1] if package_dir is None else package_dir
     root = package_dir.parent
     if (root / "setup.py").is_file() and (root / "pyproject.toml").is_file():
         return root
@@ -222,7 +222,7 @@ def attach(ctx):
     """Serve the context ``ctx`` (its default entry must be compiled: a
     non-zero ``ctx.entry_cfunc``); returns the module's ``allreduce(t)``,
     or None if the module is not available."""
-    from .torch import FORMAT_IDS  # noqa: PLC0415 - torch is loaded by now
+    from .torchbuf import FORMAT_IDS  # noqa: PLC0415 - torch is loaded by now
 
     mod = load()
     if mod is None:
@@ -232,8 +232,8 @@ def attach(ctx):
     # one node: the all-to-all step is compiled too (a module built from an
     # older _native.cpp has no attach_alltoall: the API keeps its Python path)
     if ctx.alltoall is None and hasattr(mod, "attach_alltoall"):
-        from . import kind  # noqa: PLC0415
-        from .algorithms.alltoall import ALLTOALL_CFUNC  # noqa: PLC0415
+        from ..algorithms.alltoall import ALLTOALL_CFUNC  # noqa: PLC0415
+        from ..base import kind  # noqa: PLC0415
 
         coll_shift, _ = kind.field("coll")
         digest_shift, digest_width = kind.field("digest")
@@ -242,7 +242,8 @@ def attach(ctx):
                             (1 << digest_width) - 1)
     # one node: the allgather step is compiled too (node.GATHER_STEP)
     if hasattr(mod, "attach_allgather"):
-        from . import kind, node  # noqa: PLC0415
+        from .. import node  # noqa: PLC0415
+        from ..base import kind  # noqa: PLC0415
 
         _, digest_width = kind.field("digest")
         entry = node.GATHER_CFUNC if ctx.gather is node.GATHER_STEP else 0

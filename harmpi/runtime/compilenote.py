@@ -20,7 +20,7 @@ harmpi`` before any kernel module loads, prevents that:
    compile every kernel (:func:`compile_all`: the import-time ones and
    the ones Python calls lazily, multi-node and rail kernels included)
    over the host's idle CPUs: one worker process per CPU the load leaves
-   idle (as many as memory holds, at most 16: harmpi.compilepool) shares
+   idle (as many as memory holds, at most 16: harmpi.runtime.compilepool) shares
    them out, then this process loads them from the cache; on a busy host
    it compiles them itself. At the first real compile it logs one
    warning (logger "harmpi", shown on stderr without any logging set up),
@@ -72,7 +72,7 @@ PROBE_RATIO = 150
 #: share of them a compile over many processes takes (numba 0.68, 2-core
 #: Xeon VM: 11.3 s of 87, from a serial compile's call graph)
 CHAIN_SHARE = 0.13
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the package harmpi
 
 def _probe(x):
     return x + 1
@@ -278,7 +278,7 @@ def compile_once(compile_all: Callable[..., None], package_dir: Path = PACKAGE_D
     sources changed but every kernel was still in the cache); "no jit"
     under NUMBA_DISABLE_JIT=1. ``processes`` > 1 (None: one per idle CPU of
     the host, compilepool.workers_here()): that many worker processes
-    compile first (harmpi.compilepool), then this one loads what they
+    compile first (harmpi.runtime.compilepool), then this one loads what they
     compiled. ``compile_all`` is then a module's function taking ``claim=``,
     in a module that imports no kernel module itself (its importer would
     compile those before this starts)."""
@@ -393,9 +393,10 @@ class _ColdCacheNote(event.Listener):
 
 #: modules with kernels, in the order ``import harmpi`` meets them
 #: (harmpi.logits only through harmpi.api: the two import each other)
-KERNEL_MODULES = ("harmpi.control", "harmpi.kind", "harmpi.copytune", "harmpi.profrec",
-                  "harmpi.reduce", "harmpi.sync", "harmpi.node", "harmpi.algorithms",
-                  "harmpi.transports.sockio", "harmpi.transports.tcp", "harmpi.api")
+KERNEL_MODULES = ("harmpi.base.control", "harmpi.base.kind", "harmpi.base.copytune",
+                  "harmpi.record.recorder", "harmpi.reduce", "harmpi.base.sync", "harmpi.node",
+                  "harmpi.algorithms", "harmpi.transports.sockio", "harmpi.transports.tcp",
+                  "harmpi.api")
 
 
 def _rail_socket_steps():
@@ -416,7 +417,8 @@ def _rail_socket_steps():
 
 def _rail_arithmetic():
     """The pure integer kernels the rail algorithms call from Python."""
-    from harmpi import kind, node
+    from harmpi import node
+    from harmpi.base import kind
 
     node.part_bounds(1024, 2, 0, 2)
     kind.rail_tag(2048, 1)
@@ -437,7 +439,7 @@ WARM_STEPS = (("reduce", _reduce_warm_up), ("rail socket steps", _rail_socket_st
 
 def compile_all(claim: Callable[[str], bool] | None = None) -> None:
     """Import every kernel module and run the lazily typed kernels once.
-    ``claim(name)``: whether this process runs step ``name`` (harmpi.compilepool's
+    ``claim(name)``: whether this process runs step ``name`` (harmpi.runtime.compilepool's
     workers share the steps); every step without it."""
     for name in KERNEL_MODULES:
         importlib.import_module(name)

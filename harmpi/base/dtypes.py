@@ -5,7 +5,7 @@ has an id (what the kernels, the control block, the kind code and the C++
 entry point carry), a name (the key of the kernels in ``harmpi.reduce``), the
 numpy dtype of its storage (numba has no 16-bit float type, so bf16 and f16
 are summed from uint16 bit patterns), and the torch dtype it serves (by
-name: this module must not import torch; ``harmpi.torch`` resolves it).
+name: this module must not import torch; ``harmpi.runtime.torchbuf`` resolves it).
 
 =====  ====  =========  ========  ==============  ===========================
 id     name  storage    itemsize  torch dtype     numpy dtypes accepted

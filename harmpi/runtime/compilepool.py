@@ -1,6 +1,6 @@
 """harmpi's kernels compiled by several processes at once, one per CPU.
 
-harmpi.compilenote runs :func:`compile_parallel` on a cold numba cache,
+harmpi.runtime.compilenote runs :func:`compile_parallel` on a cold numba cache,
 holding its host lock (so no other compile of that cache runs meanwhile).
 Each worker process runs compile_all, and the kernels are handed out as
 they come:
@@ -85,7 +85,7 @@ except ImportError:
 pkg = types.ModuleType({name!r})
 pkg.__path__, pkg.__file__ = [{path!r}], {init!r}
 sys.modules[{name!r}] = pkg
-from {name}.compilepool import worker
+from {name}.runtime.compilepool import worker
 sys.exit(worker(sys.argv[1:]))
 """
 
@@ -175,7 +175,7 @@ def compile_parallel(target: Callable, directory: Path, processes: int,
 
 
 def _start(run: Path, locks: Path, spec: str, processes: int, failed: list) -> list:
-    here = Path(__file__).parent
+    here = Path(__file__).parents[1]  # the package harmpi
     boot = _BOOT.format(name=here.name, path=str(here), init=str(here / "__init__.py"))
     procs = []
     for i in range(processes):

@@ -33,7 +33,7 @@ FIELDS = (
     ("local_rank", "this rank's index on the node"),
     ("spin", "busy polls of a wait before it yields (wait policy spin)"),
     ("sleepers", "address of the node's sleeper lines (0: waits never sleep)"),
-    ("wait_policy", "wait state (7 adjacent words, harmpi.sync WS_*): sync.WAIT_*"),
+    ("wait_policy", "wait state (7 adjacent words, harmpi.base.sync WS_*): sync.WAIT_*"),
     ("wait_gap", "the running mean of recent waits (ns; policy auto)"),
     ("wait_floor", "the least a wait spins before it sleeps (ns; policy auto)"),
     ("wait_cap", "the most a wait spins before it sleeps (ns; policy auto)"),
@@ -82,8 +82,8 @@ FIELDS = (
     ("hook_source", ""),
     ("hook_tag", ""),
     ("hook_sigfd", "Python's signal wakeup fd that harmpi reads (-1: none)"),
-    ("profile", "0: profiling off; else the address of its int64 state (harmpi.profrec)"),
-    ("stamps", "address of the node's stamp lines (harmpi.shm)"),
+    ("profile", "0: profiling off; else the address of its int64 state (harmpi.record.recorder)"),
+    ("stamps", "address of the node's stamp lines (harmpi.base.arena)"),
     ("prof_enter_ns", "profiling: entry time of the running collective (monotonic)"),
     ("prof_nbytes", "profiling: its bytes"),
     ("prof_code", "profiling: its kind word"),
@@ -96,7 +96,7 @@ FIELDS = (
     ("prof_rt_skew_ns", "profiling: the rail peer's CLOCK_REALTIME minus this rank's"),
     ("prof_rt_mono_ns", "profiling: this host's CLOCK_REALTIME minus CLOCK_MONOTONIC"),
     ("owner", "pthread_self() of the thread that made the context: the one thread whose "
-              "calls run (0: any; harmpi.registry)"),
+              "calls run (0: any; harmpi.runtime.registry)"),
 )
 
 CONTROL = np.dtype([(name, np.int64) for name, _ in FIELDS])

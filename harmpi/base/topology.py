@@ -20,7 +20,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .errors import HarmpiArgumentError, HarmpiMismatchError, HarmpiTimeoutError
+from ..errors import HarmpiArgumentError, HarmpiMismatchError, HarmpiTimeoutError
 
 __all__ = ["Topology", "discover", "arrive", "agree", "vote", "gather_records", "check_arrivals",
            "wait_polled", "world_ranks", "LATE_FRACTION"]

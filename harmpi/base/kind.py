@@ -9,7 +9,7 @@ packs or unpacks the word.
 =========  =====  =====  ============================================
 field      shift  width  holds
 =========  =====  =====  ============================================
-fmt        0      4      storage format id (harmpi.dtypes)
+fmt        0      4      storage format id (harmpi.base.dtypes)
 op         4      4      reduction op (OP_SUM; 0 for allgather)
 coll       8      4      collective (COLL_ALLREDUCE, COLL_ALLGATHER,
                          COLL_ALLTOALL)

@@ -1,6 +1,6 @@
 """Which context serves which communicator, and the process events that end them.
 
-harmpi keeps one :class:`~harmpi.context.Context` per communicator. This
+harmpi keeps one :class:`~harmpi.runtime.context.Context` per communicator. This
 module is the one piece of module state that tracks them (STATE), and the
 hooks that retire them: a communicator's free (an MPI attribute's delete
 callback), MPI_Finalize (an attribute on COMM_SELF), fork() (a child is
@@ -20,11 +20,13 @@ import threading
 
 from mpi4py import MPI
 
-from . import owner, shm
-from .config import Config
-from .context import Context, drain_wakeup
-from .errors import HarmpiArgumentError, HarmpiError
-from .topology import vote
+from ..base import arena
+from ..base.topology import vote
+from ..config import Config
+from ..errors import HarmpiArgumentError, HarmpiError
+from . import owner
+from .context import Context
+from .signals import drain_wakeup
 
 __all__ = ["STATE"]
 
@@ -50,7 +52,7 @@ class Registry:
         self.contexts = []          # every live context, in creation order
         self.leaked = []            # contexts whose release was refused (see release)
         self.world = None
-        self.torch = None           # harmpi.torch, once a tensor has been seen
+        self.torch = None           # harmpi.runtime.torchbuf, once a tensor has been seen
         self.native = None          # harmpi.native's allreduce(t), while it serves
         #: harmpi.native's alltoall(t) once loaded (it declines when nothing is served)
         self.native_alltoall = None
@@ -101,7 +103,7 @@ class Registry:
 
     def create(self, comm, config=None):
         """A new context for ``comm`` (collective), owned by the calling
-        thread (harmpi.owner); or the live one another thread made meanwhile.
+        thread (harmpi.runtime.owner); or the live one another thread made meanwhile.
         A second thread that comes while one sets the communicator up is
         refused at once."""
         self.check_open()
@@ -192,7 +194,7 @@ class Registry:
         self.close("MPI has been finalized (MPI.Finalize() or interpreter exit)")
         # an explicit MPI.Finalize() before exit: MPI still works while it
         # deletes COMM_SELF's attributes, so the windows go in order here
-        shm.free_remaining()
+        arena.free_remaining()
 
     def _after_fork(self):
         self.close(f"this process was forked (pid {os.getpid()}) from a rank after harmpi "
@@ -208,7 +210,7 @@ class Registry:
         self.native = None
         for ctx in self.contexts:
             ctx.broken = ctx.broken or why
-        native = sys.modules.get("harmpi.native")
+        native = sys.modules.get("harmpi.runtime.native")
         if native is not None:
             native.detach()
 
@@ -218,7 +220,7 @@ class Registry:
         if ctx is self.world:
             self.world = None
             self.native = None
-            native = sys.modules.get("harmpi.native")
+            native = sys.modules.get("harmpi.runtime.native")
             if native is not None:
                 native.detach()
 
@@ -227,13 +229,13 @@ class Registry:
         may be exiting on a failure this rank never saw, or still at work).
         The sockets close here; the windows, which MPI_Finalize would free
         anyway (each free waits for the window's ranks), are freed in their
-        allocation order (shm.free_remaining: MPI's own order can differ
+        allocation order (arena.free_remaining: MPI's own order can differ
         between ranks and deadlock)."""
         for ctx in self.contexts + self.leaked:
             ctx.close_transports()
         self.close("the interpreter is exiting")
         if MPI.Is_initialized() and not MPI.Is_finalized():
-            shm.free_remaining()  # (not a forked child's: they are its parent's)
+            arena.free_remaining()  # (not a forked child's: they are its parent's)
 
     def attach_native(self):
         """Let harmpi.native serve harmpi.allreduce(t) for the world context,
@@ -254,7 +256,7 @@ class Registry:
         contexts, self.contexts = self.contexts, []
         world, self.world = self.world, None
         self.native = None
-        native = sys.modules.get("harmpi.native")
+        native = sys.modules.get("harmpi.runtime.native")
         if native is not None:  # also for a broken world context, which is not freed
             native.detach()
         if MPI.Is_finalized():

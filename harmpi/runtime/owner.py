@@ -40,7 +40,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from .errors import HarmpiError, HarmpiTimeoutError
+from ..errors import HarmpiError, HarmpiTimeoutError
 
 __all__ = ["agree", "current", "refusal", "watch", "ENDED"]
 

@@ -1,6 +1,6 @@
 """Where a step's time goes: a per-collective profile, the last arrival, a trace.
 
-The machinery below harmpi.context (which profiles from HARMPI_PROFILE);
+The machinery below harmpi.runtime.context (which profiles from HARMPI_PROFILE);
 the call ``harmpi.profile()`` is harmpi.profile, above the registry.
 
     with harmpi.profile() as p:          # collective over COMM_WORLD
@@ -15,7 +15,7 @@ creation, and rank 0 prints the summary when harmpi.finalize() frees it;
 ``HARMPI_TRACE=FILE`` also writes the trace then. Off (the default), an
 entry pays one load and one branch of the control block's ``profile`` word.
 
-What each rank records per collective (harmpi.profrec, in compiled code):
+What each rank records per collective (harmpi.record.recorder, in compiled code):
 entry and exit times, the first and the last arrival it heard of and who
 arrived last (from the flag rounds the collective runs anyway, see
 harmpi.node; across two nodes over tcp from the rail message's header),
@@ -55,9 +55,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import dtypes, kind, profrec
-from .config import ALGORITHM_NAMES
-from .topology import arrive
+from ..base import dtypes, kind
+from ..base.topology import arrive
+from ..config import ALGORITHM_NAMES
+from ..platform.machine import boot_id
+from . import recorder
 
 log = logging.getLogger("harmpi")
 
@@ -68,12 +70,9 @@ _PINGS = 16
 _TAG = 0x4852
 
 
-def _boot_id():
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return MPI.Get_processor_name()
+def _machine():
+    """This rank's machine (its boot id; the processor name where there is none)."""
+    return boot_id() or MPI.Get_processor_name()
 
 
 def _mono():
@@ -86,7 +85,7 @@ def clock_offsets(comm):
     rank 0's kernel get (0, 0, 0), exact; one rank per other kernel runs
     the ping-pongs and the others of its kernel share its figures."""
     rank = comm.Get_rank()
-    boots = comm.allgather(_boot_id())
+    boots = comm.allgather(_machine())
     reps = {}
     for r, b in enumerate(boots):
         reps.setdefault(b, r)
@@ -124,7 +123,7 @@ class Profile:
         topo = ctx.topo
         self.records_cap = ctx.config.profile_records if records is None else int(records)
         self.trace_path = trace
-        self.state = profrec.new_state(topo.size, self.records_cap)
+        self.state = recorder.new_state(topo.size, self.records_cap)
         self.offsets = clock_offsets(self._meet("starting a profile (clock offsets)"))
         self._prev = 0
         self.active = False
@@ -164,40 +163,40 @@ class Profile:
     def local(self):
         """This rank's aggregates (no communication)."""
         st = self.state
-        lay = profrec.layout(int(st[profrec.H_SIZE]), self.records_cap)
-        size = int(st[profrec.H_SIZE])
-        coll = st[lay["coll"]:lay["coll"] + 2 * profrec.NCOLL].reshape(-1, 2)
+        lay = recorder.layout(int(st[recorder.H_SIZE]), self.records_cap)
+        size = int(st[recorder.H_SIZE])
+        coll = st[lay["coll"]:lay["coll"] + 2 * recorder.NCOLL].reshape(-1, 2)
         names = {kind.COLL_ALLREDUCE: "allreduce", kind.COLL_ALLGATHER: "allgather"}
         return {
             "rank": self.ctx.topo.rank,
-            "calls": int(st[profrec.H_CALLS]),
-            "bytes": int(st[profrec.H_BYTES]),
-            "wait_ns": int(st[profrec.H_WAIT_NS]),
-            "own_ns": int(st[profrec.H_OWN_NS]),
-            "total_ns": int(st[profrec.H_TOTAL_NS]),
-            "straggled": int(st[profrec.H_STRAGGLED]),
+            "calls": int(st[recorder.H_CALLS]),
+            "bytes": int(st[recorder.H_BYTES]),
+            "wait_ns": int(st[recorder.H_WAIT_NS]),
+            "own_ns": int(st[recorder.H_OWN_NS]),
+            "total_ns": int(st[recorder.H_TOTAL_NS]),
+            "straggled": int(st[recorder.H_STRAGGLED]),
             "last_count": st[lay["count"]:lay["count"] + size].copy(),
             "last_delay_ns": st[lay["delay"]:lay["delay"] + size].copy(),
-            "hist": st[lay["hist"]:lay["hist"] + profrec.NBUCKETS].copy(),
+            "hist": st[lay["hist"]:lay["hist"] + recorder.NBUCKETS].copy(),
             "collectives": {names.get(k, f"coll{k}"): (int(coll[k, 0]), int(coll[k, 1]))
-                            for k in range(profrec.NCOLL) if coll[k, 0]},
+                            for k in range(recorder.NCOLL) if coll[k, 0]},
         }
 
     def records(self):
         """This rank's ring, oldest first: a structured array with the fields
-        of profrec.REC_FIELDS, times on rank 0's monotonic clock."""
+        of recorder.REC_FIELDS, times on rank 0's monotonic clock."""
         st = self.state
         cap = self.records_cap
-        written = int(st[profrec.H_WRITTEN])
-        ring_at = profrec.layout(int(st[profrec.H_SIZE]), cap)["ring"]
-        ring = st[ring_at:ring_at + cap * profrec.REC_WORDS].reshape(cap, profrec.REC_WORDS)
+        written = int(st[recorder.H_WRITTEN])
+        ring_at = recorder.layout(int(st[recorder.H_SIZE]), cap)["ring"]
+        ring = st[ring_at:ring_at + cap * recorder.REC_WORDS].reshape(cap, recorder.REC_WORDS)
         n = min(written, cap)
         order = (np.arange(written - n, written) % cap) if cap else np.arange(0)
         rows = ring[order].copy()
         off = self.offsets[self.ctx.topo.rank][0]
-        for f in (profrec.R_ENTER, profrec.R_FIRST, profrec.R_LAST, profrec.R_EXIT):
+        for f in (recorder.R_ENTER, recorder.R_FIRST, recorder.R_LAST, recorder.R_EXIT):
             rows[:, f] = np.where(rows[:, f] != 0, rows[:, f] + off, 0)
-        dt = np.dtype([(name, np.int64) for name, _ in profrec.REC_FIELDS])
+        dt = np.dtype([(name, np.int64) for name, _ in recorder.REC_FIELDS])
         return rows.view(dt).reshape(-1)
 
     # -- collective views -------------------------------------------------------
@@ -232,7 +231,7 @@ class Profile:
         this rank's ring: what the ranks' records say about arrivals the
         collective itself did not hear (see merged_arrivals)."""
         rec = self.records()
-        return (int(self.state[profrec.H_WRITTEN]), rec["enter_ns"].copy(),
+        return (int(self.state[recorder.H_WRITTEN]), rec["enter_ns"].copy(),
                 rec["arrivals"].copy())
 
     def summary(self):
@@ -244,7 +243,7 @@ class Profile:
         (collective; one track per rank). Returns the path on rank 0."""
         comm = self._meet("writing the profile's trace")
         mine = (self.ctx.topo.rank, self.ctx.topo.node_index, self.records(),
-                int(self.state[profrec.H_WRITTEN]))
+                int(self.state[recorder.H_WRITTEN]))
         every = comm.gather(mine, root=0)
         if comm.Get_rank() != 0:
             return None
@@ -274,7 +273,7 @@ def merged_arrivals(rings, size):
     enters = np.stack([e[start - (w - len(e)):end - (w - len(e))] for w, e, _ in rings])
     heard = np.stack([a[start - (w - len(e)):end - (w - len(e))] for w, e, a in rings])
     # a call in which rank 0 heard every rank is in its in-band count
-    # (profrec.record; the stats take rank 0's view): leave it there
+    # (recorder.record; the stats take rank 0's view): leave it there
     todo = (heard[0] < size) & (enters > 0).all(axis=0)
     return (start, todo, enters.argmax(axis=0), enters.min(axis=0), enters.max(axis=0))
 
@@ -345,7 +344,7 @@ def _quantile(hist, q):
     if total == 0:
         return 0.0
     b = int(np.searchsorted(np.cumsum(hist), q * total))
-    return profrec.bucket_value_ns(b) / 1e9
+    return recorder.bucket_value_ns(b) / 1e9
 
 
 def format_summary(s):

@@ -67,8 +67,8 @@ import signal
 import sys
 from typing import Callable
 
-from .config import Config
-from .errors import HarmpiArgumentError
+from ..config import Config
+from ..errors import HarmpiArgumentError
 
 __all__ = ["AbortHook", "install", "run", "abort_status", "exit_status", "rank_prefixed"]
 
@@ -92,7 +92,7 @@ def exit_status(code) -> int:
 def _opted_out() -> bool:
     """Whether the world context runs with ``Config(abort_on_exception=False)``
     (given to harmpi.init)."""
-    registry = sys.modules.get("harmpi.registry")
+    registry = sys.modules.get("harmpi.runtime.registry")
     ctx = registry.STATE.world if registry is not None else None
     return ctx is not None and not ctx.config.abort_on_exception
 
@@ -232,12 +232,15 @@ def run(main: Callable[[], object], env=None) -> None:
 
 
 def _own_frames_dropped(tb):
-    """``tb`` without its first frames in this module, harmpi.run and runpy:
+    """``tb`` without its first frames in this module, harmpi.run (the
+    command's module and harmpi.cli.run) and runpy:
     the traceback starts at the program, as under ``python script.py``."""
     import runpy  # noqa: PLC0415 - only on a failure
 
     own = {os.path.normcase(os.path.abspath(f)) for f in (__file__, runpy.__file__)}
-    own.add(os.path.normcase(os.path.join(os.path.dirname(os.path.abspath(__file__)), "run.py")))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    own.update(os.path.normcase(os.path.join(package, *where, "run.py"))
+               for where in ((), ("cli",)))
     own.add("<frozen runpy>")  # (runpy's code when Python was built with it frozen)
     while tb is not None and os.path.normcase(tb.tb_frame.f_code.co_filename) in own:
         tb = tb.tb_next

@@ -9,7 +9,7 @@ Layout (offsets from the window base; L ranks on the node)::
                               (harmpi.profile; written only while profiling)
     [Z, Z + L*64)             sleeper lines, one per local rank, Z = T + L*64:
                               word 0 counts the ranks asleep on that rank's
-                              epoch word (harmpi.sync's futex waits)
+                              epoch word (harmpi.base.sync's futex waits)
     [F, F + 2*L*S)            payload slots, F = flags rounded up to 4 KiB,
                               slot(p, l) = F + (p*L + l) * S
 

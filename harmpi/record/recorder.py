@@ -12,7 +12,7 @@ and the flag rounds in between):
 - the first and the last arrival among the ranks it heard from, and who
   arrived last. These come from the flags harmpi already exchanges: each
   rank posts its entry time beside the epoch word of its collective's first
-  publish (the node's stamp lines, harmpi.shm), and after the first wait
+  publish (the node's stamp lines, harmpi.base.arena), and after the first wait
   every rank reads its peers' stamps. Across two nodes the rail message's
   header carries its sender's give-up time (realtime), from which the
   peer's arrival follows; each rank posts it with its second publish, so
@@ -34,8 +34,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from . import control, kind
-from .sync import monotonic_ns
+from ..base import control, kind
+from ..base.sync import monotonic_ns
 
 __all__ = ["HDR", "H_CAP", "H_WRITTEN", "H_SIZE", "H_CALLS", "H_BYTES", "H_WAIT_NS", "H_OWN_NS",
            "H_TOTAL_NS", "H_STRAGGLED", "REC_WORDS", "REC_FIELDS", "NBUCKETS", "SUBBUCKETS",
@@ -51,7 +51,7 @@ REC_FIELDS = (
     ("last_ns", "last arrival heard of"),
     ("exit_ns", "exit time"),
     ("nbytes", "bytes of this rank's input"),
-    ("code", "kind word (harmpi.kind: dtype, collective, forced algorithm)"),
+    ("code", "kind word (harmpi.base.kind: dtype, collective, forced algorithm)"),
     ("last_rank", "communicator rank that arrived last (-1: unknown)"),
     ("arrivals", "how many ranks' arrivals were heard of"),
 )

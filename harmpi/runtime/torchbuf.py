@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from . import dtypes
-from .errors import HarmpiArgumentError
+from ..base import dtypes
+from ..errors import HarmpiArgumentError
 
 __all__ = ["FORMAT_IDS", "Tensor", "describe", "empty_like_gathered", "empty_rows",
            "empty_like"]
 
 Tensor = torch.Tensor
 
-#: torch dtype -> storage format id (harmpi.dtypes, the one table)
+#: torch dtype -> storage format id (harmpi.base.dtypes, the one table)
 FORMAT_IDS = {getattr(torch, f.torch_name): f.id for f in dtypes.FORMATS}
 _NAMES = ", ".join(f"torch.{f.torch_name}" for f in dtypes.FORMATS)
 
