@@ -26,7 +26,6 @@ one generation by kind and size, per forward step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -34,47 +33,57 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import click  # noqa: E402 - in both venvs
 import vllm_model  # noqa: E402 - this directory
 
 LAYOUTS = {"1x2": [], "2x1": ["--virtual-nodes", "1", "--transport", "tcp"]}
 
 
+def _comma_list(allowed, what):
+    def check(_ctx, _param, value):
+        items = [x for x in value.split(",") if x]
+        for x in items:
+            if x not in allowed:
+                raise click.BadParameter(f"unknown {what} {x!r} ({', '.join(allowed)})")
+        return items
+    return check
+
+
+@click.command(help=__doc__.splitlines()[0], context_settings={"help_option_names": []})
+@vllm_model.help_option()
+@click.option("--layouts", default="1x2,2x1", show_default=True,
+              callback=_comma_list(tuple(LAYOUTS), "layout"), help="comma list of 1x2, 2x1")
+@click.option("--modes", default="eager,compiled", show_default=True,
+              callback=_comma_list(("eager", "compiled"), "mode"),
+              help="comma list of eager, compiled")
+@click.option("--runs", type=click.IntRange(min=3), default=5, show_default=True,
+              help="timed generations per job (>= 3: a median and a spread; a 64-token run "
+                   "lasts ~0.4 s, so one slow moment moves a median of three)")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--prompts", type=click.IntRange(min=1), default=1, show_default=True,
+              help="sequences per generation")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--model", default=os.path.join(tempfile.gettempdir(), "harmpi-vllm-model"),
+              show_default=True, help="where the random model is made (kept between runs)")
+@click.option("--timeout", type=float, default=900, show_default=True, help="seconds per job")
+@click.option("--json", "json_path", help="also write every job's result here")
+@click.option("--trace", is_flag=True,
+              help="each job also runs one generation under torch.profiler: per decode step, "
+                   "rank 0's busiest operators and each communicator's own")
+@click.option("--serve", default="1x2", show_default=True,
+              help="then the serve rows: vLLM's OpenAI server with vLLM's own executor and "
+                   "with harmpi's at these layouts (bench/vllm_serve.py; '' for none)")
+def _command(**options):
+    return types.SimpleNamespace(**options)
+
+
 def _args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layouts", default="1x2,2x1", help="comma list of 1x2, 2x1")
-    p.add_argument("--modes", default="eager,compiled", help="comma list of eager, compiled")
-    p.add_argument("--runs", type=int, default=5,
-                   help="timed generations per job (>= 3; a 64-token run lasts ~0.4 s, "
-                        "so one slow moment moves a median of three)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--prompts", type=int, default=1, help="sequences per generation")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "harmpi-vllm-model"),
-                   help="where the random model is made (kept between runs)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per job")
-    p.add_argument("--json", help="also write every job's result here")
-    p.add_argument("--trace", action="store_true",
-                   help="each job also runs one generation under torch.profiler: per decode "
-                        "step, rank 0's busiest operators and each communicator's own")
-    p.add_argument("--serve", default="1x2",
-                   help="then the serve rows: vLLM's OpenAI server with vLLM's own executor and "
-                        "with harmpi's at these layouts (bench/vllm_serve.py; '' for none)")
-    a = p.parse_args(argv)
-    if a.runs < 3:
-        p.error("--runs must be >= 3 (a median and a spread)")
-    a.layouts = [x for x in a.layouts.split(",") if x]
-    a.modes = [x for x in a.modes.split(",") if x]
-    for x in a.layouts:
-        if x not in LAYOUTS:
-            p.error(f"unknown layout {x!r} (1x2, 2x1)")
-    for x in a.modes:
-        if x not in ("eager", "compiled"):
-            p.error(f"unknown mode {x!r} (eager, compiled)")
-    return a
+    return vllm_model.parse(_command, argv)
 
 
 def launcher() -> str:
@@ -212,8 +221,8 @@ def main(argv=None):
           f"{os.cpu_count()} cores", flush=True)
     rows, results, counts = measure(a)
     report(a, rows, counts)
-    if a.json:
-        with open(a.json, "w") as f:
+    if a.json_path:
+        with open(a.json_path, "w") as f:
             json.dump(results, f, indent=1)
     serve_rc = serve(a) if a.serve else 0
     bad = [(lay, m, c) for lay, m, c, r, h in rows

@@ -21,36 +21,46 @@ way it does when its ranks disagree on the shm group's name.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
+import types
 from collections import Counter
 
-from vllm_model import prompts  # this directory (sys.path[0]), not the checkout's root
+import click
+import vllm_model  # this directory (sys.path[0]), not the checkout's root
+from vllm_model import prompts
+
+
+@click.command(help=__doc__.splitlines()[0], context_settings={"help_option_names": []})
+@vllm_model.help_option()
+@click.option("--model", required=True)
+@click.option("--comm", type=click.Choice(["harmpi", "vllm", "gloo"]), required=True)
+@click.option("--mode", type=click.Choice(["eager", "compiled"]), required=True)
+@click.option("--tp", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=4, show_default=True,
+              help="sequences per generation")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=16, show_default=True,
+              help="words per prompt")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True,
+              help="tokens generated per sequence")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--count", is_flag=True, help="count collectives (eager only)")
+@click.option("--profile", is_flag=True,
+              help="harmpi: one more generation under harmpi.profile(); its collectives' time "
+                   "per step beside a microbenchmark of the same calls")
+@click.option("--trace", is_flag=True,
+              help="one more generation under torch.profiler on every rank: rank 0's operators "
+                   "by self CPU time per decode step, and its allocations")
+@click.option("--out", required=True)
+def _command(**options):
+    return types.SimpleNamespace(**options)
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--comm", choices=["harmpi", "vllm", "gloo"], required=True)
-    p.add_argument("--mode", choices=["eager", "compiled"], required=True)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=4, help="sequences per generation")
-    p.add_argument("--prompt-len", type=int, default=16, help="words per prompt")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per sequence")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--count", action="store_true", help="count collectives (eager only)")
-    p.add_argument("--profile", action="store_true",
-                   help="harmpi: one more generation under harmpi.profile(); its collectives' "
-                        "time per step beside a microbenchmark of the same calls")
-    p.add_argument("--trace", action="store_true",
-                   help="one more generation under torch.profiler on every rank: rank 0's "
-                        "operators by self CPU time per decode step, and its allocations")
-    p.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    return vllm_model.parse(_command, argv)
 
 
 def _force_gloo():
@@ -175,10 +185,10 @@ def main(argv=None):
 
     llm = LLM(model=a.model, tokenizer=a.model, tensor_parallel_size=a.tp, dtype="bfloat16",
               distributed_executor_backend="external_launcher", enforce_eager=a.mode == "eager",
-              seed=0, max_model_len=256, max_num_seqs=max(a.prompts, 1),
+              seed=0, max_model_len=256, max_num_seqs=max(a.n_prompts, 1),
               kv_cache_memory_bytes=256 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
-    batch = prompts(a.prompts, a.prompt_len)
+    batch = prompts(a.n_prompts, a.prompt_len)
     for _ in range(a.warmup):
         llm.generate(batch, params, use_tqdm=False)
     counts = _count_collectives(llm, batch, params) if a.count else Counter()
@@ -196,7 +206,7 @@ def main(argv=None):
             json.dump({"comm": a.comm, "mode": a.mode, "path": _tp_path(), "tokens": tokens,
                        "output_tokens": sum(map(len, tokens)), "seconds": seconds,
                        "counts": [[k, n, c] for (k, n), c in sorted(counts.items())],
-                       "prompts": a.prompts, "max_tokens": a.max_tokens, "share": share,
+                       "prompts": a.n_prompts, "max_tokens": a.max_tokens, "share": share,
                        "trace": trace}, f)
     return 0
 

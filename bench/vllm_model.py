@@ -18,12 +18,49 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 
 SEED = 0
 SHAPE = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
              num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1024)
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 STAMP = "harmpi-model.json"
+
+
+def _help_on_rank0(ctx, _param, value) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    import click  # noqa: PLC0415
+
+    if (os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("RANK") or "0") == "0":
+        click.echo(ctx.get_help(), color=ctx.color)
+    ctx.exit()
+
+
+def help_option():
+    """-h/--help for the vLLM scripts: printed by rank 0 only under an MPI
+    launcher (click's own prints once per rank)."""
+    import click  # noqa: PLC0415 - in both venvs
+
+    return click.option("-h", "--help", is_flag=True, expose_value=False, is_eager=True,
+                        callback=_help_on_rank0, help="Show this message and exit.")
+
+
+def parse(command, argv):
+    """The namespace a click ``command`` (whose callback returns
+    ``types.SimpleNamespace(**options)``) makes of ``argv`` (None:
+    sys.argv); --help exits 0 and a bad option exits 2 with click's usage
+    error, as the other bench commands do."""
+    import click  # noqa: PLC0415
+
+    try:
+        got = command.main(args=argv, standalone_mode=False)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    if not isinstance(got, types.SimpleNamespace):  # --help: ctx.exit()'s code
+        sys.exit(got or 0)
+    return got
 
 
 def prompts(count: int, length: int) -> list[str]:

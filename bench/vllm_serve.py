@@ -33,7 +33,6 @@ complete, stop, what was left) is what tests/test_vllm_serve.py drives.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -44,10 +43,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import click  # noqa: E402 - in both venvs
 import vllm_model  # noqa: E402 - this directory
 
 EXECUTOR = "harmpi_vllm.executor.MpiExecutor"
@@ -343,22 +344,34 @@ def report(a, rows) -> int:
     return 1 if bad else 0
 
 
-def _args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layouts", default="1x2", help="comma list of 1x2, 2x1")
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--mode", choices=["eager", "compiled"], default="eager")
-    p.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "harmpi-vllm-model"))
-    p.add_argument("--timeout", type=float, default=900, help="seconds to /health")
-    p.add_argument("--json", help="also write every server's result here")
-    a = p.parse_args(argv)
-    a.layouts = [x for x in a.layouts.split(",") if x]
-    for x in a.layouts:
+def _layouts(_ctx, _param, value):
+    items = [x for x in value.split(",") if x]
+    for x in items:
         if x not in LAYOUTS:
-            p.error(f"unknown layout {x!r} (1x2, 2x1)")
-    return a
+            raise click.BadParameter(f"unknown layout {x!r} (1x2, 2x1)")
+    return items
+
+
+@click.command(help=__doc__.splitlines()[0], context_settings={"help_option_names": []})
+@vllm_model.help_option()
+@click.option("--layouts", default="1x2", show_default=True, callback=_layouts,
+              help="comma list of 1x2, 2x1")
+@click.option("--requests", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--mode", type=click.Choice(["eager", "compiled"]), default="eager",
+              show_default=True)
+@click.option("--model", default=os.path.join(tempfile.gettempdir(), "harmpi-vllm-model"),
+              show_default=True)
+@click.option("--timeout", type=float, default=900, show_default=True,
+              help="seconds to /health")
+@click.option("--json", "json_path", help="also write every server's result here")
+def _command(**options):
+    return types.SimpleNamespace(**options)
+
+
+def _args(argv):
+    return vllm_model.parse(_command, argv)
 
 
 def main(argv=None) -> int:
@@ -373,8 +386,8 @@ def main(argv=None) -> int:
         for layout in a.layouts:
             rows.append(run_server(a, layout, "harmpi", tmp))
     code = report(a, rows)
-    if a.json:
-        with open(a.json, "w") as f:
+    if a.json_path:
+        with open(a.json_path, "w") as f:
             json.dump(rows, f, indent=1)
     return code
 

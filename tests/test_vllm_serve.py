@@ -183,7 +183,7 @@ def offline_tokens(model, tmp_path_factory):
 
 def _bench():
     sys.path.insert(0, os.path.join(REPO, "bench"))
-    import vllm_serve  # noqa: PLC0415 - bench/, stdlib only
+    import vllm_serve  # noqa: PLC0415 - bench/ (needs no vLLM)
 
     return vllm_serve
 
