@@ -116,10 +116,10 @@ def _module_name(path):
     return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
 
 
-def _modules():
-    """harmpi's module names -> file paths."""
+def _modules(package=PACKAGE):
+    """The module names of a package of the checkout (harmpi, bench) -> file paths."""
     found = {}
-    for root, _dirs, files in os.walk(PACKAGE):
+    for root, _dirs, files in os.walk(package):
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(root, name)
@@ -195,6 +195,29 @@ def test_no_import_cycle_in_harmpi():
     cycles = _cycles(edges)
     assert not cycles, "import cycles (module -> what it imports within the cycle):\n" + "\n".join(
         f"  {m} -> {sorted(edges[m] & set(c))}" for c in cycles for m in c)
+
+
+def test_no_import_cycle_in_bench():
+    """bench/ too; its scripts run from bench/ import their siblings as
+    top-level modules (``import vllm_model``), which count as bench's."""
+    modules = _modules(os.path.join(REPO, "bench"))
+    edges = {}
+    for m, p in modules.items():
+        found = _imported(m, p, modules)
+        siblings = {f"bench.{name}" for name in _top_level_imports(p)}
+        edges[m] = found | (siblings & set(modules)) - {m}
+    cycles = _cycles(edges)
+    assert not cycles, f"import cycles in bench/: {cycles}"
+
+
+def _top_level_imports(path):
+    names = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+    return names
 
 
 def test_the_cycle_finder_finds_cycles():
