@@ -220,6 +220,40 @@ def _top_level_imports(path):
     return names
 
 
+def _dangling(modules):
+    """(module, what it imports) for every relative import, inside functions
+    too, that names no module of the package: an import a move left behind
+    fails only when its line runs."""
+    found = []
+    for module, path in sorted(modules.items()):
+        here = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                target = _from_target(node, here)
+                if target not in modules and not all(
+                        f"{target}.{a.name}" in modules for a in node.names):
+                    found.append((module, target))
+    return found
+
+
+def test_every_relative_import_names_a_module():
+    assert not _dangling(_modules()), _dangling(_modules())
+
+
+def test_the_dangling_import_check_finds_one(tmp_path):
+    pkg = tmp_path / "p"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "a.py").write_text("def f():\n    from ..gone import x\n    from . import b\n")
+    (pkg / "sub" / "b.py").write_text("")
+    modules = {name.replace(str(tmp_path) + os.sep, "").replace(os.sep, "."): path
+               for name, path in ((p[:-3] if not p.endswith("__init__.py") else
+                                   os.path.dirname(p), p)
+                                  for p in map(str, pkg.rglob("*.py")))}
+    assert _dangling(modules) == [("p.sub.a", "p.gone")]
+
+
 def test_the_cycle_finder_finds_cycles():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(edges) == [["a", "b", "c"]]

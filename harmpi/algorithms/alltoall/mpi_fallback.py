@@ -58,7 +58,7 @@ class MpiAlltoall:
         take part in the first exchange of the call its peers may be in, with
         row bytes REFUSED_ROW_NBYTES, so they fail it at once, naming this
         rank. Returns whether every rank refused (the context goes on)."""
-        from ...topology import check_arrivals, gather_records  # noqa: PLC0415
+        from ...base.topology import check_arrivals, gather_records  # noqa: PLC0415
 
         ctx = self.ctx
         comm, timeout_s = ctx.setup_comm, ctx.config.timeout_s
@@ -72,7 +72,7 @@ class MpiAlltoall:
     def run(self, call, row_nb, plan, make_out):
         from mpi4py import MPI  # noqa: PLC0415
 
-        from ...topology import check_arrivals, gather_records, wait_polled  # noqa: PLC0415
+        from ...base.topology import check_arrivals, gather_records, wait_polled  # noqa: PLC0415
         from ..base import mismatch_error  # noqa: PLC0415
 
         ctx = self.ctx
