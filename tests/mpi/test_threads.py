@@ -48,8 +48,19 @@ def _hammer(comm, kind, tid, out):
 
 
 def _run_threads(target, *args, count=2):
+    """Run ``target(*args, k, out)`` in ``count`` threads; ``out`` as they
+    left it. A thread that raised puts ``("raised", repr(exc))`` under its
+    key, so a failing assertion shows why (a thread's exception is
+    otherwise only a warning at the end of a session an abort may cut)."""
     out = {}
-    threads = [threading.Thread(target=target, args=(*args, k, out), name=f"caller-{k}")
+
+    def run(k):
+        try:
+            target(*args, k, out)
+        except BaseException as exc:  # noqa: BLE001 - reported through out
+            out[k] = ("raised", repr(exc)[:2000])
+
+    threads = [threading.Thread(target=run, args=(k,), name=f"caller-{k}")
                for k in range(count)]
     for t in threads:
         t.start()
