@@ -111,26 +111,36 @@ test-verbs: setup
 # exits non-zero if any failed. Without .venv (setup failed) nothing can run
 # and make stops there; a failed .venv-vllm fails only vllm-test.
 TEST_STAGES ?= lint unit-parallel unit-serial+vllm-test mpi-test torch-suite
+# The lines of a failed stage's output repeated at the end of make test (CI
+# keeps only the tail of a run): pytest's short summary, tracebacks' last
+# lines, the MPI jobs' verdicts, stalled threads' stacks
+FAILURE_LINES := ^(FAILED|ERROR) |^==== rank .*(failed|aborting)|^tests/[^ ]*:[0-9]+: |^E  +[A-Za-z.]*(Error|Exception|assert)|== mpi-test job failed|== mpi-test FAILED|^(Thread|Current thread) 0x|^  File .*(harmpi|tests)/|Timeout|timed out
 test:
 	-$(MAKE) --no-print-directory -k -j2 setup vllm-venv torch-oldest-venv
 	@test -f $(STAMP) || { echo "make test: setup failed, no test stage can run"; exit 1; }
-	@failed=""; t0=$$(date +%s); \
+	@failed=""; t0=$$(date +%s); why=$$(mktemp); \
 	for stage in $(TEST_STAGES); do \
 	  s0=$$(date +%s); side=""; \
 	  case $$stage in *+*) side=$${stage#*+}; stage=$${stage%%+*}; log=$$(mktemp); \
 	    echo "== make test: $$side starts beside $$stage (its output follows $$stage's)"; \
 	    $(MAKE) --no-print-directory $$side >$$log 2>&1 & side_pid=$$!; esac; \
-	  if $(MAKE) --no-print-directory $$stage; then outcome=passed; \
-	  else outcome=FAILED; failed="$$failed $$stage"; fi; \
+	  slog=$$(mktemp); { $(MAKE) --no-print-directory $$stage; echo $$? >$$slog.rc; } 2>&1 | tee $$slog; \
+	  if [ "$$(cat $$slog.rc)" = 0 ]; then outcome=passed; \
+	  else outcome=FAILED; failed="$$failed $$stage"; \
+	    { echo "-- $$stage:"; grep -a -E "$(FAILURE_LINES)" $$slog | awk '!seen[$$0]++' | head -80; } >>$$why; fi; \
+	  rm -f $$slog $$slog.rc; \
 	  echo "== make test: $$stage $$outcome in $$(( $$(date +%s) - s0 )) s"; \
 	  if [ -n "$$side" ]; then \
-	    if wait $$side_pid; then outcome=passed; else outcome=FAILED; failed="$$failed $$side"; fi; \
+	    if wait $$side_pid; then outcome=passed; else outcome=FAILED; failed="$$failed $$side"; \
+	      { echo "-- $$side:"; grep -a -E "$(FAILURE_LINES)" $$log | awk '!seen[$$0]++' | head -80; } >>$$why; fi; \
 	    echo "== make test: output of $$side (run beside $$stage):"; cat $$log; rm -f $$log; \
 	    echo "== make test: $$side $$outcome, both done in $$(( $$(date +%s) - s0 )) s"; \
 	  fi; \
 	done; \
 	echo "== make test: stages took $$(( $$(date +%s) - t0 )) s"; \
-	if [ -n "$$failed" ]; then echo "== make test: FAILED stages:$$failed"; exit 1; fi; \
+	if [ -n "$$failed" ]; then echo "== make test: why, from each failed stage's output:"; \
+	  cat $$why; rm -f $$why; echo "== make test: FAILED stages:$$failed"; exit 1; fi; \
+	rm -f $$why; \
 	echo "== make test: all stages passed ($(TEST_STAGES))"
 
 lint: setup
@@ -210,7 +220,7 @@ mpi-test: setup
 	  cap=$$(( np * $(MPI_TEST_SECONDS_PER_RANK) )); [ $$cap -ge $(MPI_TEST_TIMEOUT) ] || cap=$(MPI_TEST_TIMEOUT); \
 	  echo "== mpirun -np $$np $$envs ($$5 tests, cap $$cap s)"; s0=$$(date +%s); \
 	  env $$envs timeout -k 10 $$cap $(MPIRUN) -np $$np $(MPI_FLAGS) $$xs \
-	    $(MPI_PYTEST) $$files || failed="$$failed $$cfg"; \
+	    $(MPI_PYTEST) $$files || { failed="$$failed $$cfg"; echo "== mpi-test job failed: $$cfg"; }; \
 	  echo "== took $$(( $$(date +%s) - s0 )) s: mpirun -np $$np $$envs ($$5 tests)"; \
 	done; \
 	echo "== mpi-test: $$(( $$(date +%s) - t0 )) s"; \
