@@ -44,22 +44,13 @@ import vllm_model  # noqa: E402 - this directory
 LAYOUTS = {"1x2": [], "2x1": ["--virtual-nodes", "1", "--transport", "tcp"]}
 
 
-def _comma_list(allowed, what):
-    def check(_ctx, _param, value):
-        items = [x for x in value.split(",") if x]
-        for x in items:
-            if x not in allowed:
-                raise click.BadParameter(f"unknown {what} {x!r} ({', '.join(allowed)})")
-        return items
-    return check
-
-
 @click.command(help=__doc__.splitlines()[0], context_settings={"help_option_names": []})
 @vllm_model.help_option()
 @click.option("--layouts", default="1x2,2x1", show_default=True,
-              callback=_comma_list(tuple(LAYOUTS), "layout"), help="comma list of 1x2, 2x1")
+              callback=vllm_model.comma_list(tuple(LAYOUTS), "layout"),
+              help="comma list of 1x2, 2x1")
 @click.option("--modes", default="eager,compiled", show_default=True,
-              callback=_comma_list(("eager", "compiled"), "mode"),
+              callback=vllm_model.comma_list(("eager", "compiled"), "mode"),
               help="comma list of eager, compiled")
 @click.option("--runs", type=click.IntRange(min=3), default=5, show_default=True,
               help="timed generations per job (>= 3: a median and a spread; a 64-token run "

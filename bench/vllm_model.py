@@ -46,6 +46,20 @@ def help_option():
                         callback=_help_on_rank0, help="Show this message and exit.")
 
 
+def comma_list(allowed, what):
+    """A click callback: a comma list whose items are all in ``allowed``
+    (``what`` names an item in the error)."""
+    import click  # noqa: PLC0415 - in both venvs
+
+    def check(_ctx, _param, value):
+        items = [x for x in value.split(",") if x]
+        for x in items:
+            if x not in allowed:
+                raise click.BadParameter(f"unknown {what} {x!r} ({', '.join(allowed)})")
+        return items
+    return check
+
+
 def parse(command, argv):
     """The namespace a click ``command`` (whose callback returns
     ``types.SimpleNamespace(**options)``) makes of ``argv`` (None:

@@ -344,17 +344,10 @@ def report(a, rows) -> int:
     return 1 if bad else 0
 
 
-def _layouts(_ctx, _param, value):
-    items = [x for x in value.split(",") if x]
-    for x in items:
-        if x not in LAYOUTS:
-            raise click.BadParameter(f"unknown layout {x!r} (1x2, 2x1)")
-    return items
-
-
 @click.command(help=__doc__.splitlines()[0], context_settings={"help_option_names": []})
 @vllm_model.help_option()
-@click.option("--layouts", default="1x2", show_default=True, callback=_layouts,
+@click.option("--layouts", default="1x2", show_default=True,
+              callback=vllm_model.comma_list(tuple(LAYOUTS), "layout"),
               help="comma list of 1x2, 2x1")
 @click.option("--requests", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)

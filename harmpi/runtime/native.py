@@ -64,7 +64,7 @@ import mmap
 import sys
 from pathlib import Path
 
-from ..base import control
+from ..base import control, kind
 from ..errors import HarmpiArgumentError
 
 log = logging.getLogger("harmpi")
@@ -233,7 +233,6 @@ def attach(ctx):
     # older _native.cpp has no attach_alltoall: the API keeps its Python path)
     if ctx.alltoall is None and hasattr(mod, "attach_alltoall"):
         from ..algorithms.alltoall import ALLTOALL_CFUNC  # noqa: PLC0415
-        from ..base import kind  # noqa: PLC0415
 
         coll_shift, _ = kind.field("coll")
         digest_shift, digest_width = kind.field("digest")
@@ -243,7 +242,6 @@ def attach(ctx):
     # one node: the allgather step is compiled too (node.GATHER_STEP)
     if hasattr(mod, "attach_allgather"):
         from .. import node  # noqa: PLC0415
-        from ..base import kind  # noqa: PLC0415
 
         _, digest_width = kind.field("digest")
         entry = node.GATHER_CFUNC if ctx.gather is node.GATHER_STEP else 0
