@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 import time
 
 import numpy as np
@@ -23,7 +24,11 @@ from mpi4py import MPI
 from ..errors import HarmpiArgumentError, HarmpiMismatchError, HarmpiTimeoutError
 
 __all__ = ["Topology", "discover", "arrive", "agree", "vote", "gather_records", "check_arrivals",
-           "wait_polled", "world_ranks", "LATE_FRACTION"]
+           "wait_polled", "allgather_polled", "barrier_polled", "dup_polled", "world_ranks",
+           "LATE_FRACTION", "SETUP_TIMEOUT_S"]
+
+#: deadline of a set-up collective whose caller names none (s)
+SETUP_TIMEOUT_S = 60.0
 
 
 #: bytes per rank in a set-up agreement: the arrival stamp, then the settings
@@ -133,6 +138,55 @@ def wait_polled(comm, req, timeout_s, what, buffers):
         pause = min(2 * pause, 1e-3)
 
 
+# Set-up collectives that poll. A set-up's collectives are non-blocking ones
+# polled with MPI_Test (and a sleep that releases the GIL) wherever MPI has a
+# non-blocking form; only the communicator splits and the shared window
+# block, and those release the GIL while they wait. Why: two threads of a
+# rank setting up two communicators at once, across nodes, deadlocked until
+# their deadline (2 virtual nodes x 2, about one run in five under load):
+# faulthandler showed each node leader with one thread in the tcp rail's
+# blocking comm.allgather and the other in its comm.allreduce, and mpi4py
+# (4.1.2) holds the GIL while an object allreduce waits (measured: a main
+# thread that sleeps 0.2 s in a loop did not run for the 2 s a peer took
+# to arrive; allgather, bcast, barrier and Split release it). So the
+# allreduce on rail A blocked its rank's thread on rail B, whose peer rank
+# waited likewise: a cycle across ranks. A polled wait never holds the GIL
+# and gives a rank that never comes a deadline instead of a hang.
+
+
+def allgather_polled(comm, obj, timeout_s, what):
+    """``comm.allgather(obj)`` (any picklable object) as two polled
+    non-blocking collectives: the sizes, then the pickles."""
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    size = comm.Get_size()
+    if size == 1:
+        return [obj]
+    mine = np.array([data.size], np.int64)
+    counts = np.zeros(size, np.int64)
+    req = comm.Iallgather([mine, MPI.INT64_T], [counts, MPI.INT64_T])
+    wait_polled(comm, req, timeout_s, what, (mine, counts))
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    every = np.empty(max(1, int(ends[-1])), np.uint8)
+    req = comm.Iallgatherv([data, MPI.BYTE],
+                           [every, ([int(c) for c in counts], [int(d) for d in starts]), MPI.BYTE])
+    wait_polled(comm, req, timeout_s, what, (data, every))
+    return [pickle.loads(every[a:b].tobytes()) for a, b in zip(starts, ends)]  # noqa: S301 - peers' own
+
+
+def barrier_polled(comm, timeout_s, what):
+    """``comm.Barrier()`` as a polled MPI_Ibarrier."""
+    if comm.Get_size() > 1:
+        wait_polled(comm, comm.Ibarrier(), timeout_s, what, ())
+
+
+def dup_polled(comm, timeout_s, what):
+    """``comm.Dup()`` as a polled MPI_Comm_idup."""
+    new, req = comm.Idup()
+    wait_polled(comm, req, timeout_s, what, (new,))
+    return new
+
+
 def check_arrivals(comm, stamps_ns, timeout_s, what):
     first = int(stamps_ns.min())
     limit = LATE_FRACTION * timeout_s
@@ -211,11 +265,13 @@ def world_ranks(comm, ranks=None):
         world.Free()
 
 
-def discover(comm, ranks_per_node=None):
+def discover(comm, ranks_per_node=None, timeout_s=SETUP_TIMEOUT_S):
     """Return ``(topology, node_comm, rail_comm)`` for ``comm``; collective over ``comm``.
 
     ``node_comm`` holds the ranks of this (possibly virtual) node ordered by
     rank; ``rail_comm`` holds the ranks with this local rank, ordered by node.
+    Its gathers poll under ``timeout_s``; the splits block (MPI has no
+    non-blocking split).
     """
     if ranks_per_node is not None and ranks_per_node < 1:
         raise HarmpiArgumentError(f"ranks per node must be >= 1, got {ranks_per_node}")
@@ -229,9 +285,9 @@ def discover(comm, ranks_per_node=None):
     else:
         node_comm = host_comm
     local_rank = node_comm.Get_rank()
-    members = tuple(node_comm.allgather(rank))
+    members = tuple(allgather_polled(node_comm, rank, timeout_s, "finding this node's ranks"))
     # Every rank learns every node's member list; node order = lowest rank.
-    all_members = comm.allgather(members)
+    all_members = allgather_polled(comm, members, timeout_s, "finding every node's ranks")
     node_ranks = tuple(sorted(set(all_members), key=lambda m: m[0]))
     node_index = node_ranks.index(members)
     rail_comm = comm.Split(local_rank, key=node_index)

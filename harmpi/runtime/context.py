@@ -26,7 +26,7 @@ from ..algorithms.base import Call
 from ..base import control, copytune, dtypes, kind, sync
 from ..base.arena import Arena
 from ..base.control import MISMATCH, OK, POISONED, RAISED
-from ..base.topology import agree, discover
+from ..base.topology import agree, discover, dup_polled
 from ..config import Config
 from ..errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError
 from ..platform import schedslice
@@ -66,16 +66,19 @@ class Context:
             self._set_up(comm, sigfd)
 
     def _set_up(self, comm, sigfd):
-        self.topo, self.node_comm, self.rail_comm = discover(comm, self.config.ranks_per_node)
+        timeout_s = self.config.timeout_s
+        self.topo, self.node_comm, self.rail_comm = discover(comm, self.config.ranks_per_node,
+                                                             timeout_s)
         # set-ups made later, inside a call (the flat ring's transport), run on
         # harmpi's own duplicate: a rank that gives up on one leaves its pending
         # request there, where no other collective (the user's) can meet it
-        self.setup_comm = comm.Dup() if self.topo.size > 1 else comm
-        self.oversubscribed = waits.oversubscribed(comm)
+        self.setup_comm = dup_polled(comm, timeout_s, "setting up harmpi (its own "
+                                     "communicator)") if self.topo.size > 1 else comm
+        self.oversubscribed = waits.oversubscribed(comm, timeout_s)
         self.waits = w = waits.plan(self.config, self.oversubscribed)
         self.spin_count, self.wait_policy = w.spin_count, w.policy
         self.transport_spin_count = w.transport_spin_count
-        self.arena = Arena(self.node_comm, self.config.slot_nbytes)
+        self.arena = Arena(self.node_comm, self.config.slot_nbytes, timeout_s)
         self.ctl = control.new()
         self._tune_state = np.zeros(copytune.STATE_WORDS, np.int64)  # read by local rank 0
         node.init_control(self.ctl, self.arena, w.spin_count, self.config.timeout_s, AUTO_CODE,

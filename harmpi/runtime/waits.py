@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base import control, sync
+from ..base.topology import SETUP_TIMEOUT_S, allgather_polled
 from ..platform import schedslice
 from ..platform.machine import boot_id
 
@@ -109,13 +110,14 @@ def _cpus_allowed():
         return set(range(os.cpu_count() or 1))
 
 
-def oversubscribed(comm):
+def oversubscribed(comm, timeout_s=SETUP_TIMEOUT_S):
     """Whether the ranks on this physical machine outnumber its cores.
     Ranks count together by the kernel's boot id (so "hosts" that are
     containers or network namespaces of one machine count together),
     against the union of their allowed CPUs (each rank may be bound to one)."""
     mine = (boot_id() or MPI.Get_processor_name(), frozenset(_cpus_allowed()))
-    same = [cpus for key, cpus in comm.allgather(mine) if key == mine[0]]
+    every = allgather_polled(comm, mine, timeout_s, "counting the ranks on this machine")
+    same = [cpus for key, cpus in every if key == mine[0]]
     return len(same) > len(frozenset().union(*same))
 
 

@@ -140,7 +140,7 @@ def select(requested: str, comm, spin_count: int, timeout_s: float = 30.0, confi
     list gives this rank entry ``local_rank`` % len."""
     arrive(comm, timeout_s, f"setting up the {requested} transport")
     if requested == "mpi":
-        return MpiTransport(comm, spin_count), "HARMPI_TRANSPORT=mpi"
+        return MpiTransport(comm, spin_count, timeout_s), "HARMPI_TRANSPORT=mpi"
     if requested == "tcp":
         return TcpTransport(comm, spin_count, timeout_s), "HARMPI_TRANSPORT=tcp"
     transport, why = _select_verbs(requested, comm, spin_count, timeout_s, config, local_rank)
@@ -161,7 +161,7 @@ def select(requested: str, comm, spin_count: int, timeout_s: float = 30.0, confi
             transport.close()
         if "did not arrive" in vote_why:
             raise HarmpiTransportError(vote_why)
-        return MpiTransport(comm, spin_count), (
+        return MpiTransport(comm, spin_count, timeout_s), (
             f"auto: {why}; tcp set-up failed ({failure or 'on another rank'}); using mpi")
     return transport, (f"auto: {why}; using the tcp transport (HARMPI_TRANSPORT=mpi selects "
                        "MPI's own network path)")

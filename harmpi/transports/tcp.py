@@ -31,7 +31,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from ..base.topology import arrive, wait_polled, world_ranks
+from ..base.topology import allgather_polled, arrive, wait_polled, world_ranks
 from ..errors import HarmpiTimeoutError, HarmpiTransportError
 from ..platform import mpiprogress
 from ..platform.machine import boot_id
@@ -136,7 +136,7 @@ class TcpTransport(Transport):
             listener.listen(max(8, self.size))
             me = (host_key(), local_ipv4_addresses(), listener.getsockname()[1])
             arrive(self.comm, timeout_s, "tcp transport set-up")
-            everyone = self.comm.allgather(me)
+            everyone = allgather_polled(self.comm, me, timeout_s, "tcp transport set-up")
             deadline = time.monotonic() + timeout_s
             failures = []
             for peer in range(self.rank):
@@ -152,7 +152,8 @@ class TcpTransport(Transport):
                         continue
                     self._adopt(peer, sock)
             # a rank that could not reach a peer says so; everyone fails together
-            ok = self.comm.allreduce(0 if failures else 1, op=MPI.MIN)
+            ok = all(allgather_polled(self.comm, not failures, timeout_s,
+                                      "tcp transport set-up (connections tried)"))
             if not ok:
                 raise HarmpiTransportError(
                     f"tcp transport: rank {self._world[self.rank]} could not connect: "

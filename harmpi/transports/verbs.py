@@ -84,7 +84,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base.kind import ABANDON_TAG
-from ..base.topology import arrive, world_ranks
+from ..base.topology import allgather_polled, arrive, world_ranks
 from ..errors import HarmpiTimeoutError, HarmpiTransportError
 from . import verbs_proto as proto
 from .base import NAP_FIRST_S, Pending, Transport, idle, timeout_error
@@ -238,7 +238,9 @@ class VerbsTransport(Transport):
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             failure, records_out = exc, [b""] * self.size
         arrive(self.comm, timeout_s, "verbs transport set-up")
-        records = self.comm.alltoall(records_out)
+        # (every rank's list, gathered and polled: MPI's alltoall of objects blocks)
+        records = [row[self.rank] for row in allgather_polled(
+            self.comm, records_out, timeout_s, "verbs transport set-up (queue pairs)")]
         if failure is None:
             try:
                 if any(p != self.rank and not records[p] for p in range(self.size)):
@@ -247,7 +249,8 @@ class VerbsTransport(Transport):
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 failure = exc
         why = f"rank {self._world[self.rank]}: {failure}" if failure is not None else ""
-        whys = [w for w in self.comm.allgather(why) if w]
+        whys = [w for w in allgather_polled(self.comm, why, timeout_s,
+                                            "verbs transport set-up (verdicts)") if w]
         if whys:
             raise HarmpiTransportError(f"verbs transport set-up failed: {'; '.join(whys)}")
         # nobody writes before every QP is ready to receive

@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 from conftest import SMALL, assert_same_everywhere, torch
+from mpi4py import MPI
 
 import harmpi
 
@@ -104,6 +105,26 @@ def test_topology_matches_environment(world, topo):
                                                    f"HARMPI_TRANSPORT={wanted}")
     else:
         assert info["transport"] == "none"
+
+
+@pytest.mark.parametrize("obj", [None, 0, "x" * 5000, ("host", ["10.0.0.1"], 4242)])
+def test_set_up_collectives_poll_and_equal_mpis(world, obj):
+    """The set-up's polled collectives (base.topology: allgather_polled,
+    barrier_polled, dup_polled) give what MPI's blocking ones give, with a
+    different object size on every rank, and a duplicate that works."""
+    from harmpi.base.topology import allgather_polled, barrier_polled, dup_polled
+
+    r = world.Get_rank()
+    mine = (r, obj, [r] * r)
+    assert allgather_polled(world, mine, 30.0, "test") == world.allgather(mine)
+    barrier_polled(world, 30.0, "test")
+    dup = dup_polled(world, 30.0, "test")
+    try:
+        assert dup.Get_size() == world.Get_size() and dup.Get_rank() == r
+        assert MPI.Comm.Compare(dup, world) == MPI.CONGRUENT
+        assert allgather_polled(dup, r, 30.0, "test") == list(range(world.Get_size()))
+    finally:
+        dup.Free()
 
 
 def test_allgather_both_spellings():

@@ -2,17 +2,34 @@
 up (harmpi.runtime.owner). Another thread's call is refused at once, on every rank,
 so no call ever returns a sum paired with another thread's call."""
 
+import contextlib
 import dataclasses
+import faulthandler
+import sys
+import tempfile
 import threading
 import time
 
 import numpy as np
 import pytest
 from conftest import torch
+from mpi4py import MPI
 
 import harmpi
 
 CALLS = 200
+#: seconds after which _run_threads prints every thread's stack (a set-up
+#: deadline is 60 s by default)
+STALL_S = 40.0
+
+
+#: pytest's capture manager (set by _capture below), for _run_threads' stacks
+_CAPTURE = [None]
+
+
+@pytest.fixture(autouse=True)
+def _capture(pytestconfig):
+    _CAPTURE[0] = pytestconfig.pluginmanager.getplugin("capturemanager")
 
 
 def _setup(comm, timeout_s=5.0):
@@ -62,10 +79,26 @@ def _run_threads(target, *args, count=2):
 
     threads = [threading.Thread(target=run, args=(k,), name=f"caller-{k}")
                for k in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # every thread's stack once a thread has run STALL_S (where each sits
+    # when a set-up misses its deadline): faulthandler's watchdog writes it
+    # without the GIL, which a stalled thread may hold; it is printed past
+    # pytest's capture, since the abort after a failure cuts captured output
+    with tempfile.TemporaryFile("w+") as stacks:
+        faulthandler.dump_traceback_later(STALL_S, file=stacks)
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        stacks.seek(0)
+        text = stacks.read()
+    if text:
+        capture = _CAPTURE[0]
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            print(f"\n== test_threads: rank {MPI.COMM_WORLD.Get_rank()}: threads still running "
+                  f"after {STALL_S:g} s; stacks:\n{text}", file=sys.stderr, flush=True)
     return out
 
 
@@ -114,14 +147,6 @@ def test_a_race_to_set_up_never_pairs_two_threads(world, kind):
 def test_a_thread_that_sets_up_its_own_communicator_works(world, topo):
     """The remedy the error names: each thread its own communicator, set up
     from that thread. Both threads' sums are right, on every rank."""
-    if topo.node_count > 1:
-        # Known defect, open: in 2 of 3 fresh-clone make test runs of
-        # 2026-12-05 (2 virtual nodes x 2) both threads' set-ups on local
-        # rank 0 of each node raised HarmpiTimeoutError "the other ranks did
-        # not check which thread sets it up within 60 s" (runs alone: 10 of
-        # 10 passed). One node keeps the test; see the closing note.
-        pytest.skip("two threads setting up two communicators across nodes: known set-up "
-                    "deadline, under investigation")
     comms = [world.Dup(), world.Dup()]   # made by the main thread: Dup is collective
 
     def body(tid, out):
