@@ -35,6 +35,25 @@ def no_leaks():
     assert set(os.listdir("/proc/self/fd")) - fds == set()
 
 
+@pytest.fixture(autouse=True)
+def fake_comms_gather_at_once(monkeypatch):
+    """The set-up's polled allgather (topology.allgather_polled) takes
+    FakeComm's allgather, whose hook fakes an absent rank or a stranger;
+    the polled path itself runs in the MPI tests (tests/mpi)."""
+    from harmpi.transports import tcp
+
+    real = tcp.allgather_polled
+
+    def gather(comm, obj, timeout_s, what):
+        if isinstance(comm, FakeComm):
+            # the connect verdicts (flags) as the thread-ranks' own; the
+            # address exchange through the hook
+            return comm._gather(obj) if isinstance(obj, bool) else comm.allgather(obj)
+        return real(comm, obj, timeout_s, what)
+
+    monkeypatch.setattr(tcp, "allgather_polled", gather)
+
+
 def _unix_pair():
     return socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
 

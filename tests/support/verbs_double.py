@@ -239,9 +239,18 @@ class ThreadComm:
         return self._exchange(obj)
 
     def Iallgather(self, send, recv):  # noqa: N802
-        """topology.agree's gather of arrival records, one row per thread-rank."""
-        for r, row in enumerate(self._exchange(send[0].copy())):
-            recv[0][r] = row
+        """topology's polled gathers (arrival records, sizes): one equal
+        block per thread-rank."""
+        rows = recv[0].reshape(self.shared.size, -1)
+        for r, block in enumerate(self._exchange(send[0].copy())):
+            rows[r] = block.reshape(-1)
+        return _Done()
+
+    def Iallgatherv(self, send, recv):  # noqa: N802
+        """topology.allgather_polled's pickles: block r at displacement r."""
+        out, (_counts, displs), _ = recv
+        for r, block in enumerate(self._exchange(send[0].copy())):
+            out[displs[r]:displs[r] + block.size] = block
         return _Done()
 
     def alltoall(self, objs):
