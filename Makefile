@@ -209,6 +209,9 @@ MPI_MATRIX ?= $(foreach n,$(NPS),$(n):-:-:-:all) \
   3:2:auto:HARMPI_STREAM_STORES=flush:core 2:1:auto:-:core 4:1:auto:-:core \
   6:2:auto:HARMPI_STREAM_STORES=on:core \
   2:-:-:HARMPI_WAIT=sleep:core 4:-:-:HARMPI_WAIT=sleep:core 4:2:auto:HARMPI_WAIT=sleep:core
+# A job whose mpirun could not start it (PMIx's listener thread, seen once
+# in ~50 jobs here: no rank ran) runs once more; a test failure never does
+MPIRUN_START_FAILED := PMIx server's listener thread failed to start
 mpi-test: setup
 	@failed=""; t0=$$(date +%s); \
 	for cfg in $(MPI_MATRIX); do \
@@ -219,8 +222,13 @@ mpi-test: setup
 	  if [ $$5 = all ]; then files=tests/mpi; else files="$(MPI_CORE_TESTS)"; fi; \
 	  cap=$$(( np * $(MPI_TEST_SECONDS_PER_RANK) )); [ $$cap -ge $(MPI_TEST_TIMEOUT) ] || cap=$(MPI_TEST_TIMEOUT); \
 	  echo "== mpirun -np $$np $$envs ($$5 tests, cap $$cap s)"; s0=$$(date +%s); \
-	  env $$envs timeout -k 10 $$cap $(MPIRUN) -np $$np $(MPI_FLAGS) $$xs \
-	    $(MPI_PYTEST) $$files || { failed="$$failed $$cfg"; echo "== mpi-test job failed: $$cfg"; }; \
+	  for try in 1 2; do jlog=$$(mktemp); \
+	    env $$envs timeout -k 10 $$cap $(MPIRUN) -np $$np $(MPI_FLAGS) $$xs \
+	      $(MPI_PYTEST) $$files >$$jlog 2>&1; rc=$$?; cat $$jlog; \
+	    if [ $$rc != 0 ] && [ $$try = 1 ] && grep -q "$(MPIRUN_START_FAILED)" $$jlog; then \
+	      echo "== mpirun did not start the job (PMIx); once more"; rm -f $$jlog; continue; fi; \
+	    rm -f $$jlog; break; done; \
+	  [ $$rc = 0 ] || { failed="$$failed $$cfg"; echo "== mpi-test job failed: $$cfg"; }; \
 	  echo "== took $$(( $$(date +%s) - s0 )) s: mpirun -np $$np $$envs ($$5 tests)"; \
 	done; \
 	echo "== mpi-test: $$(( $$(date +%s) - t0 )) s"; \
