@@ -293,7 +293,9 @@ def _say_how_it_ended(ctx: click.Context, finished: Finished) -> None:
                 f"({', '.join(finished.removed)})" if finished.removed else ""
         click.echo(f"{prog}: mpirun ended with status {finished.mpirun_status} and left "
                    f"{len(finished.ended)} process(es) of the job running (pids "
-                   f"{', '.join(map(str, finished.ended))}); ended them{files}", err=True)
+                   f"{', '.join(map(str, finished.ended))}); ended them{files}"
+                   + (f"; removed its session directory {finished.session_dir}"
+                      if finished.session_dir else ""), err=True)
     if finished.stopped_by is not None:
         click.echo(f"{prog}: job stopped by {finished.stopped_by.name} "
                    f"(exit {finished.exit_status})", err=True)

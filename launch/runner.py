@@ -15,7 +15,9 @@ An mpirun that is killed itself (SIGKILL, the OOM killer) leaves its ranks
 running and Open MPI's ``sm_segment.*`` files behind. The ranks stay in
 mpirun's session, so once mpirun is gone the launcher ends what is left of
 that session (SIGTERM, SIGKILL after :data:`GRACE_S`) and removes the
-``sm_segment.*`` files those processes had mapped (Linux: read from /proc).
+``sm_segment.*`` files those processes had mapped (Linux: read from /proc),
+and mpirun's own session directory (PRRTE's ``ompi.<mpirun's pid>`` in the
+temporary directory), which a killed mpirun cannot remove.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -55,6 +60,8 @@ class Finished:
     ended: tuple[int, ...] = ()
     #: Open MPI shared-memory files of those processes, removed by the launcher
     removed: tuple[str, ...] = ()
+    #: a killed mpirun's session directory, removed by the launcher
+    session_dir: str | None = None
 
     @property
     def exit_status(self) -> int:
@@ -147,6 +154,22 @@ def _end_session(sid: int, grace_s: float = GRACE_S) -> tuple[tuple[int, ...], t
     return tuple(pids), tuple(removed)
 
 
+def _remove_session_dir(pid: int, env: Mapping[str, str]) -> str | None:
+    """Remove PRRTE's session directory of the mpirun ``pid`` (``ompi.<pid>``
+    in the job's temporary directory; mpirun removes it itself unless it was
+    killed). Only a real directory of this user; the path, or None."""
+    base = env.get("TMPDIR") or tempfile.gettempdir()
+    path = os.path.join(base, f"ompi.{pid}")
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return None
+    shutil.rmtree(path, ignore_errors=True)
+    return None if os.path.exists(path) else path
+
+
 def run_mpirun(argv: Sequence[str], env: Mapping[str, str]) -> Finished:
     """Run ``argv`` with ``env`` until it exits; how it ended."""
     # The handlers go in before mpirun starts: a signal in between used to
@@ -185,9 +208,11 @@ def run_mpirun(argv: Sequence[str], env: Mapping[str, str]) -> Finished:
                 continue
         # mpirun stops its ranks before it exits, unless it was killed itself
         ended, removed = _end_session(proc.pid)
+        session_dir = _remove_session_dir(proc.pid, env) if rc < 0 else None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     status = 128 - rc if rc < 0 else rc
     # a job that finished cleanly although a signal came is reported as finished
-    return Finished(status, received[0] if received and status != 0 else None, ended, removed)
+    return Finished(status, received[0] if received and status != 0 else None, ended, removed,
+                    session_dir)

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -212,6 +213,10 @@ def test_a_killed_mpirun_leaves_nothing_behind(tmp_path, loop_job):
     gone_s = _wait_job_gone(job, t0)
     left = [name for name in shm if os.path.exists(name)]
     assert left == [], f"the job's shared memory is left behind: {left}"
+    # PRRTE's session directory, which the killed mpirun could not remove
+    session = os.path.join(tempfile.gettempdir(), f"ompi.{mpirun[0]}")
+    assert not os.path.exists(session), f"mpirun's session directory is left: {session}"
+    assert f"removed its session directory {session}" in err[-1], err
     print(f"job gone {gone_s:.1f} s after SIGKILL to mpirun: {err[-1]}")
 
 
