@@ -7,21 +7,25 @@ communicator: output tokens/s, collectives per step, token identity.
 Run with the vLLM venv's Python (its harmpi-launch starts the ranks). For
 each layout (1 node x 2 ranks; 2 virtual nodes x 1 rank, harmpi's tcp rail
 between them) and each mode (eager; compiled: vLLM's torch.compile graph)
-it starts one job per communicator, each under ``harmpi-launch -np 2``
-(a core per rank, bound) with ``distributed_executor_backend=
-"external_launcher"``; each job generates greedily ``--warmup`` times
-untimed, then ``--runs`` times timed (bench/vllm_job.py). The rivals:
+it starts one job under ``harmpi-launch -np 2`` (a core per rank, bound)
+with ``distributed_executor_backend="external_launcher"`` and the plug-in
+on. The job's engine takes each arm in turn (bench/vllm_job.py): ``--warmup``
+untimed generations per arm, then ``--runs`` rounds of one timed generation
+per arm, the order reversed every other round. The arms:
 
+- harmpi;
 - 1 node: vLLM's own choice ("vllm": its shared-memory all-reduce op where
   its AVX-512 library has one, else Gloo) and, when that was the shm op,
   Gloo too;
 - 2 virtual nodes: Gloo (what vLLM uses between machines; its shm op
   would be an unfair same-host shortcut there).
 
-Printed: median output tokens/s with min-max over the runs, harmpi's ratio
-against each rival from the same layout and mode, whether the sampled
-tokens equal the rival's, and (eager, counted once) the TP collectives of
-one generation by kind and size, per forward step.
+Printed: median output tokens/s with min-max over the rounds, harmpi's
+ratio against each arm (median and spread of the round-by-round ratios),
+whether the sampled tokens equal harmpi's (and stayed the same in every
+run), harmpi's share of a decode step beside a microbenchmark of the same
+calls through every arm, and (eager) the TP collectives of one generation
+by kind and size, per forward step.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import types
 
@@ -56,6 +61,8 @@ LAYOUTS = {"1x2": [], "2x1": ["--virtual-nodes", "1", "--transport", "tcp"]}
               help="timed generations per job (>= 3: a median and a spread; a 64-token run "
                    "lasts ~0.4 s, so one slow moment moves a median of three)")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--job-rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="compiled: rounds of one job per arm (a job's graph keeps one all-reduce)")
 @click.option("--prompts", type=click.IntRange(min=1), default=1, show_default=True,
               help="sequences per generation")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
@@ -85,13 +92,14 @@ def launcher() -> str:
     return path
 
 
-def run_job(model, layout, mode, comm, out, *, runs, warmup, prompts, max_tokens, count,
+def run_job(model, layout, mode, comms, out, *, runs, warmup, prompts, max_tokens, count,
             timeout, tp=2, profile=False, trace=False):
-    """One vLLM job of ``tp`` ranks; returns bench/vllm_job.py's result (rank 0)."""
+    """One vLLM job of ``tp`` ranks whose engine takes each arm of ``comms``
+    in turn; returns bench/vllm_job.py's result (rank 0)."""
     cmd = [launcher(), "-np", str(tp), *LAYOUTS[layout], "--",
            sys.executable, os.path.join(HERE, "vllm_job.py"), "--model", model,
-           "--comm", comm, "--mode", mode, "--runs", str(runs), "--warmup", str(warmup),
-           "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--out", out,
+           "--comm", ",".join(comms), "--mode", mode, "--runs", str(runs), "--warmup",
+           str(warmup), "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--out", out,
            "--tp", str(tp)]
     if count:
         cmd.append("--count")
@@ -101,15 +109,15 @@ def run_job(model, layout, mode, comm, out, *, runs, warmup, prompts, max_tokens
         cmd.append("--trace")
     env = dict(os.environ)
     env.pop("HARMPI_VLLM", None)
-    if comm == "harmpi":
+    if "harmpi" in comms:
         env["HARMPI_VLLM"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    print(f"  {layout} {mode:8} {comm:6} job started ({time.strftime('%H:%M:%S')})",
-          flush=True)
+    what = f"{layout} {mode:8} {','.join(comms)}"
+    print(f"  {what} job started ({time.strftime('%H:%M:%S')})", flush=True)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    print(f"  {layout} {mode:8} {comm:6} job ended in {time.monotonic() - t0:.0f} s, exit "
-          f"{proc.returncode}", flush=True)
+    print(f"  {what} job ended in {time.monotonic() - t0:.0f} s, exit {proc.returncode}",
+          flush=True)
     if proc.returncode != 0 or not os.path.exists(out):
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
         raise RuntimeError(f"job failed ({' '.join(cmd)}), exit {proc.returncode}:\n{tail}")
@@ -117,87 +125,149 @@ def run_job(model, layout, mode, comm, out, *, runs, warmup, prompts, max_tokens
         return json.load(f)
 
 
-def tokens_per_s(result) -> list[float]:
-    return [result["output_tokens"] / s for s in result["seconds"]]
+def tokens_per_s(arm) -> list[float]:
+    return [arm["output_tokens"] / s for s in arm["seconds"]]
+
+
+def _median_rate(arm) -> float:
+    return statistics.median(tokens_per_s(arm))
 
 
 def _fmt(rates):
     return f"{statistics.median(rates):7.1f}  ({min(rates):.1f}-{max(rates):.1f})"
 
 
+def _eager_row(r) -> list[dict]:
+    """One eager job's arms, each with its round-by-round ratios (harmpi's
+    tokens/s over the arm's; the two ran next to each other)."""
+    h = next(x for x in r["arms"] if x["comm"] == "harmpi")
+    for x in r["arms"]:
+        x["ratios"] = [b / a for a, b in zip(h["seconds"], x["seconds"])]
+    return r["arms"]
+
+
+def _compiled_row(a, layout, comms, job) -> list[dict]:
+    """``a.job_rounds`` rounds of one compiled job per arm, the order
+    reversed every other round; each arm's runs pooled, its ratios job by
+    job (harmpi's median tokens/s over the arm's job's, same round)."""
+    jobs = {c: [] for c in comms}
+    for k in range(a.job_rounds):
+        for c in comms if k % 2 == 0 else comms[::-1]:
+            if c == "gloo" and jobs.get("vllm") and jobs["vllm"][0]["path"] == "gloo":
+                continue  # vLLM's own choice is Gloo already
+            jobs[c].append(job(c, first=k == 0))
+    arms = []
+    for c, runs in jobs.items():
+        if not runs:
+            continue
+        x = dict(runs[0], seconds=[s for r in runs for s in r["seconds"]],
+                 stable=all(r["stable"] and r["tokens"] == runs[0]["tokens"] for r in runs),
+                 ratios=[_median_rate(h) / _median_rate(r)
+                         for h, r in zip(jobs["harmpi"], runs)])
+        arms.append(x)
+    return arms
+
+
 def measure(a):
-    """Run every job; return (rows, results, counts). A row: (layout, mode,
-    communicator, its result, harmpi's result in the same layout and mode),
-    or (layout, mode, "note", None, None) where vLLM has no shm op."""
-    rows, results, counts = [], [], None
+    """Every arm's result, with its layout, mode and ratios against harmpi
+    (harmpi's also with the share, counts and compile counters of its job)."""
+    arms = []
     with tempfile.TemporaryDirectory() as tmp:
         for layout in a.layouts:
             for mode in a.modes:
-                comms = ["vllm", "harmpi"] if layout == "1x2" else ["gloo", "harmpi"]
-                done = {}
-                for comm in comms:             # grows by "gloo" where the shm op exists
-                    want_count = counts is None and mode == "eager" and comm == "harmpi"
-                    r = run_job(a.model, layout, mode, comm, os.path.join(tmp, "r.json"),
+                # 1 node: vLLM's own choice (its shm op where it exists, else
+                # Gloo) and Gloo; across nodes Gloo, vLLM's path between hosts
+                comms = ["harmpi", "vllm", "gloo"] if layout == "1x2" else ["harmpi", "gloo"]
+
+                def job(arms_, first=True, layout=layout, mode=mode):
+                    r = run_job(a.model, layout, mode, arms_, os.path.join(tmp, "r.json"),
                                 runs=a.runs, warmup=a.warmup, prompts=a.prompts,
-                                max_tokens=a.max_tokens, count=want_count, timeout=a.timeout,
-                                profile=comm == "harmpi", trace=a.trace)
-                    r["layout"] = layout
-                    results.append(r)
-                    done[comm] = r
-                    if want_count:
-                        counts = r["counts"]
-                    if comm == "vllm" and r["path"] == "vllm shm op":
-                        comms.append("gloo")
-                rows += [(layout, mode, comm, r, done["harmpi"]) for comm, r in done.items()]
-                if layout == "1x2" and all(r["path"] != "vllm shm op" for r in done.values()):
-                    rows.append((layout, mode, "note", None, None))
-                if layout != "1x2":
-                    rows.append((layout, mode, "nodes", None, None))
-    return rows, results, counts
+                                max_tokens=a.max_tokens, count=mode == "eager",
+                                timeout=a.timeout, profile=first, trace=a.trace and first)
+                    for x in r["arms"]:
+                        if x["comm"] == "harmpi":
+                            x.update(share=r["share"], counts=r["counts"],
+                                     compile=r["compile"])
+                    return r
+
+                if mode == "eager":
+                    row = _eager_row(job(comms))
+                else:
+                    row = _compiled_row(a, layout, comms,
+                                        lambda c, first: job([c], first)["arms"][0])
+                for x in row:
+                    x.update(layout=layout, mode=mode)
+                arms += row
+    return arms
 
 
-def report(a, rows, counts):
-    print(f"\n{'layout':7}{'mode':10}{'communicator':40}{'tokens/s median (min-max)':28}"
-          f"{'harmpi ratio':>13}  tokens")
-    for layout, mode, comm, r, h in rows:
-        if comm == "nodes":
-            print(f"{layout:7}{mode:10}(vLLM's shm op is no rival across nodes: it cannot "
-                  "leave a host; vLLM uses Gloo there)")
+def _label(arm) -> str:
+    """An arm and, where it is not its name, the path it took."""
+    if arm["comm"] == "harmpi":
+        return "harmpi (plug-in)"
+    return arm["comm"] if arm["path"] == arm["comm"] else f"{arm['comm']}: {arm['path']}"
+
+
+def report(a, arms):
+    by = {(x["layout"], x["mode"], x["comm"]): x for x in arms}
+    print(f"\n{'layout':7}{'mode':9}{'arm':21}{'tokens/s median (min-max)':>27}"
+          f"{'harmpi ratio (min-max)':>25}  tokens")
+    for x in arms:
+        layout, mode, comm = x["layout"], x["mode"], x["comm"]
+        h = by[(layout, mode, "harmpi")]
+        if comm == "harmpi":
+            ratio, same = "", "-" if x["stable"] else "VARIED"
+        else:
+            rs = x["ratios"]
+            ratio = f"{statistics.median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})"
+            same = "identical" if x["tokens"] == h["tokens"] else "DIFFERENT"
+        print(f"{layout:7}{mode:9}{_label(x):21}{_fmt(tokens_per_s(x)):>27}{ratio:>25}  {same}")
+        last = x is [y for y in arms if (y["layout"], y["mode"]) == (layout, mode)][-1]
+        if not last or (layout, mode, "vllm") in by:
             continue
-        if r is None:
-            print(f"{layout:7}{mode:10}(vLLM's shm all-reduce op is not in this CPU's vLLM "
-                  "library (it needs AVX-512): vLLM uses Gloo here)")
-            continue
-        ratio = statistics.median(tokens_per_s(h)) / statistics.median(tokens_per_s(r))
-        same = "-" if comm == "harmpi" else ("identical" if r["tokens"] == h["tokens"]
-                                             else "DIFFERENT")
-        print(f"{layout:7}{mode:10}{comm + ': ' + r['path']:40}{_fmt(tokens_per_s(r)):28}"
-              f"{'' if comm == 'harmpi' else f'{ratio:.2f}x':>13}  {same}")
-    shares = [(layout, mode, r["share"]) for layout, mode, comm, r, _ in rows
-              if comm == "harmpi" and r.get("share")]
+        why = ("vLLM's shm op is no rival across nodes: it cannot leave a host; vLLM uses Gloo "
+               "there") if layout != "1x2" else ("vLLM's own choice here is Gloo: its shm "
+                                                   "all-reduce op needs AVX-512")
+        print(f"{layout:7}{mode:9}({why})")
+    print("\n" + textwrap.fill(
+        "Ratio: harmpi's tokens/s over the arm's, measured side by side. Eager: the arms took "
+        f"turns in one engine ({a.runs} rounds, the order reversed every other round), a ratio "
+        "per round. Compiled: a graph keeps the all-reduce it was compiled with, so one job per "
+        f"arm, {a.job_rounds} round(s), the order reversed every other round, a ratio per round "
+        "of the jobs' medians. Tokens: the arm's sampled tokens against harmpi's (VARIED: "
+        "harmpi's own runs differed).", 96))
+    shares = [x for x in arms if x["comm"] == "harmpi" and x.get("share")]
     if shares:
-        print("\nharmpi's share of a decode step (one more generation under harmpi.profile(), "
-              "rank mean) beside a microbenchmark of the same calls in the same job:")
-        for layout, mode, sh in shares:
-            micro = ", ".join(f"{name} {nb} B x {n:.2f} at {us:.1f} us"
-                              for name, nb, n, us in sh["micro"])
+        print("\n" + textwrap.fill(
+            "harmpi's share of a decode step (one more generation under harmpi.profile(), rank "
+            "mean) beside a microbenchmark of the same calls through each arm, same job:", 96))
+        for x in shares:
+            sh = x["share"]
             total = sh["wait_us_per_step"] + sh["own_us_per_step"]
-            print(f"  {layout} {mode:9} {total:7.1f} us/step in {sh['calls_per_step']:.2f} "
-                  f"collectives (waiting for the last rank {sh['wait_us_per_step']:.1f}, own "
-                  f"{sh['own_us_per_step']:.1f}); microbenchmark {sh['micro_us_per_step']:.1f} "
-                  f"us/step ({micro})")
-    traces = [(layout, mode, comm, r["trace"]) for layout, mode, comm, r, _ in rows
-              if r is not None and r.get("trace")]
+            micro = ", ".join(f"{arm} {us:.1f}" for arm, us in sh["micro_us_per_step"].items())
+            sizes = ", ".join(f"{name} {nb} B x {n:.2f}" for name, nb, n, _ in sh["micro"])
+            print(f"  {x['layout']} {x['mode']:9} {total:7.1f} us/step in "
+                  f"{sh['calls_per_step']:.2f} collectives: waiting for the last rank "
+                  f"{sh['wait_us_per_step']:.1f}, own {sh['own_us_per_step']:.1f}")
+            print(textwrap.fill(f"microbenchmark of the same calls ({sizes}), us/step: {micro}",
+                                96, initial_indent=" " * 6, subsequent_indent=" " * 8))
+        x = shares[-1]["compile"]
+        print(f"  torch.compile in the last job: {x['graph_breaks']} graph break(s), "
+              f"{x['unique_graphs']} graph(s)")
+    traces = [x for x in arms if x.get("trace")]
     if traces:
         print("\nOne generation under torch.profiler, rank 0, per decode step: operators by "
-              "self CPU time (us), calls")
-        for layout, mode, comm, tr in traces:
+              "self CPU time (us), calls; tensors allocated")
+        for x in traces:
+            tr = x["trace"]
             ops = "; ".join(f"{name} {us:.0f} ({calls:.1f})" for name, calls, us in tr["ops"])
-            print(f"  {layout} {mode:9} {comm:7} {ops}")
-    if counts:
+            print(f"  {x['layout']} {x['mode']:9} {x['comm']:7} allocations "
+                  f"{tr['allocs_per_step']:.1f}: {ops}")
+    counted = [x for x in shares if x.get("counts")]
+    if counted:
         print(f"\nTP collectives of one generation ({a.prompts} sequence(s) x {a.max_tokens} "
               f"tokens = {a.max_tokens} forward steps), per rank:")
-        for kind, nbytes, n in counts:
+        for kind, nbytes, n in counted[0]["counts"]:
             print(f"  {kind:11} {nbytes:>9} B  x {n:5}  ({n / a.max_tokens:.2f} per step)")
 
 
@@ -210,16 +280,17 @@ def main(argv=None):
           f"{vllm_model.SHAPE['hidden_size']} bf16, {a.prompts} sequence(s) x {a.max_tokens} "
           f"tokens, greedy; {a.runs} timed runs per job; torch {torch.__version__}, "
           f"{os.cpu_count()} cores", flush=True)
-    rows, results, counts = measure(a)
-    report(a, rows, counts)
+    arms = measure(a)
+    report(a, arms)
     if a.json_path:
         with open(a.json_path, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(arms, f, indent=1)
     serve_rc = serve(a) if a.serve else 0
-    bad = [(lay, m, c) for lay, m, c, r, h in rows
-           if r is not None and c != "harmpi" and r["tokens"] != h["tokens"]]
+    harmpi = {(x["layout"], x["mode"]): x for x in arms if x["comm"] == "harmpi"}
+    bad = [(x["layout"], x["mode"], x["comm"]) for x in arms
+           if not x["stable"] or x["tokens"] != harmpi[(x["layout"], x["mode"])]["tokens"]]
     if bad:
-        print(f"\nsampled tokens differ from harmpi's: {bad}")
+        print(f"\nsampled tokens differ from harmpi's or between runs: {bad}")
         return 1
     return serve_rc
 

@@ -2,21 +2,40 @@
 tests/test_vllm_generation.py (run by harmpi-launch with the vLLM venv's Python):
 
     HARMPI_VLLM=1 harmpi-launch -np 2 -- python bench/vllm_job.py --model DIR \\
-        --comm harmpi --mode compiled --out result.json
+        --comm harmpi,vllm,gloo --mode compiled --out result.json
 
 Every rank builds the same ``LLM`` with ``distributed_executor_backend=
 "external_launcher"`` (vLLM runs its worker in this process; harmpi-launch
-exported RANK, WORLD_SIZE, MASTER_ADDR... from MPI), generates greedily
-(``--warmup`` untimed runs, then ``--runs`` timed ones) and rank 0 writes
-``--out``: the sampled token ids, the seconds of each timed run, the output
-token count, which path vLLM's TP all-reduce took, and (``--count``) the
-collectives one generation made, by kind and size.
+exported RANK, WORLD_SIZE, MASTER_ADDR... from MPI) and generates greedily.
 
-``--comm``: ``harmpi`` needs HARMPI_VLLM=1 in the environment (the plug-in);
-``vllm`` is vLLM's own CPU communicator as vLLM picks it (its shared-memory
-op where its AVX-512 library has one, else torch.distributed over Gloo);
-``gloo`` makes vLLM take its own Gloo path even where the shm op exists, the
-way it does when its ranks disagree on the shm group's name.
+``--comm`` names the arms, the TP all-reduce/all_gather paths one engine
+takes in turn: ``harmpi`` (needs HARMPI_VLLM=1, the plug-in); ``vllm``,
+vLLM's own CPU communicator as vLLM set it up (its shared-memory op where
+its AVX-512 library has one and the ranks share a node, else
+torch.distributed over Gloo); ``gloo``, torch.distributed over Gloo even
+where the shm op exists (vLLM's path between machines). In eager mode the
+arms switch between generations, in the communicator vLLM calls for every
+collective, so every arm runs in the same engine, the same memory and the
+same bound cores: ``--warmup`` untimed generations per arm, then ``--runs``
+rounds of one timed generation per arm, the order reversed every other
+round (ABC CBA ...), so a machine that drifts during the job drifts for
+every arm alike. (Separate jobs moved ~8% from job to job on a quiet
+2-vCPU VM, more than the gap measured.) A ``gloo`` arm beside a ``vllm``
+arm that is Gloo already is dropped.
+
+A compiled job takes one arm: its graph holds the all-reduce operator of
+the arm in use when vLLM compiled it (dynamo traces through the
+communicator's Python into harmpi's or vLLM's operator, and vLLM's compiled
+model keeps no guards that would retrace), so switching arms afterwards
+would switch only the logits gather (measured: a "vllm" arm's trace still
+showed harmpi::all_reduce). bench/vllm_demo.py alternates compiled jobs.
+
+Rank 0 writes ``--out``: per arm the sampled token ids (and whether every
+run sampled the same), the seconds of each timed run and which path it
+took; the collectives one generation made by kind and size (``--count``);
+with ``--profile``, harmpi's share of a decode step and a microbenchmark
+of the same calls through every arm; with ``--trace``, each arm's busiest
+operators per decode step; and torch.compile's graph-break count.
 """
 
 from __future__ import annotations
@@ -32,11 +51,15 @@ import click
 import vllm_model  # this directory (sys.path[0]), not the checkout's root
 from vllm_model import prompts
 
+#: the TP all-reduce paths one engine can take (see the docstring)
+ARMS = ("harmpi", "vllm", "gloo")
+
 
 @click.command(help=__doc__.splitlines()[0], context_settings={"help_option_names": []})
 @vllm_model.help_option()
 @click.option("--model", required=True)
-@click.option("--comm", type=click.Choice(["harmpi", "vllm", "gloo"]), required=True)
+@click.option("--comm", required=True, callback=vllm_model.comma_list(ARMS, "arm"),
+              help="comma list of the arms: harmpi, vllm, gloo")
 @click.option("--mode", type=click.Choice(["eager", "compiled"]), required=True)
 @click.option("--tp", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=4, show_default=True,
@@ -46,14 +69,16 @@ from vllm_model import prompts
 @click.option("--max-tokens", type=click.IntRange(min=1), default=32, show_default=True,
               help="tokens generated per sequence")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True,
+              help="rounds of one timed generation per arm")
 @click.option("--count", is_flag=True, help="count collectives (eager only)")
 @click.option("--profile", is_flag=True,
-              help="harmpi: one more generation under harmpi.profile(); its collectives' time "
-                   "per step beside a microbenchmark of the same calls")
+              help="one more generation on the harmpi arm under harmpi.profile(); its "
+                   "collectives' time per step beside a microbenchmark of the same calls "
+                   "through every arm")
 @click.option("--trace", is_flag=True,
-              help="one more generation under torch.profiler on every rank: rank 0's operators "
-                   "by self CPU time per decode step, and its allocations")
+              help="one more generation per arm under torch.profiler on every rank: rank 0's "
+                   "operators by self CPU time per decode step, and its allocations")
 @click.option("--out", required=True)
 def _command(**options):
     return types.SimpleNamespace(**options)
@@ -63,12 +88,50 @@ def _args(argv):
     return vllm_model.parse(_command, argv)
 
 
-def _force_gloo():
-    """vLLM's own fallback: its CPU communicator uses torch.distributed (the
-    Gloo device group) when the group's ranks do not share a shm group name."""
-    from vllm.distributed.device_communicators import cpu_communicator as cc  # noqa: PLC0415
+class Arms:
+    """This rank's TP communicator, switched between the arms between
+    generations: vLLM's CPU communicator calls harmpi where its ``harmpi``
+    group is set (the plug-in's HarmpiCpuCommunicator), else its
+    ``dist_module``: the shm op's wrapper as vLLM made it, or torch.distributed
+    (Gloo)."""
 
-    cc.CpuCommunicator._all_group_ranks_share_shm_group_name = lambda self: False
+    def __init__(self):
+        import torch.distributed as dist  # noqa: PLC0415
+        from vllm.distributed.parallel_state import get_tp_group  # noqa: PLC0415
+
+        self.dc = get_tp_group().device_communicator
+        self.group = getattr(self.dc, "harmpi", None)
+        self.own = getattr(self.dc, "dist_module", None)
+        self.gloo = dist
+
+    def path(self, arm: str) -> str | None:
+        """What ``arm`` runs on this rank, or None where it cannot run."""
+        if self.dc is None:
+            return "none (one rank)"
+        if arm == "harmpi":
+            return f"harmpi ({type(self.dc).__name__})" if self.group is not None else None
+        module = self.gloo if arm == "gloo" else self.own
+        return "vllm shm op" if type(module).__name__ == "_CPUSHMDistributed" else "gloo"
+
+    def use(self, arm: str) -> None:
+        if self.dc is None:
+            return
+        if self.group is not None:
+            self.dc.harmpi = self.group if arm == "harmpi" else None
+        self.dc.dist_module = self.gloo if arm == "gloo" else self.own
+
+    def choose(self, wanted) -> list[str]:
+        """The arms of ``wanted`` that run here; a harmpi arm without the
+        plug-in is an error (the result would silently be vLLM's)."""
+        if "harmpi" in wanted and self.path("harmpi") is None:
+            sys.exit("vllm_job.py: --comm harmpi needs HARMPI_VLLM=1 (the plug-in) and a TP "
+                     "group that harmpi carries")
+        arms = []
+        for arm in dict.fromkeys(wanted):
+            if arm == "gloo" and "vllm" in wanted and self.path("vllm") == "gloo":
+                continue  # vLLM's own choice is Gloo already
+            arms.append(arm)
+        return arms
 
 
 def _count_collectives(llm, batch, params) -> Counter:
@@ -95,18 +158,6 @@ def _count_collectives(llm, batch, params) -> Counter:
     return counts
 
 
-def _tp_path() -> str:
-    """Which path this rank's TP all-reduce takes."""
-    from vllm.distributed.parallel_state import get_tp_group  # noqa: PLC0415
-
-    dc = get_tp_group().device_communicator
-    if dc is None:
-        return "none (one rank)"
-    if getattr(dc, "harmpi", None) is not None:
-        return f"harmpi ({type(dc).__name__})"
-    return "vllm shm op" if type(dc.dist_module).__name__ == "_CPUSHMDistributed" else "gloo"
-
-
 def _micro_us(fn, iters=400) -> float:
     """Median µs of ``fn()`` (a collective; every rank runs the same loop)."""
     import statistics  # noqa: PLC0415
@@ -121,66 +172,92 @@ def _micro_us(fn, iters=400) -> float:
     return statistics.median(times) * 1e6
 
 
-def _harmpi_share(llm, batch, params, steps) -> dict:
-    """harmpi's share of a decode step: one generation under harmpi.profile()
-    (its collectives' mean time per step on a rank: waiting for the last
-    rank's arrival, then their own work), and the same calls timed back to
-    back in this process (the microbenchmark: mean sizes from the profile,
-    the vLLM TP group's all-reduce operator and harmpi.allgather)."""
+def _harmpi_share(llm, batch, params, steps, arms: Arms, names) -> dict:
+    """harmpi's share of a decode step: one generation on the harmpi arm under
+    harmpi.profile() (its collectives' mean time per step on a rank: waiting
+    for the last rank's arrival, then their own work), and the same calls
+    timed back to back through vLLM's communicator on every arm of ``names``
+    (the microbenchmark: mean sizes from the profile; zeros, since vLLM's own
+    arms reduce in place)."""
     import torch  # noqa: PLC0415
-    from vllm.distributed.parallel_state import get_tp_group  # noqa: PLC0415
 
     import harmpi  # noqa: PLC0415
 
-    group = get_tp_group().device_communicator.harmpi
-    with harmpi.profile(group.comm) as prof:
+    arms.use("harmpi")
+    with harmpi.profile(arms.group.comm) as prof:
         llm.generate(batch, params, use_tqdm=False)
     st = prof.stats()
     ranks = st["ranks"]
     out = {"steps": steps, "calls_per_step": st["calls"] / steps,
            "wait_us_per_step": st["wait_s"] / ranks / steps * 1e6,
-           "own_us_per_step": st["own_s"] / ranks / steps * 1e6, "micro": []}
-    micro_total = 0.0
+           "own_us_per_step": st["own_s"] / ranks / steps * 1e6, "micro": [],
+           "micro_us_per_step": {}}
     for name, c in sorted(st["collectives"].items()):
         if not c["calls"]:
             continue
         nbytes = int(round(c["bytes"] / c["calls"]))
-        x = torch.ones(max(1, nbytes // 2), dtype=torch.bfloat16)
-        if name == "allreduce":
-            us = _micro_us(lambda: group.all_reduce(x))
-        else:
-            us = _micro_us(lambda: group.all_gather(x, 0))
+        x = torch.zeros(max(1, nbytes // 2), dtype=torch.bfloat16)
         per_step = c["calls"] / steps
-        micro_total += us * per_step
+        us = {}
+        for arm in names:
+            arms.use(arm)
+            call = (lambda: arms.dc.all_reduce(x)) if name == "allreduce" else \
+                (lambda: arms.dc.all_gather(x, 0))
+            us[arm] = _micro_us(call)
+            out["micro_us_per_step"][arm] = out["micro_us_per_step"].get(arm, 0.0) + \
+                us[arm] * per_step
         out["micro"].append([name, nbytes, per_step, us])
-    out["micro_us_per_step"] = micro_total
     return out
 
 
 #: operators a trace always reports (the TP collectives of each communicator)
 _COMM_OPS = ("harmpi::all_reduce", "_C::shm_allreduce", "_C::shm_all_gather", "c10d::allreduce_",
-             "c10d::allgather_", "gloo:all_reduce", "gloo:all_gather")
+             "c10d::allgather_", "c10d::_allgather_base_", "gloo:all_reduce", "gloo:all_gather")
+#: allocations: how many tensors a step makes, per arm
+_ALLOC_OPS = ("aten::empty", "aten::empty_like", "aten::empty_strided")
 
 
 def _trace(llm, batch, params, steps, top=12) -> dict:
     """One generation under torch.profiler (CPU): per decode step, the
     operators with the most self CPU time, the communicators' operators
-    whatever their rank, and aten::empty calls (allocations)."""
+    whatever their rank, and the allocating ones."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(batch, params, use_tqdm=False)
     rows = [(e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages()]
     rows.sort(key=lambda r: -r[2])
-    keep = rows[:top] + [r for r in rows[top:] if r[0] in _COMM_OPS or r[0] == "aten::empty"]
+    keep = rows[:top] + [r for r in rows[top:] if r[0] in _COMM_OPS + _ALLOC_OPS]
     return {"steps": steps,
-            "ops": [[name, count / steps, self_us / steps] for name, count, self_us in keep]}
+            "ops": [[name, count / steps, self_us / steps] for name, count, self_us in keep],
+            "allocs_per_step": sum(count for name, count, _ in rows if name in _ALLOC_OPS)
+            / steps}
+
+
+def _graph_breaks() -> dict:
+    """torch.compile's counters in this process (vLLM compiles the model
+    here): graph breaks by reason, and the graphs dynamo made."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "reasons": sorted(counters["graph_break"])[:5],
+            "unique_graphs": counters["stats"].get("unique_graphs", 0)}
+
+
+def _generate(llm, batch, params):
+    """(seconds, token ids per sequence) of one generation."""
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def main(argv=None):
     a = _args(argv)
-    if a.comm == "gloo":
-        _force_gloo()
+    if not a.comm:
+        sys.exit("vllm_job.py: --comm names no arm")
+    if a.mode == "compiled" and len(set(a.comm)) > 1:
+        sys.exit("vllm_job.py: a compiled graph keeps the all-reduce of the arm it was compiled "
+                 "with; --mode compiled takes one arm (--comm)")
     from vllm import LLM, SamplingParams  # noqa: PLC0415
 
     llm = LLM(model=a.model, tokenizer=a.model, tensor_parallel_size=a.tp, dtype="bfloat16",
@@ -189,25 +266,39 @@ def main(argv=None):
               kv_cache_memory_bytes=256 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     batch = prompts(a.n_prompts, a.prompt_len)
-    for _ in range(a.warmup):
-        llm.generate(batch, params, use_tqdm=False)
+    arms = Arms()
+    names = arms.choose(a.comm)
+    for arm in names:
+        arms.use(arm)
+        for _ in range(a.warmup):
+            llm.generate(batch, params, use_tqdm=False)
+    arms.use(names[0])
     counts = _count_collectives(llm, batch, params) if a.count else Counter()
-    seconds, outs = [], None
-    for _ in range(a.runs):
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        seconds.append(time.perf_counter() - t0)
-    share = _harmpi_share(llm, batch, params, a.max_tokens) \
-        if a.profile and a.comm == "harmpi" else None
-    trace = _trace(llm, batch, params, a.max_tokens) if a.trace else None
+    runs = {arm: {"comm": arm, "path": arms.path(arm), "seconds": [], "runs_tokens": []}
+            for arm in names}
+    for r in range(a.runs):
+        for arm in names if r % 2 == 0 else names[::-1]:
+            arms.use(arm)
+            seconds, tokens = _generate(llm, batch, params)
+            runs[arm]["seconds"].append(seconds)
+            runs[arm]["runs_tokens"].append(tokens)
+    # the microbenchmark goes through every arm this engine has (a call
+    # from Python, not from a graph, takes the arm in use in either mode)
+    share = _harmpi_share(llm, batch, params, a.max_tokens, arms, arms.choose(ARMS)) \
+        if a.profile and "harmpi" in names else None
+    for arm in names:
+        arms.use(arm)
+        runs[arm]["trace"] = _trace(llm, batch, params, a.max_tokens) if a.trace else None
     if int(os.environ.get("RANK", "0")) == 0:
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        for r in runs.values():
+            every = r.pop("runs_tokens")
+            r.update(tokens=every[-1], stable=all(t == every[-1] for t in every),
+                     output_tokens=sum(map(len, every[-1])))
         with open(a.out, "w") as f:
-            json.dump({"comm": a.comm, "mode": a.mode, "path": _tp_path(), "tokens": tokens,
-                       "output_tokens": sum(map(len, tokens)), "seconds": seconds,
+            json.dump({"mode": a.mode, "arms": list(runs.values()), "share": share,
                        "counts": [[k, n, c] for (k, n), c in sorted(counts.items())],
-                       "prompts": a.n_prompts, "max_tokens": a.max_tokens, "share": share,
-                       "trace": trace}, f)
+                       "prompts": a.n_prompts, "max_tokens": a.max_tokens,
+                       "compile": _graph_breaks()}, f)
     return 0
 
 

@@ -178,7 +178,7 @@ def offline_tokens(model, tmp_path_factory):
         env=dict(_vllm_env(), VLLM_LOGGING_LEVEL="WARNING"), capture_output=True, text=True,
         timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return json.loads(out.read_text())["tokens"]
+    return json.loads(out.read_text())["arms"][0]["tokens"]
 
 
 def _bench():
