@@ -30,11 +30,13 @@
 // harmpi.allreduce(t).
 
 #include <torch/extension.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/FunctionalTensorWrapper.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -373,10 +375,21 @@ at::Tensor& all_reduce_cpu(at::Tensor& t, c10::string_view group) {
 }
 
 // out of place: a contiguous copy of x, reduced in place. x is only read, so
-// x may be a view, non-contiguous, or used again by the caller.
+// x may be a view, non-contiguous, or used again by the caller. A contiguous
+// x (what vLLM's compiled graph passes) is copied with memcpy: the
+// dispatcher's copy_ cost ~0.4 us more per call at 2.5 KB (issue 38: out
+// of place 3.80 us against 2.68 in place, vLLM's shm op 3.03; 3.42 after).
 at::Tensor all_reduce_out_of_place_cpu(const at::Tensor& x, c10::string_view group) {
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  out.copy_(x);
+  // (CPU's own allocator directly: at::empty's dispatch cost ~0.3 us more)
+  at::Tensor out(at::detail::empty_cpu(x.sizes(), x.scalar_type(), /*pin_memory=*/false,
+                                       at::MemoryFormat::Contiguous));
+  if (x.is_contiguous() && !x.is_conj() && !x.is_neg()) {
+    if (x.nbytes() > 0) {
+      std::memcpy(out.data_ptr(), x.data_ptr(), x.nbytes());
+    }
+  } else {
+    out.copy_(x);
+  }
   all_reduce_cpu(out, group);
   return out;
 }

@@ -282,11 +282,13 @@ def test_the_out_of_place_operator_leaves_its_input(mod, op_out, entries):
     fallback = Fallback()
     mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    for src in (x, x[:, 1:], x.t()):                 # contiguous or not: it copies first
+    # contiguous (memcpy; from an offset too), or not (copy_): it copies first
+    for src in (x, x[1:], x[:, 1:], x.t(), x[:0]):
         y = op_out(src)
         assert y is not src and y.is_contiguous() and torch.equal(y, src)
-        assert y.data_ptr() != src.data_ptr()
-        assert _seen(ctl) == [FORMAT_IDS[torch.float32], y.data_ptr(), src.numel()]
+        if src.numel():
+            assert y.data_ptr() != src.data_ptr()
+            assert _seen(ctl) == [FORMAT_IDS[torch.float32], y.data_ptr(), src.numel()]
     assert torch.equal(x, torch.arange(12, dtype=torch.float32).reshape(3, 4))
     assert not fallback.calls
 
