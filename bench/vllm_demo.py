@@ -208,6 +208,35 @@ def _label(arm) -> str:
     return arm["comm"] if arm["path"] == arm["comm"] else f"{arm['comm']}: {arm['path']}"
 
 
+def _print_shares(arms) -> list[dict]:
+    """harmpi's share of a step beside the microbenchmark, per job; returns
+    the harmpi arms that have one."""
+    shares = [x for x in arms if x["comm"] == "harmpi" and x.get("share")]
+    if shares:
+        print("\n" + textwrap.fill(
+            "harmpi's share of a decode step (one more generation under harmpi.profile(), rank "
+            "mean) beside a microbenchmark of the same calls through each arm, same job:", 96))
+        for x in shares:
+            sh = x["share"]
+            total = sh["wait_us_per_step"] + sh["own_us_per_step"]
+            micro = ", ".join(f"{arm} {us:.1f}" for arm, us in sh["micro_us_per_step"].items())
+            sizes = ", ".join(f"{name} {nb} B x {n:.2f}" for name, nb, n, _ in sh["micro"])
+            print(f"  {x['layout']} {x['mode']:9} {total:7.1f} us/step in "
+                  f"{sh['calls_per_step']:.2f} collectives: waiting for the last rank "
+                  f"{sh['wait_us_per_step']:.1f}, own {sh['own_us_per_step']:.1f}")
+            if sh.get("own_by_size"):
+                own = "; ".join(f"{nb} B x {n}: {med:.1f} ({p90:.1f})"
+                                for nb, n, med, p90 in sh["own_by_size"])
+                print(textwrap.fill(f"own per call on rank 0, median (p90) us: {own}", 96,
+                                    initial_indent=" " * 6, subsequent_indent=" " * 8))
+            print(textwrap.fill(f"microbenchmark of the same calls ({sizes}), us/step: {micro}",
+                                96, initial_indent=" " * 6, subsequent_indent=" " * 8))
+        x = shares[-1]["compile"]
+        print(f"  torch.compile in the last job: {x['graph_breaks']} graph break(s), "
+              f"{x['unique_graphs']} graph(s)")
+    return shares
+
+
 def report(a, arms):
     by = {(x["layout"], x["mode"], x["comm"]): x for x in arms}
     print(f"\n{'layout':7}{'mode':9}{'arm':21}{'tokens/s median (min-max)':>27}"
@@ -236,24 +265,7 @@ def report(a, arms):
         f"arm, {a.job_rounds} round(s), the order reversed every other round, a ratio per round "
         "of the jobs' medians. Tokens: the arm's sampled tokens against harmpi's (VARIED: "
         "harmpi's own runs differed).", 96))
-    shares = [x for x in arms if x["comm"] == "harmpi" and x.get("share")]
-    if shares:
-        print("\n" + textwrap.fill(
-            "harmpi's share of a decode step (one more generation under harmpi.profile(), rank "
-            "mean) beside a microbenchmark of the same calls through each arm, same job:", 96))
-        for x in shares:
-            sh = x["share"]
-            total = sh["wait_us_per_step"] + sh["own_us_per_step"]
-            micro = ", ".join(f"{arm} {us:.1f}" for arm, us in sh["micro_us_per_step"].items())
-            sizes = ", ".join(f"{name} {nb} B x {n:.2f}" for name, nb, n, _ in sh["micro"])
-            print(f"  {x['layout']} {x['mode']:9} {total:7.1f} us/step in "
-                  f"{sh['calls_per_step']:.2f} collectives: waiting for the last rank "
-                  f"{sh['wait_us_per_step']:.1f}, own {sh['own_us_per_step']:.1f}")
-            print(textwrap.fill(f"microbenchmark of the same calls ({sizes}), us/step: {micro}",
-                                96, initial_indent=" " * 6, subsequent_indent=" " * 8))
-        x = shares[-1]["compile"]
-        print(f"  torch.compile in the last job: {x['graph_breaks']} graph break(s), "
-              f"{x['unique_graphs']} graph(s)")
+    shares = _print_shares(arms)
     traces = [x for x in arms if x.get("trace")]
     if traces:
         print("\nOne generation under torch.profiler, rank 0, per decode step: operators by "

@@ -24,11 +24,14 @@ every arm alike. (Separate jobs moved ~8% from job to job on a quiet
 arm that is Gloo already is dropped.
 
 A compiled job takes one arm: its graph holds the all-reduce operator of
-the arm in use when vLLM compiled it (dynamo traces through the
-communicator's Python into harmpi's or vLLM's operator, and vLLM's compiled
-model keeps no guards that would retrace), so switching arms afterwards
-would switch only the logits gather (measured: a "vllm" arm's trace still
-showed harmpi::all_reduce). bench/vllm_demo.py alternates compiled jobs.
+the communicator as vLLM made it, since vLLM compiles while it builds the
+engine (dynamo traces through the communicator's Python into harmpi's or
+vLLM's operator, and vLLM's compiled model keeps no guards that would
+retrace), so switching arms afterwards would switch only the logits gather
+(measured: a "vllm" arm's trace still showed harmpi::all_reduce). A
+compiled "gloo" job therefore makes vLLM choose Gloo before the engine
+exists, as it does when its ranks share no shm group. bench/vllm_demo.py
+alternates compiled jobs.
 
 Rank 0 writes ``--out``: per arm the sampled token ids (and whether every
 run sampled the same), the seconds of each timed run and which path it
@@ -113,6 +116,11 @@ class Arms:
         module = self.gloo if arm == "gloo" else self.own
         return "vllm shm op" if type(module).__name__ == "_CPUSHMDistributed" else "gloo"
 
+    def built_path(self) -> str:
+        """The path of the communicator as vLLM made it: the one its
+        compiled graph calls, whichever arm is in use."""
+        return self.path("harmpi" if self.group is not None else "vllm")
+
     def use(self, arm: str) -> None:
         if self.dc is None:
             return
@@ -132,6 +140,17 @@ class Arms:
                 continue  # vLLM's own choice is Gloo already
             arms.append(arm)
         return arms
+
+
+def _force_gloo():
+    """vLLM's own fallback, chosen before the engine exists: its CPU
+    communicator uses torch.distributed (the Gloo device group) when the
+    group's ranks do not share a shm group name. A compiled job's "gloo" arm
+    needs it: vLLM compiles its graph while it builds the engine, through the
+    communicator as it was made, before any arm could be switched."""
+    from vllm.distributed.device_communicators import cpu_communicator as cc  # noqa: PLC0415
+
+    cc.CpuCommunicator._all_group_ranks_share_shm_group_name = lambda self: False
 
 
 def _count_collectives(llm, batch, params) -> Counter:
@@ -190,7 +209,8 @@ def _harmpi_share(llm, batch, params, steps, arms: Arms, names) -> dict:
     ranks = st["ranks"]
     out = {"steps": steps, "calls_per_step": st["calls"] / steps,
            "wait_us_per_step": st["wait_s"] / ranks / steps * 1e6,
-           "own_us_per_step": st["own_s"] / ranks / steps * 1e6, "micro": [],
+           "own_us_per_step": st["own_s"] / ranks / steps * 1e6,
+           "own_by_size": _own_by_size(prof.records()), "micro": [],
            "micro_us_per_step": {}}
     for name, c in sorted(st["collectives"].items()):
         if not c["calls"]:
@@ -207,6 +227,24 @@ def _harmpi_share(llm, batch, params, steps, arms: Arms, names) -> dict:
             out["micro_us_per_step"][arm] = out["micro_us_per_step"].get(arm, 0.0) + \
                 us[arm] * per_step
         out["micro"].append([name, nbytes, per_step, us])
+    return out
+
+
+def _own_by_size(rec) -> list[list]:
+    """This rank's own time per collective (exit - the last arrival it
+    heard of), by size: [bytes, calls, median, p90 (us)]. Whether a mean
+    above the microbenchmark is every call or a few long ones, and which
+    collective (a path that hears only its own node's arrivals counts a
+    wait for the other node as its own time)."""
+    import numpy as np  # noqa: PLC0415
+
+    enter = rec["enter_ns"].astype(np.int64)
+    last = np.where(rec["arrivals"] >= 2, rec["last_ns"].astype(np.int64), enter)
+    own = (rec["exit_ns"].astype(np.int64) - np.maximum(last, enter)) / 1e3
+    out = []
+    for nbytes in sorted(set(rec["nbytes"].tolist())):
+        o = own[rec["nbytes"] == nbytes]
+        out.append([int(nbytes), len(o), float(np.median(o)), float(np.percentile(o, 90))])
     return out
 
 
@@ -251,6 +289,20 @@ def _generate(llm, batch, params):
     return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _rounds(llm, batch, params, arms: Arms, names, rounds: int) -> dict:
+    """Per arm: its path, and the seconds and tokens of one timed generation
+    per round (the order of the arms reversed every other round)."""
+    runs = {arm: {"comm": arm, "path": arms.path(arm), "seconds": [], "runs_tokens": []}
+            for arm in names}
+    for r in range(rounds):
+        for arm in names if r % 2 == 0 else names[::-1]:
+            arms.use(arm)
+            seconds, tokens = _generate(llm, batch, params)
+            runs[arm]["seconds"].append(seconds)
+            runs[arm]["runs_tokens"].append(tokens)
+    return runs
+
+
 def main(argv=None):
     a = _args(argv)
     if not a.comm:
@@ -258,6 +310,8 @@ def main(argv=None):
     if a.mode == "compiled" and len(set(a.comm)) > 1:
         sys.exit("vllm_job.py: a compiled graph keeps the all-reduce of the arm it was compiled "
                  "with; --mode compiled takes one arm (--comm)")
+    if a.mode == "compiled" and a.comm == ["gloo"]:
+        _force_gloo()
     from vllm import LLM, SamplingParams  # noqa: PLC0415
 
     llm = LLM(model=a.model, tokenizer=a.model, tensor_parallel_size=a.tp, dtype="bfloat16",
@@ -274,14 +328,9 @@ def main(argv=None):
             llm.generate(batch, params, use_tqdm=False)
     arms.use(names[0])
     counts = _count_collectives(llm, batch, params) if a.count else Counter()
-    runs = {arm: {"comm": arm, "path": arms.path(arm), "seconds": [], "runs_tokens": []}
-            for arm in names}
-    for r in range(a.runs):
-        for arm in names if r % 2 == 0 else names[::-1]:
-            arms.use(arm)
-            seconds, tokens = _generate(llm, batch, params)
-            runs[arm]["seconds"].append(seconds)
-            runs[arm]["runs_tokens"].append(tokens)
+    runs = _rounds(llm, batch, params, arms, names, a.runs)
+    if a.mode == "compiled":  # (one arm) the graph's all-reduce, whatever use() did
+        runs[names[0]]["path"] = arms.built_path()
     # the microbenchmark goes through every arm this engine has (a call
     # from Python, not from a graph, takes the arm in use in either mode)
     share = _harmpi_share(llm, batch, params, a.max_tokens, arms, arms.choose(ARMS)) \

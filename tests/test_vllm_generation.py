@@ -46,7 +46,7 @@ def test_tp2_generation_through_harmpi_equals_vllms_own(tmp_path):
         assert len(v["ratios"]) == (3 if mode == "eager" else 1), v["ratios"]
         if (mode, "gloo") in by:                            # where vLLM's shm op exists
             assert v["path"] == "vllm shm op", v["path"]
-            assert by[(mode, "gloo")]["path"] == "gloo"
+            assert by[(mode, "gloo")]["path"] == "gloo"         # compiled: in its graph too
             assert h["tokens"] == by[(mode, "gloo")]["tokens"]
         # harmpi's profile of one generation: 9 all-reduces and a gather a
         # step; the microbenchmark went through every arm
