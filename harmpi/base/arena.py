@@ -59,7 +59,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .copytune import TABLE_NBYTES
-from .topology import SETUP_TIMEOUT_S, barrier_polled
+from .topology import barrier_polled
 
 __all__ = ["Arena", "free_remaining", "FLAG_LINE_NBYTES", "W_EPOCH", "W_META", "W_STATUS",
            "W_CULPRIT", "STAMP_WORDS"]
@@ -79,7 +79,7 @@ _LIVE = []
 class Arena:
     """Shared flags and double-buffered slots of one node (collective over ``node_comm``)."""
 
-    def __init__(self, node_comm, slot_nbytes: int, timeout_s: float = SETUP_TIMEOUT_S):
+    def __init__(self, node_comm, slot_nbytes: int, timeout_s: float):
         self.local_size = node_comm.Get_size()
         self.local_rank = node_comm.Get_rank()
         self.slot_nbytes = int(slot_nbytes)

@@ -25,10 +25,7 @@ from ..errors import HarmpiArgumentError, HarmpiMismatchError, HarmpiTimeoutErro
 
 __all__ = ["Topology", "discover", "arrive", "agree", "vote", "gather_records", "check_arrivals",
            "wait_polled", "allgather_polled", "barrier_polled", "dup_polled", "world_ranks",
-           "LATE_FRACTION", "SETUP_TIMEOUT_S"]
-
-#: deadline of a set-up collective whose caller names none (s)
-SETUP_TIMEOUT_S = 60.0
+           "LATE_FRACTION"]
 
 
 #: bytes per rank in a set-up agreement: the arrival stamp, then the settings
@@ -265,7 +262,7 @@ def world_ranks(comm, ranks=None):
         world.Free()
 
 
-def discover(comm, ranks_per_node=None, timeout_s=SETUP_TIMEOUT_S):
+def discover(comm, ranks_per_node, timeout_s):
     """Return ``(topology, node_comm, rail_comm)`` for ``comm``; collective over ``comm``.
 
     ``node_comm`` holds the ranks of this (possibly virtual) node ordered by

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 import weakref
 
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import HarmpiError, HarmpiTimeoutError
+from ..base.topology import wait_polled
+from ..errors import HarmpiError
 
 __all__ = ["agree", "current", "refusal", "watch", "ENDED"]
 
@@ -83,16 +83,9 @@ def agree(comm, name, timeout_s):
     mine = _record(name)
     table = np.empty((size, _RECORD_NBYTES), np.uint8)
     req = comm.Iallgather([mine, MPI.BYTE], [table, MPI.BYTE])
-    deadline = time.monotonic() + timeout_s
-    pause = 1e-5
-    while not req.Test():
-        if time.monotonic() > deadline:
-            raise HarmpiTimeoutError(
-                f"rank {comm.Get_rank()} of a communicator of {size}: setting up harmpi: the "
-                f"other ranks did not check which thread sets it up within {timeout_s:g} s "
-                "(HARMPI_TIMEOUT_S sets the deadline)")
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
+    # (polled under the deadline; a request given up on keeps its buffers)
+    wait_polled(comm, req, timeout_s, "setting up harmpi (checking which thread sets it up)",
+                (mine, table))
     digests = {bytes(row[:_DIGEST_NBYTES]) for row in table}
     if len(digests) == 1:
         return

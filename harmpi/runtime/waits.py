@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base import control, sync
-from ..base.topology import SETUP_TIMEOUT_S, allgather_polled
+from ..base.topology import allgather_polled
 from ..platform import schedslice
 from ..platform.machine import boot_id
 
@@ -121,7 +121,7 @@ def _cpus_allowed():
         return set(range(os.cpu_count() or 1))
 
 
-def oversubscribed(comm, timeout_s=SETUP_TIMEOUT_S):
+def oversubscribed(comm, timeout_s):
     """Whether the ranks on this physical machine outnumber its cores.
     Ranks count together by the kernel's boot id (so "hosts" that are
     containers or network namespaces of one machine count together),

@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..base.kind import ABANDON_TAG
-from ..base.topology import SETUP_TIMEOUT_S, dup_polled, world_ranks
+from ..base.topology import dup_polled, world_ranks
 from ..errors import HarmpiMismatchError, HarmpiTimeoutError
 from .base import NAP_FIRST_S, Pending, Transport, idle
 
@@ -40,7 +40,7 @@ class _MpiPending(Pending):
 class MpiTransport(Transport):
     name = "mpi"
 
-    def __init__(self, comm, spin_count: int = 2000, timeout_s: float = SETUP_TIMEOUT_S):
+    def __init__(self, comm, spin_count: int, timeout_s: float):
         # A private duplicate keeps our messages apart from the application's.
         self.comm = dup_polled(comm, timeout_s, "mpi transport set-up")
         self.rank = self.comm.Get_rank()
