@@ -246,7 +246,7 @@ class Context:
                                               self.transport_spin_count, self.config.timeout_s,
                                               self.config, self.topo.local_rank)
         transport.naps = self.wait_policy != sync.WAIT_SPIN
-        transport.yield_ns = int(self.ctl[0]["wait_yield"])  # waits.plan: the rails' window
+        transport.yield_ns = int(self.ctl[0]["wait_yield"])  # 0 unless auto, oversubscribed
         transport.wait_state = self.ctl.ctypes.data + control.WAIT_OFFSET
         transport.watch_signals(self.sigfd)
         return transport, reason

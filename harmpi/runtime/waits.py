@@ -55,8 +55,7 @@ class WaitPlan:
     policy: int
     #: wait "spin": polls before yielding
     spin_count: int
-    #: wait "auto": spin between floor and cap (ns), then yield this long (ns);
-    #: the rails yield this long under every policy (see plan)
+    #: wait "auto": spin between floor and cap (ns), then yield this long (ns)
     floor_ns: int
     cap_ns: int
     yield_ns: int
@@ -74,18 +73,8 @@ def plan(config, crowded: bool) -> WaitPlan:
     floor = cap = OVERSUBSCRIBED_SPIN_NS
     if not crowded:
         floor, cap = SPIN_FLOOR_NS, SPIN_CAP_NS
-    # The yield window past the spin. On the node only auto reads it (sleep
-    # means no spin at all; spin has its own loop, which yields for
-    # sync.SLEEP_AFTER_NS before it sleeps). The rails (harmpi.transports,
-    # the compiled two-node steps) read it under every policy, so under spin
-    # it is that same SLEEP_AFTER_NS: a rail wait must not sleep in poll(2)
-    # where a node wait would still be yielding, or a peer node that arrives
-    # a few hundred us late (a vLLM rank's Python between decode steps)
-    # pays the sleeper's wake-up on the step's critical path.
-    if policy == sync.WAIT_SPIN:
-        yield_ns = sync.SLEEP_AFTER_NS
-    else:
-        yield_ns = OVERSUBSCRIBED_YIELD_NS if crowded and policy == sync.WAIT_AUTO else 0
+    # only auto yields (sleep means no spin at all; spin has its own loop)
+    yield_ns = OVERSUBSCRIBED_YIELD_NS if crowded and policy == sync.WAIT_AUTO else 0
     # A transport poll (MPI_Testall, ~0.7 us) costs ~50 spin-loop pauses:
     # poll proportionally fewer times before yielding (or sleeping).
     rail_spin = max(1, spin // 64)
