@@ -87,9 +87,8 @@ def _har2_post(ctl, ops, scratch, addr, m, total, code, tag, w):
 @numba.njit(cache=True, nogil=True)
 def rail_complete(ctl, ops, pollfds, scratch):
     """Wait for the posted exchange with the rail peer (row 0 receives, row 1
-    sends; past the spin budget and the yield window, sleeping in poll(2)):
-    OK, or the status of a step this rank gives up on (its rail peer is told
-    by the abandon)."""
+    sends; sleeping in poll(2) past the spin budget): OK, or the status of
+    a step this rank gives up on (its rail peer is told by the abandon)."""
     c = ctl[0]
     io = sockio.progress(ops, _RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
                          node.hook_addr(ctl), c.wait_yield, node.wait_addr(ctl))

@@ -3,10 +3,8 @@
 Why, next to the MPI transport: on Ethernet without RDMA, MPI's TCP path
 polls its progress engine from every waiting rank, and from Python each
 poll is a Python call. Here a waiting rank runs compiled code (no GIL) and,
-after ``spin`` empty passes and its yield window (``yield_ns``: the whole
-sync.SLEEP_AFTER_NS under HARMPI_WAIT=spin, as the node's waits), sleeps in
-``poll(2)`` until its bytes arrive, so ranks that share cores give them to
-the ranks that have work. Measured
+after ``spin`` empty passes, sleeps in ``poll(2)`` until its bytes arrive,
+so ranks that share cores give them to the ranks that have work. Measured
 on 4 ranks / 2 cores, 10 KB exchange between rail peers: ~40-80 us over
 MPI's TCP BTL from Python, ~30-45 us here.
 
