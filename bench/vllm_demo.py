@@ -115,7 +115,13 @@ def run_job(model, layout, mode, comms, out, *, runs, warmup, prompts, max_token
     what = f"{layout} {mode:8} {','.join(comms)}"
     print(f"  {what} job started ({time.strftime('%H:%M:%S')})", flush=True)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # The ranks run `python -m harmpi.run`, which puts the working directory
+    # first on sys.path: from the checkout's root they would import the
+    # checkout's harmpi instead of the vLLM venv's copy, and that venv's
+    # numba would recompile the checkout's kernel cache under the host's
+    # compile lock (where .venv's jobs then wait, and recompile it back).
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=os.path.dirname(out))
     print(f"  {what} job ended in {time.monotonic() - t0:.0f} s, exit {proc.returncode}",
           flush=True)
     if proc.returncode != 0 or not os.path.exists(out):

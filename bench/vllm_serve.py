@@ -171,9 +171,12 @@ class Server:
     def start(self) -> "Server":
         log = open(self.log_path, "wb")
         self.started = time.monotonic()
+        # from the log's directory, not the checkout: its ranks run `python -m`,
+        # which would import the checkout's harmpi (see vllm_demo.run_job)
         self.proc = subprocess.Popen(self.argv(), env=self.env(), stdout=log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     cwd=os.path.dirname(os.path.abspath(self.log_path)))
         log.close()
         return self
 

@@ -176,7 +176,7 @@ def offline_tokens(model, tmp_path_factory):
          "--prompts", str(PROMPTS), "--prompt-len", str(PROMPT_LEN), "--max-tokens",
          str(MAX_TOKENS), "--out", str(out)],
         env=dict(_vllm_env(), VLLM_LOGGING_LEVEL="WARNING"), capture_output=True, text=True,
-        timeout=900)
+        timeout=900, cwd=str(out.parent))  # not the checkout: see bench/vllm_demo.run_job
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return json.loads(out.read_text())["arms"][0]["tokens"]
 
