@@ -10,8 +10,8 @@ processes; harmpi's (``harmpi = harmpi_vllm:register``, pyproject.toml) is
 - ``1``: vLLM's CPU platform makes its device communicators from
   :class:`harmpi_vllm.communicator.HarmpiCpuCommunicator`. That class is
   vLLM's ``CpuCommunicator`` except in a tensor-parallel group, where
-  ``all_reduce`` is the out-of-place operator ``torch.ops.harmpi.all_reduce``
-  (which vLLM's torch.compile keeps in its graph) and ``all_gather`` (the
+  ``all_reduce`` is the operator ``torch.ops.harmpi.all_reduce_inplace``
+  (in place, as vLLM's own; vLLM's torch.compile keeps it in its graph) and ``all_gather`` (the
   logits) is ``harmpi.allgather``, over an MPI communicator of the group's
   ranks. harmpi is imported only there, when vLLM makes the group's
   communicator (importing it any earlier, before vLLM's

@@ -56,8 +56,7 @@ class HarmpiCpuCommunicator(CpuCommunicator):
         return len(set(nodes)) == 1
 
     def all_reduce(self, input_):
-        """Out of place for a TP group (vLLM uses the returned tensor);
-        vLLM's own in-place call elsewhere."""
+        """In place, returning ``input_``, in every group (as vLLM's own)."""
         if self.harmpi is None:
             return super().all_reduce(input_)
         return self.harmpi.all_reduce(input_)

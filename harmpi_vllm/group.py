@@ -108,8 +108,9 @@ def communicator_for(ranks, world):
 class HarmpiGroup:
     """A vLLM TP group's collectives through harmpi (made by :meth:`make`).
 
-    all_reduce(x): rank r holds x_r; every rank gets a new tensor holding
-    x_0 + ... + x_{n-1} (bitwise the same everywhere), x untouched.
+    all_reduce(x): rank r holds x_r; every rank's x becomes x_0 + ... +
+    x_{n-1} (bitwise the same everywhere), and x is returned: in place, as
+    vLLM's own CpuCommunicator sums.
     all_gather(x, dim): every rank gets cat([x_0, ..., x_{n-1}], dim).
     """
 
@@ -120,7 +121,11 @@ class HarmpiGroup:
         from harmpi import native  # noqa: PLC0415
 
         self.comm, self.op_group, self.name, self.ranks = comm, op_group, name, list(ranks)
-        self._op = torch.ops.harmpi.all_reduce
+        # in place and returning nothing, as vLLM's shm op: in vLLM's
+        # compiled graph inductor then sums the matmul's buffer where it
+        # lies (the out-of-place operator allocated, copied and had its
+        # result checked, ~1.5 us a call; issue 38)
+        self._op = torch.ops.harmpi.all_reduce_inplace
         self._allgather = harmpi.allgather
         # the world's dim-0 allgather in C++ (a tensor, or an int: -1 where
         # it declines, a failure status; harmpi.allgather then decides)
@@ -148,7 +153,7 @@ class HarmpiGroup:
                 comm.Free()
             (log.warning if first else log.debug)(
                 "harmpi does not carry vLLM's group %s: its torch extension (the operator "
-                "torch.ops.harmpi.all_reduce that vLLM's graph calls) is %s on rank(s) %s; "
+                "torch.ops.harmpi.all_reduce_inplace that vLLM's graph calls) is %s on rank(s) %s; "
                 "vLLM's own all-reduce and all_gather carry it", name,
                 next(why for why in absent if why),
                 [r for r, why in zip(ranks, absent) if why])
@@ -172,7 +177,8 @@ class HarmpiGroup:
         return cls(comm, op_group, name, ranks)
 
     def all_reduce(self, x):
-        return self._op(x, self.op_group)
+        self._op(x, self.op_group)
+        return x
 
     def all_gather(self, x, dim: int):
         """cat([x_0, ..., x_{n-1}], dim): one dim-0 gather of the ranks'

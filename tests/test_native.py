@@ -1,11 +1,12 @@
 """harmpi.native without MPI: the built module and its torch version check,
 what the hot path declines, that it hands the entry the control block and
 the tensor's address, length and format (the ids it is given, from
-harmpi.base.dtypes), and the operators torch.ops.harmpi.all_reduce_ (in place)
-and all_reduce (out of place): their CPU kernels (the entry, or the fallback
-with the status and group), their Meta/fake kernels, and torch.compile
-against eager code where the reduced tensor is aliased, viewed, an input of
-the graph or the output of a fused op."""
+harmpi.base.dtypes), and the operators torch.ops.harmpi.all_reduce_ (in place),
+all_reduce (out of place) and all_reduce_inplace (in place, no result):
+their CPU kernels (the entry, or the fallback with the status and group),
+their Meta/fake kernels, and torch.compile against eager code where the
+reduced tensor is aliased, viewed, an input of the graph or the output of a
+fused op; and that inductor sums a graph's buffer in place with the third."""
 
 import os
 import shutil
@@ -59,6 +60,29 @@ def _recorder(rc):
 @pytest.fixture(scope="module")
 def entries():
     return _recorder(0), _recorder(7)
+
+
+_F32 = FORMAT_IDS[torch.float32]
+
+
+@pytest.fixture(scope="module")
+def doubling():
+    """A stand-in entry that changes the data, as a sum over two ranks that
+    hold the same tensor does: float32 x *= 2 (other formats as they are).
+    Against an entry that leaves x alone, a compiled graph that reads the
+    buffer at the wrong moment would go unseen."""
+    @numba.cfunc(node.CFUNC_SIG, nogil=True)
+    def entry(ctl_addr, x_addr, n, fmt):
+        c = control.control_at(ctl_addr)[0]
+        c.err_peer = fmt
+        c.err_a = x_addr
+        c.err_b = n
+        if fmt == _F32:
+            x = numba.carray(control.voidptr(x_addr), (n,), numba.float32)
+            for i in range(n):
+                x[i] *= 2
+        return 0
+    return entry
 
 
 def _ctl(gate=1):
@@ -335,9 +359,10 @@ def test_opcheck_of_the_out_of_place_operator(mod, op_out, entries):
 
 # Functions in which compiled code used to differ from eager code: the
 # in-place operator's result is an alias of its input, and torch's generic
-# functionalization of ops tagged inplace lost that alias (see harmpi.native).
-# With the stand-in entry (which leaves the tensor as it is, as a one-rank
-# sum does) eager and compiled code must agree exactly.
+# functionalization of ops tagged inplace lost that alias (see harmpi.native);
+# and functions where a graph must order a no-result sum against reads of
+# the same buffer. With the doubling stand-in entry eager and compiled code
+# must agree exactly.
 
 def _mutate_the_result(x):
     y = torch.ops.harmpi.all_reduce_(x)
@@ -357,6 +382,27 @@ def _a_view_of_a_fused_result(x):
     return h
 
 
+def _no_result_on_a_fused_buffer(x):
+    h = x * 3 + 1
+    torch.ops.harmpi.all_reduce_inplace(h)
+    return h + x
+
+
+def _no_result_on_the_input_and_a_view(x):
+    torch.ops.harmpi.all_reduce_inplace(x)
+    v = x[1:3]
+    torch.ops.harmpi.all_reduce_inplace(v)
+    v.add_(1)
+    return x * 2
+
+
+def _no_result_then_reused_before(x):
+    h = x + 1
+    keep = h * 1  # a value of h taken before the sum must not see it
+    torch.ops.harmpi.all_reduce_inplace(h)
+    return keep, h
+
+
 def _out_of_place_then_mutate(x):
     y = torch.ops.harmpi.all_reduce(x[:, 1:] * 2 + 1)
     y.add_(x[:, :-1])
@@ -365,10 +411,12 @@ def _out_of_place_then_mutate(x):
 
 
 @pytest.mark.parametrize("f", [_mutate_the_result, _mutate_the_input, _a_view_of_a_fused_result,
-                               _out_of_place_then_mutate])
-def test_compiled_equals_eager(mod, entries, f):
+                               _out_of_place_then_mutate, _no_result_on_a_fused_buffer,
+                               _no_result_on_the_input_and_a_view, _no_result_then_reused_before])
+def test_compiled_equals_eager(mod, doubling, f):
     ctl = _ctl()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, Fallback())
+    fallback = Fallback()
+    mod.attach(ctl.ctypes.data, _GATE, doubling.address, _FORMATS, fallback)
     torch._dynamo.reset()
     x0 = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     eager_x = x0.clone()
@@ -379,9 +427,10 @@ def test_compiled_equals_eager(mod, entries, f):
                     compiled if isinstance(compiled, tuple) else (compiled,)):
         assert torch.equal(e, c), (f.__name__, e, c)
     assert torch.equal(eager_x, compiled_x), "the graph input's mutation differs"
+    assert not fallback.calls
 
 
-@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("inplace", [False, True, "none"])
 def test_dynamic_shapes_stay_symbolic(mod, entries, inplace):
     """vLLM compiles its model with the token count marked dynamic: the
     operators' Meta kernels must keep a symbolic size symbolic (reading
@@ -392,6 +441,9 @@ def test_dynamic_shapes_stay_symbolic(mod, entries, inplace):
 
     def f(x):
         h = x * 2
+        if inplace == "none":
+            torch.ops.harmpi.all_reduce_inplace(h)
+            return h + 1
         if inplace:
             torch.ops.harmpi.all_reduce_(h)
             return h + 1
@@ -402,3 +454,61 @@ def test_dynamic_shapes_stay_symbolic(mod, entries, inplace):
         x = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
         torch._dynamo.mark_dynamic(x, 0)
         assert torch.equal(compiled(x), x * 2 + 1)
+
+
+# all_reduce_inplace: in place, no result (vLLM's plug-in; vLLM's graph)
+
+@pytest.fixture
+def op_none(mod):
+    return torch.ops.harmpi.all_reduce_inplace
+
+
+def test_the_no_result_operator_sums_in_place(mod, op_none, entries):
+    ctl = _ctl()
+    fallback = Fallback()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+    t = torch.zeros(2, 3, 5, dtype=torch.bfloat16)[1]
+    assert op_none(t) is None
+    assert _seen(ctl) == [FORMAT_IDS[torch.bfloat16], t.data_ptr(), 15]
+    assert not fallback.calls
+    # what the entry declines, a failure and a named group: the fallback, given t itself
+    mod.attach(ctl.ctypes.data, _GATE, entries[1].address, _FORMATS, fallback)
+    op_none(t)
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+    x = torch.ones(4, 6)[:, 1:]
+    op_none(x)
+    op_none(t, "tp0")
+    assert [(c[0] is want, c[1:]) for c, want in zip(fallback.calls, (t, x, t))] == [
+        (True, (7,)), (True, (-1,)), (True, (-1, "tp0"))]
+
+
+def test_opcheck_of_the_no_result_operator(mod, op_none, entries):
+    ctl = _ctl()
+    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, Fallback())
+    m = torch.empty(4, 6, dtype=torch.bfloat16, device="meta")
+    assert op_none(m) is None
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(op_none.default, (torch.ones(2, 3, dtype=dtype),))
+
+
+def test_inductor_sums_the_graph_buffer_where_it_lies(mod, op_none, doubling):
+    """The point of the operator: in a compiled graph whose buffer is not
+    read again (vLLM's matmul output), inductor calls it on that buffer:
+    no clone, no output of its own, no check of a returned tensor."""
+    from torch._inductor.utils import run_and_get_code
+    ctl = _ctl()
+    mod.attach(ctl.ctypes.data, _GATE, doubling.address, _FORMATS, Fallback())
+    torch._dynamo.reset()
+
+    def f(x, w):
+        h = x @ w
+        op_none(h)
+        return h + 1
+
+    x, w = torch.randn(3, 8), torch.randn(8, 8)
+    out, (code, *_) = run_and_get_code(torch.compile(f, fullgraph=True), x, w)
+    assert torch.allclose(out, 2 * (x @ w) + 1)
+    calls = [line for line in code.splitlines() if "harmpi.all_reduce_inplace.default(" in line]
+    assert len(calls) == 1, code
+    assert "clone" not in code and "auto_functionalized" not in code, code
+    assert _seen(ctl)[0] == FORMAT_IDS[torch.float32] and _seen(ctl)[2] == 24

@@ -14,8 +14,11 @@ and two operators, which :func:`load` registers:
 - ``torch.ops.harmpi.all_reduce_(t, group="")``: in place, returns ``t``;
 - ``torch.ops.harmpi.all_reduce(x, group="")``: out of place, returns a new
   contiguous tensor holding the sum and leaves ``x`` as it was (any
-  layout), the form a compiled graph wants (vLLM's custom-op collectives
-  are written this way).
+  layout), the form a compiled graph that wants a value takes;
+- ``torch.ops.harmpi.all_reduce_inplace(t, group="")``: in place, returns
+  nothing, the form a compiled graph that mutates takes (vLLM's plug-in:
+  vLLM's own shm op is written so). torch.compile functionalizes it
+  generically and inductor sums the graph's buffer where it lies.
 
 ``group`` "" is MPI.COMM_WORLD; any other name must first be bound to a
 communicator with :func:`name_group`. The operators' CPU kernels call the
@@ -158,7 +161,7 @@ def _refusal():
 
 
 def load():
-    """The module, loaded (registering torch.ops.harmpi.all_reduce_ and all_reduce), or None
+    """The module, loaded (registering torch.ops.harmpi's three operators), or None
     (status() says why). Idempotent; never compiles."""
     global _loaded, _status
     if _loaded is not None:
