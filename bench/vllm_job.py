@@ -23,15 +23,21 @@ every arm alike. (Separate jobs moved ~8% from job to job on a quiet
 2-vCPU VM, more than the gap measured.) A ``gloo`` arm beside a ``vllm``
 arm that is Gloo already is dropped.
 
-A compiled job takes one arm: its graph holds the all-reduce operator of
-the communicator as vLLM made it, since vLLM compiles while it builds the
-engine (dynamo traces through the communicator's Python into harmpi's or
-vLLM's operator, and vLLM's compiled model keeps no guards that would
-retrace), so switching arms afterwards would switch only the logits gather
-(measured: a "vllm" arm's trace still showed harmpi::all_reduce). A
-compiled "gloo" job therefore makes vLLM choose Gloo before the engine
-exists, as it does when its ranks share no shm group. bench/vllm_demo.py
-alternates compiled jobs.
+A compiled job builds one engine per arm, in the same process, one after
+the other: vLLM compiles while it builds an engine, and dynamo traces
+through the communicator's Python into the operator of the arm in use
+then (harmpi's, vLLM's shm op, or torch.distributed's over Gloo), which
+that engine's graph keeps whatever arm is switched to later (vLLM's
+compiled model keeps no guards that would retrace). The first engine
+takes the communicator as vLLM made it; before each further build the
+arm is switched (vLLM reuses its TP group, so every engine shares one
+communicator). Each engine's graph is checked by one profiled generation
+to call its own arm's all-reduce operator and no other's (a compile
+cache that handed one engine another's graph would fail the job). The
+timed rounds then alternate engines as eager mode alternates arms, so the
+compiled arms too run side by side in one process: separate jobs drifted
+~8-20% from job to job on a 2-vCPU VM (tokens/s of identical jobs), the
+arms of one job ~1-4% from round to round.
 
 Rank 0 writes ``--out``: per arm the sampled token ids (and whether every
 run sampled the same), the seconds of each timed run and which path it
@@ -142,6 +148,52 @@ class Arms:
         return arms
 
 
+#: the all-reduce operator each path puts in a compiled graph
+_GRAPH_OP = {"harmpi": "harmpi::all_reduce_inplace", "vllm shm op": "_C::shm_allreduce",
+             "gloo": "c10d::allreduce_"}
+
+
+def _engines(make, mode: str, wanted, batch, params):
+    """(arms, names, {arm: engine}): eager, one engine that every arm
+    uses; compiled, one engine per arm (see the docstring), each checked
+    to call its arm's all-reduce operator and no other."""
+    first = make()
+    arms = Arms()
+    names = arms.choose(wanted)
+    if mode == "eager":
+        return arms, names, {arm: first for arm in names}
+    engines = {}
+    built = arms.built_path()
+    as_made = next((arm for arm in names if arms.path(arm) == built), None)
+    if as_made is not None:
+        engines[as_made] = first
+    for arm in names:
+        if arm in engines:
+            continue
+        arms.use(arm)
+        engines[arm] = make()
+        if Arms().dc is not arms.dc:
+            sys.exit("vllm_job.py: a second engine made a TP communicator of its own; the "
+                     "arms cannot share one process here")
+    for arm in names:
+        arms.use(arm)
+        ops = _collective_ops(engines[arm], batch, params)
+        want = _GRAPH_OP[arms.path(arm).split(" (")[0]]
+        others = [op for op in _GRAPH_OP.values() if op != want and ops.get(op)]
+        if not ops.get(want) or others:
+            sys.exit(f"vllm_job.py: the {arm} engine's graph calls {ops}, not {want} alone")
+    return arms, names, engines
+
+
+def _collective_ops(llm, batch, params) -> dict:
+    """Calls of each communicator operator in one generation (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(batch, params, use_tqdm=False)
+    return {e.key: e.count for e in prof.key_averages() if e.key in _COMM_OPS}
+
+
 def _force_gloo():
     """vLLM's own fallback, chosen before the engine exists: its CPU
     communicator uses torch.distributed (the Gloo device group) when the
@@ -210,7 +262,7 @@ def _harmpi_share(llm, batch, params, steps, arms: Arms, names) -> dict:
     out = {"steps": steps, "calls_per_step": st["calls"] / steps,
            "wait_us_per_step": st["wait_s"] / ranks / steps * 1e6,
            "own_us_per_step": st["own_s"] / ranks / steps * 1e6,
-           "own_by_size": _own_by_size(prof.records()), "micro": [],
+           "own_by_size": prof.own_by_size(), "micro": [],
            "micro_us_per_step": {}}
     for name, c in sorted(st["collectives"].items()):
         if not c["calls"]:
@@ -230,27 +282,10 @@ def _harmpi_share(llm, batch, params, steps, arms: Arms, names) -> dict:
     return out
 
 
-def _own_by_size(rec) -> list[list]:
-    """This rank's own time per collective (exit - the last arrival it
-    heard of), by size: [bytes, calls, median, p90 (us)]. Whether a mean
-    above the microbenchmark is every call or a few long ones, and which
-    collective (a path that hears only its own node's arrivals counts a
-    wait for the other node as its own time)."""
-    import numpy as np  # noqa: PLC0415
-
-    enter = rec["enter_ns"].astype(np.int64)
-    last = np.where(rec["arrivals"] >= 2, rec["last_ns"].astype(np.int64), enter)
-    own = (rec["exit_ns"].astype(np.int64) - np.maximum(last, enter)) / 1e3
-    out = []
-    for nbytes in sorted(set(rec["nbytes"].tolist())):
-        o = own[rec["nbytes"] == nbytes]
-        out.append([int(nbytes), len(o), float(np.median(o)), float(np.percentile(o, 90))])
-    return out
-
-
 #: operators a trace always reports (the TP collectives of each communicator)
-_COMM_OPS = ("harmpi::all_reduce", "_C::shm_allreduce", "_C::shm_all_gather", "c10d::allreduce_",
-             "c10d::allgather_", "c10d::_allgather_base_", "gloo:all_reduce", "gloo:all_gather")
+_COMM_OPS = ("harmpi::all_reduce_inplace", "harmpi::all_reduce", "_C::shm_allreduce",
+             "_C::shm_all_gather", "c10d::allreduce_", "c10d::allgather_",
+             "c10d::_allgather_base_", "gloo:all_reduce", "gloo:all_gather")
 #: allocations: how many tensors a step makes, per arm
 _ALLOC_OPS = ("aten::empty", "aten::empty_like", "aten::empty_strided")
 
@@ -289,15 +324,16 @@ def _generate(llm, batch, params):
     return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _rounds(llm, batch, params, arms: Arms, names, rounds: int) -> dict:
+def _rounds(engines, batch, params, arms: Arms, names, rounds: int) -> dict:
     """Per arm: its path, and the seconds and tokens of one timed generation
-    per round (the order of the arms reversed every other round)."""
+    per round on the arm's engine (the order of the arms reversed every
+    other round)."""
     runs = {arm: {"comm": arm, "path": arms.path(arm), "seconds": [], "runs_tokens": []}
             for arm in names}
     for r in range(rounds):
         for arm in names if r % 2 == 0 else names[::-1]:
             arms.use(arm)
-            seconds, tokens = _generate(llm, batch, params)
+            seconds, tokens = _generate(engines[arm], batch, params)
             runs[arm]["seconds"].append(seconds)
             runs[arm]["runs_tokens"].append(tokens)
     return runs
@@ -307,37 +343,33 @@ def main(argv=None):
     a = _args(argv)
     if not a.comm:
         sys.exit("vllm_job.py: --comm names no arm")
-    if a.mode == "compiled" and len(set(a.comm)) > 1:
-        sys.exit("vllm_job.py: a compiled graph keeps the all-reduce of the arm it was compiled "
-                 "with; --mode compiled takes one arm (--comm)")
     if a.mode == "compiled" and a.comm == ["gloo"]:
-        _force_gloo()
+        _force_gloo()  # (no engine of vLLM's own choice to build first)
     from vllm import LLM, SamplingParams  # noqa: PLC0415
 
-    llm = LLM(model=a.model, tokenizer=a.model, tensor_parallel_size=a.tp, dtype="bfloat16",
-              distributed_executor_backend="external_launcher", enforce_eager=a.mode == "eager",
-              seed=0, max_model_len=256, max_num_seqs=max(a.n_prompts, 1),
-              kv_cache_memory_bytes=256 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     batch = prompts(a.n_prompts, a.prompt_len)
-    arms = Arms()
-    names = arms.choose(a.comm)
+    arms, names, engines = _engines(
+        lambda: LLM(model=a.model, tokenizer=a.model, tensor_parallel_size=a.tp,
+                    dtype="bfloat16", distributed_executor_backend="external_launcher",
+                    enforce_eager=a.mode == "eager", seed=0, max_model_len=256,
+                    max_num_seqs=max(a.n_prompts, 1), kv_cache_memory_bytes=256 << 20),
+        a.mode, a.comm, batch, params)
     for arm in names:
         arms.use(arm)
         for _ in range(a.warmup):
-            llm.generate(batch, params, use_tqdm=False)
+            engines[arm].generate(batch, params, use_tqdm=False)
     arms.use(names[0])
-    counts = _count_collectives(llm, batch, params) if a.count else Counter()
-    runs = _rounds(llm, batch, params, arms, names, a.runs)
-    if a.mode == "compiled":  # (one arm) the graph's all-reduce, whatever use() did
-        runs[names[0]]["path"] = arms.built_path()
+    counts = _count_collectives(engines[names[0]], batch, params) if a.count else Counter()
+    runs = _rounds(engines, batch, params, arms, names, a.runs)
     # the microbenchmark goes through every arm this engine has (a call
     # from Python, not from a graph, takes the arm in use in either mode)
-    share = _harmpi_share(llm, batch, params, a.max_tokens, arms, arms.choose(ARMS)) \
-        if a.profile and "harmpi" in names else None
+    share = _harmpi_share(engines["harmpi"], batch, params, a.max_tokens, arms,
+                          arms.choose(ARMS)) if a.profile and "harmpi" in names else None
     for arm in names:
         arms.use(arm)
-        runs[arm]["trace"] = _trace(llm, batch, params, a.max_tokens) if a.trace else None
+        runs[arm]["trace"] = _trace(engines[arm], batch, params, a.max_tokens) \
+            if a.trace else None
     if int(os.environ.get("RANK", "0")) == 0:
         for r in runs.values():
             every = r.pop("runs_tokens")

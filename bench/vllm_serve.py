@@ -165,6 +165,10 @@ class Server:
         else:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", omp_bind(self.tp))
         env.setdefault("NO_COLOR", "1")
+        # each server compiles through its own executor's all-reduce: vLLM's
+        # compile cache keys the graph by configuration alone (see
+        # vllm_demo.run_job), and the two executors' graphs differ
+        env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
         env.update(self.extra_env)
         return env
 

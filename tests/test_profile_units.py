@@ -136,3 +136,44 @@ def test_merged_arrivals_align_calls_and_skip_heard_ones():
     assert list((last - first)[:5]) == [10 * k for k in range(4, 9)]
     assert hprofile.merged_arrivals(rings[:2], size) is None
     assert hprofile.merged_arrivals([(5, enters[0][:0], heard[0][:0])] * 3, size) is None
+
+
+def _two_node_records(arrivals_heard):
+    """Two ranks, one per node, 4 allreduces of 2 KB and 2 allgathers of
+    4 KB: rank 1 enters 300 ns after rank 0 and both leave 400 ns after
+    rank 1's entry; each record heard ``arrivals_heard`` ranks (1: its own
+    node only, so its last arrival is its own entry)."""
+    gather = kind.encode(op=kind.OP_SUM, coll=kind.COLL_ALLGATHER)
+    every = []
+    for r in range(2):
+        st = recorder.new_state(2, 8)
+        for i in range(6):
+            t0 = 10**12 + 10**5 * i
+            mine = t0 + 300 * r
+            last = t0 + 300 if arrivals_heard == 2 else mine
+            recorder.record(_control(st, mine, t0, last, 1 if arrivals_heard == 2 else r,
+                                     arrivals_heard, nbytes=2048 if i < 4 else 4096,
+                                     code=None if i < 4 else gather))
+            # (record reads exit from the clock; give every call the same exit)
+            ring_at = recorder.layout(2, 8)["ring"]
+            st[ring_at + i * recorder.REC_WORDS + recorder.R_EXIT] = t0 + 700
+        p = hprofile.Profile.__new__(hprofile.Profile)
+        p.state, p.records_cap, p.offsets = st, 8, [(0, 0, 0), (0, 0, 0)]
+        p.ctx = _fake_ctx()
+        every.append((r, r, p.records(), 6))
+    return every
+
+
+def test_own_time_per_size_counts_a_wait_for_the_other_node_as_waiting():
+    """A path that hears its own node only (arrivals 1): rank 0's records
+    alone would count the 300 ns it waited for rank 1 as its own time; the
+    last arrival merged from both rings leaves 400 ns own per call, as a
+    path that heard rank 1 in band says."""
+    for heard in (1, 2):
+        every = _two_node_records(heard)
+        who, last = hprofile.last_arrivals(every, 2)[0]
+        assert list(who) == [1] * 6, (heard, who)
+        rows = hprofile.own_by_size(every[0][2], last)
+        assert [(nb, n) for nb, n, _, _ in rows] == [(2048, 4), (4096, 2)]
+        assert all(abs(med - 0.4) < 1e-9 and abs(p90 - 0.4) < 1e-9 for _, _, med, p90 in rows), \
+            (heard, rows)

@@ -64,7 +64,7 @@ from . import recorder
 log = logging.getLogger("harmpi")
 
 __all__ = ["Profile", "SUMMARY_WIDTH", "clock_offsets", "finish", "format_summary",
-           "merged_arrivals", "trace_events"]
+           "merged_arrivals", "trace_events", "last_arrivals", "own_by_size"]
 
 _PINGS = 16
 _TAG = 0x4852
@@ -233,6 +233,21 @@ class Profile:
         rec = self.records()
         return (int(self.state[recorder.H_WRITTEN]), rec["enter_ns"].copy(),
                 rec["arrivals"].copy())
+
+    def own_by_size(self):
+        """This context's rank 0 own time per call by size, [bytes, calls,
+        median, p90 (us)], with last arrivals merged from every rank's
+        records where its path heard its own node only (a wait for another
+        node is not own time). Collective; None on the other ranks."""
+        comm = self._meet("the profile's own times")
+        mine = (self.ctx.topo.rank, self.ctx.topo.node_index, self.records(),
+                int(self.state[recorder.H_WRITTEN]))
+        every = comm.gather(mine, root=0)
+        if comm.Get_rank() != 0:
+            return None
+        every = sorted(every, key=lambda e: e[0])
+        who, last = last_arrivals(every, self.ctx.topo.size)[0]
+        return own_by_size(every[0][2], last)
 
     def summary(self):
         """The stats as a table (collective)."""
@@ -414,6 +429,46 @@ def _describe_code(code):
     return coll, dtype, algo
 
 
+def last_arrivals(every, size):
+    """Per entry of ``every`` = [(rank, node, records[, calls written]),
+    ...]: (last rank, last arrival time) arrays of its records, as the call
+    heard them, or, where its path heard its own node only and every ring
+    still holds the call, merged from the ranks' records (merged_arrivals).
+    A call that heard no other rank has its own entry as last arrival time."""
+    merged = None
+    if every and all(len(e) > 3 for e in every):
+        merged = merged_arrivals([(e[3], e[2]["enter_ns"], e[2]["arrivals"]) for e in every],
+                                 size)
+    out = []
+    for entry in every:
+        rec = entry[2]
+        enter = rec["enter_ns"].astype(np.int64)
+        heard = rec["arrivals"] >= 2
+        last = np.where(heard, rec["last_ns"].astype(np.int64), enter)
+        who = rec["last_rank"].astype(np.int64)
+        if merged is not None:
+            start, todo, m_who, _, m_last = merged
+            first_call = entry[3] - len(rec)
+            for j in np.flatnonzero(todo):
+                i = start + int(j) - first_call
+                who[i], last[i] = int(m_who[j]), int(m_last[j])
+        out.append((who, last))
+    return out
+
+
+def own_by_size(rec, last):
+    """[bytes, calls, median, p90 (us)] of one rank's own time per call
+    (exit - max(last arrival, entry)), by size, from its records and
+    their last arrivals (see last_arrivals)."""
+    enter = rec["enter_ns"].astype(np.int64)
+    own = (rec["exit_ns"].astype(np.int64) - np.maximum(last, enter)) / 1e3
+    rows = []
+    for nbytes in sorted(set(rec["nbytes"].tolist())):
+        o = own[rec["nbytes"] == nbytes]
+        rows.append([int(nbytes), len(o), float(np.median(o)), float(np.percentile(o, 90))])
+    return rows
+
+
 def trace_events(every, ctx):
     """The Chrome trace dict of ``every`` = [(rank, node, records[, calls
     written]), ...]: one track (pid) per rank; per collective an event for
@@ -424,29 +479,16 @@ def trace_events(every, ctx):
     starts = [int(e[2]["enter_ns"][0]) for e in every if len(e[2])]
     t0 = min(starts) if starts else 0
     transport = ctx.rail_transport()
-    merged = None
-    if every and all(len(e) > 3 for e in every):
-        merged = merged_arrivals([(e[3], e[2]["enter_ns"], e[2]["arrivals"]) for e in every],
-                                 ctx.topo.size)
     events = []
-    for entry in every:
+    for entry, (who, lasts) in zip(every, last_arrivals(every, ctx.topo.size)):
         rank, node, rec = entry[:3]
         events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
                        "args": {"name": f"rank {rank} (node {node})"}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
                        "args": {"sort_index": rank}})
-        fix = {}
-        if merged is not None:
-            start, todo, who, _, last_all = merged
-            first_call = entry[3] - len(rec)
-            for j in np.flatnonzero(todo):
-                fix[start + int(j) - first_call] = (int(who[j]), int(last_all[j]))
         for i, row in enumerate(rec):
             enter, exit_ = int(row["enter_ns"]), int(row["exit_ns"])
-            last = int(row["last_ns"]) if row["arrivals"] >= 2 else enter
-            last_rank = int(row["last_rank"])
-            if i in fix:
-                last_rank, last = fix[i]
+            last, last_rank = int(lasts[i]), int(who[i])
             coll, dtype, algo = _describe_code(int(row["code"]))
             args = {"bytes": int(row["nbytes"]), "dtype": dtype, "algorithm": algo,
                     "transport": transport.name if transport else "none",

@@ -60,6 +60,15 @@ def test_sleeper_is_named_last(world, tmp_path_factory):
         assert s["last_arrival_in_band"] == 0 and s["last_arrival_from_records"] == 14
         assert "merged from the ranks' records" in p.summary()
     _check_trace_names(world, p, tmp_path_factory, late, chosen)
+    # rank 0's own time per call by size: the sleeper's 0.1 s is waiting,
+    # on every topology (merged from the records where the path hears its
+    # own node only), not own time
+    own = p.own_by_size()
+    if rank != 0:
+        assert own is None
+    else:
+        assert [(nb, n) for nb, n, _, _ in own] == [(x.nbytes, 14)], own
+        assert own[0][3] < 0.5 * SLEEP_S * 1e6, own  # p90 (us): no sleep in it
 
 
 def _check_trace_names(world, p, tmp_path_factory, late, chosen):
