@@ -345,6 +345,18 @@ torch-suite-gloo: setup
 demo: setup
 	$(PY) -m bench.demo
 
+# harmpi against MPI on this host, the matrix sized to its cores (bench/host.py, README
+# "Benchmark a many-core host"): one table of harmpi/MPI ratios, every figure in
+# out/bench-host/bench-host.json; sized for 5 min on 16 cores. Options in BENCH_HOST_ARGS, e.g.
+# make bench-host BENCH_HOST_ARGS="--quick" (about a minute on 2 cores). BENCH_HOST_PYTHON:
+# a Python that already has harmpi's requirements, used instead of .venv without make setup
+# (bench/host16.sh on a host with no network)
+.PHONY: bench-host
+BENCH_HOST_ARGS ?=
+BENCH_HOST_PYTHON ?=
+bench-host: $(if $(BENCH_HOST_PYTHON),,setup)
+	$(or $(BENCH_HOST_PYTHON),$(PY)) -m bench.host $(BENCH_HOST_ARGS)
+
 # The soak (tests/stress/soak.py; not part of make test, minutes): 10^6 mixed
 # harmpi calls at 2 ranks, checked, with latency and RSS drift per window;
 # options go in SOAK_ARGS, e.g. make soak SOAK_ARGS="--calls 20000 --window 5000"
