@@ -113,6 +113,14 @@ class Context:
             self._rail_transport, self.transport_reason = self._open_transport(self.rail_comm)
             transports.announce(self._rail_transport.name, self.transport_reason,
                                 self.topo.rank)
+            # the Python rail steps call these from Python: load their
+            # compiled forms now (numba's cache), not in the first collective
+            kind.rail_tag(0, 0)
+            node.part_bounds(0, 1, 0, 1)
+            self.rail_recv_buffer()  # (its pages mapped here too)
+        # numba's typing of an array argument imports numpy.ma at the first
+        # call from Python (a Python entry's node.enter): import it now
+        import numpy.ma  # noqa: F401, PLC0415 - a first-call cost paid in the set-up
         self._har2 = None
         self.entry, self.entry_cfunc = self._default_entry()
         self.gather, self._gather_table = entries.gather_entry(self)
@@ -257,7 +265,9 @@ class Context:
 
     def rail_recv_buffer(self):
         if self._recv_buf is None:
+            # written now: its pages are mapped in the set-up, not in the first call
             self._recv_buf = np.empty(self.config.slot_nbytes, dtype=np.uint8)
+            self._recv_buf.fill(0)
         return self._recv_buf
 
     @staticmethod

@@ -147,6 +147,7 @@ class Registry:
                 self.world = ctx
             else:
                 comm.Set_attr(self.keyval, ctx)
+        self.adopt_torch()
         if ctx is self.world:
             self.attach_native()
         ctx.held_sigint.deliver()  # a Ctrl-C held over the set-up's blocking calls
@@ -236,6 +237,15 @@ class Registry:
         self.close("the interpreter is exiting")
         if MPI.Is_initialized() and not MPI.Is_finalized():
             arena.free_remaining()  # (not a forked child's: they are its parent's)
+
+    def adopt_torch(self):
+        """When torch is already imported, load harmpi's tensor path now (in
+        the set-up) rather than at the first tensor a call sees: that first
+        call paid ~2 ms for the import and the native module's load."""
+        if self.torch is None and "torch" in sys.modules:
+            from . import torchbuf  # noqa: PLC0415 - only when torch is in use
+
+            self.torch = torchbuf
 
     def attach_native(self):
         """Let harmpi.native serve harmpi.allreduce(t) for the world context,

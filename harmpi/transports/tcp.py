@@ -117,6 +117,19 @@ class TcpTransport(Transport):
             self.close()
             raise
         self.addresses_used = None
+        self._load_io()
+
+    def _load_io(self):
+        """Call once, on no rows, each compiled routine that post() and
+        complete() call from Python: numba loads them (from its cache) here
+        in the set-up, not in the first collective."""
+        ops = sockio.new_ops(1)
+        fd = self.fds[self.rank]
+        sockio.set_recv(ops, 0, fd, 0, 0)
+        sockio.set_send(ops, 0, fd, 0, 0, 0, 0)
+        sockio.kick(ops, 0, self.scratch)
+        sockio.progress(ops, 0, self.spin_count, 0, self.pollfds, self.scratch,
+                        self.hook.ctypes.data, 0, 0)
 
     @staticmethod
     def _world_ranks(comm):
