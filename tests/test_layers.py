@@ -290,8 +290,7 @@ LAYERS = (
     ("the API", ("harmpi.api", "harmpi.args", "harmpi.logits", "harmpi.gatherdim", "harmpi.profile",
                  "harmpi.allreduce", "harmpi.allgather", "harmpi.alltoall", "harmpi._callable")),
     ("torch.distributed backend", ("harmpi.distributed",)),
-    ("command lines", ("harmpi.cli", "harmpi.run", "harmpi.precompile", "harmpi.report",
-                       "harmpi.tune")),
+    ("command lines", ("harmpi.cli", "harmpi.run", "harmpi.precompile", "harmpi.report")),
     ("the package: import harmpi", ("harmpi",)),
 )
 
