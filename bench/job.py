@@ -128,6 +128,11 @@ def _harmpi_lines(info: dict) -> list[str]:
         lines.append(
             "# harmpi thresholds: " + ", ".join(f"{k}={v}" for k, v in thresholds.items())
         )
+    model = info.get("model")
+    if model:  # where auto's switches came from (harmpi.algorithms.model)
+        set_by = sorted(set(model.get("switches_set_by", {}).values()))
+        lines.append(f"# harmpi switches set by: {', '.join(set_by)}; cost model constants: "
+                     f"{model.get('source')}")
     return lines
 
 

@@ -24,7 +24,7 @@ list (tests/test_layers.py checks it):
                   with ``args``, ``logits``, ``gatherdim``, ``profile`` and the
                   callable modules
 ``distributed/``  torch.distributed backend "harmpi"
-``cli/``          ``python -m harmpi.run|precompile|report``
+``cli/``          ``python -m harmpi.run|precompile|report|tune``
 
 ``harmpi.__all__`` is the documented API.
 """

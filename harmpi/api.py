@@ -32,6 +32,7 @@ from .errors import HarmpiArgumentError
 from .gatherdim import allgather_dim, normalize_dim
 from .logits import gather_logits
 from .runtime import native as _native_module  # (a local "native" is the served operator)
+from .runtime import switches
 from .runtime.context import AUTO_CODE
 from .runtime.registry import STATE
 from .version import __version__
@@ -452,7 +453,13 @@ _THREAD_LEVELS = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
 
 
 def info(comm: MPI.Comm | None = None) -> dict[str, Any]:
-    """What harmpi knows about ``comm``: topology, transport and thresholds (a dict)."""
+    """What harmpi knows about ``comm``: topology, transport and thresholds (a dict).
+
+    ``"thresholds"`` holds the switches auto runs with; ``"model"`` the cost
+    model behind them: its constants, their source (a file or the built-in
+    defaults), which switches it set (``switches_set_by``; a set
+    HARMPI_SMALL_MAX_BYTES / HARMPI_HAR_LATENCY_MAX_BYTES overrides it) and
+    auto's choice per size from 2 KiB to 4 MiB on this topology."""
     _STATE.check_open()  # (a context made before MPI_Finalize is still known)
     ctx = _STATE.get(comm)
     topo = ctx.topo
@@ -473,10 +480,11 @@ def info(comm: MPI.Comm | None = None) -> dict[str, Any]:
         "transport_reason": ctx.transport_reason,
         "algorithm": cfg.algorithm,
         "entry": _entry_name(ctx.entry),
-        "thresholds": {"small_max_nbytes": cfg.small_max_nbytes,
-                       "har_latency_max_nbytes": cfg.har_latency_max_nbytes,
+        "thresholds": {"small_max_nbytes": ctx.thresholds.small_max_nbytes,
+                       "har_latency_max_nbytes": ctx.thresholds.har_latency_max_nbytes,
                        "slot_nbytes": cfg.slot_nbytes,
                        "logits_allreduce_max_nbytes": cfg.logits_allreduce_max_nbytes},
+        "model": switches.describe(ctx.switches),
         "logits_route": cfg.logits_route,
         "spin_count": ctx.spin_count,
         "wait": ctx.wait_description(),

@@ -23,10 +23,17 @@ HARMPI_SCHED_SLICE_US      (auto)     the scheduler slice (µs) asked for on the
                                       100, 0: the thread's own slice
 HARMPI_SLOT_BYTES          1048576    bytes per rank per buffer in the node arena;
                                       larger tensors are processed in chunks
-HARMPI_SMALL_MAX_BYTES     65536      up to this size on one node every rank sums
-                                      all slots; above it, reduce-scatter+allgather
-HARMPI_HAR_LATENCY_MAX_BYTES 262144   up to this size across nodes the full tensor
-                                      crosses the rail; above it, only 1/L of it
+HARMPI_SMALL_MAX_BYTES     (model)    up to this size on one node every rank sums
+                                      all slots; above it, reduce-scatter+allgather;
+                                      unset: where the cost model says the two
+                                      cross for the node's L (harmpi.algorithms.model)
+HARMPI_HAR_LATENCY_MAX_BYTES (model)  up to this size across nodes the full tensor
+                                      crosses the rail; above it, only 1/L of it;
+                                      unset: the cost model's crossover for L, N
+HARMPI_MODEL_FILE          (cache)    the cost model's constants (python -m
+                                      harmpi.tune writes them); default: the
+                                      per-user, per-host file of
+                                      harmpi.algorithms.model_file
 HARMPI_ALGORITHM           auto       force an all-reduce algorithm by name
 HARMPI_TRANSPORT           auto       cross-node transport: auto, tcp, mpi or verbs
 HARMPI_RANKS_PER_NODE      (unset)    split each host into virtual nodes of k
@@ -67,6 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 
 from .errors import HarmpiArgumentError
@@ -147,6 +155,20 @@ def _list(env, name, conv, minimum=None):
     return tuple(out)
 
 
+def _check_switch(name, value):
+    """An auto switch: a number of bytes >= 0, or None (the cost model's)."""
+    if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)
+                              or value < 0):
+        raise HarmpiArgumentError(f"{name}={value!r}: a number of bytes >= 0, or None "
+                                  "(unset: the cost model chooses)")
+
+
+def _or_model(nbytes):
+    """A switch's value as ranks compare it: unset means the cost model's
+    (every rank then takes rank 0's model: harmpi.runtime.context)."""
+    return "unset (cost model)" if nbytes is None else nbytes
+
+
 def _switch(env, name, default):
     raw = env.get(name)
     if raw is None or raw.strip() == "":
@@ -170,8 +192,14 @@ class Config:
     #: (harmpi.platform.schedslice)
     sched_slice_us: int | None = None
     slot_nbytes: int = 1 << 20
-    small_max_nbytes: int = 64 << 10
-    har_latency_max_nbytes: int = 256 << 10
+    #: one node: shm up to this size, shm_rsag above; None: the cost model's
+    #: crossover for the context's topology (harmpi.runtime.context)
+    small_max_nbytes: int | None = None
+    #: equal nodes: har_latency up to this size, har_bandwidth above; None: the model's
+    har_latency_max_nbytes: int | None = None
+    #: the cost model's constants file (None: the per-user, per-host default;
+    #: harmpi.algorithms.model_file); read by rank 0 of each communicator
+    model_file: str | None = None
     algorithm: str = "auto"
     transport: str = "auto"
     ranks_per_node: int | None = None
@@ -226,6 +254,9 @@ class Config:
                 f"HARMPI_SCHED_SLICE_US (Config.sched_slice_us)={self.sched_slice_us}: the "
                 "kernel takes a slice of 100 to 100000 us; 0 keeps the thread's own, "
                 "auto (None) asks for 100")
+        _check_switch("HARMPI_SMALL_MAX_BYTES (Config.small_max_nbytes)", self.small_max_nbytes)
+        _check_switch("HARMPI_HAR_LATENCY_MAX_BYTES (Config.har_latency_max_nbytes)",
+                      self.har_latency_max_nbytes)
         if self.slot_nbytes % 64:
             raise HarmpiArgumentError(
                 f"HARMPI_SLOT_BYTES (Config.slot_nbytes)={self.slot_nbytes}: the slot size "
@@ -246,8 +277,8 @@ class Config:
                 ("HARMPI_TRANSPORT", self.transport),
                 ("HARMPI_ALGORITHM", self.algorithm),
                 ("HARMPI_SLOT_BYTES", self.slot_nbytes),
-                ("HARMPI_SMALL_MAX_BYTES", self.small_max_nbytes),
-                ("HARMPI_HAR_LATENCY_MAX_BYTES", self.har_latency_max_nbytes),
+                ("HARMPI_SMALL_MAX_BYTES", _or_model(self.small_max_nbytes)),
+                ("HARMPI_HAR_LATENCY_MAX_BYTES", _or_model(self.har_latency_max_nbytes)),
                 ("HARMPI_LOGITS_ROUTE", self.logits_route),
                 ("HARMPI_LOGITS_ALLREDUCE_MAX_BYTES", self.logits_allreduce_max_nbytes),
                 ("HARMPI_PROFILE or HARMPI_TRACE (profiling)", profiling),
@@ -264,9 +295,9 @@ class Config:
             sched_slice_us=None if (env.get("HARMPI_SCHED_SLICE_US") or "auto").strip().lower()
             == "auto" else _int(env, "HARMPI_SCHED_SLICE_US", None, 0),
             slot_nbytes=_int(env, "HARMPI_SLOT_BYTES", cls.slot_nbytes, 64),
-            small_max_nbytes=_int(env, "HARMPI_SMALL_MAX_BYTES", cls.small_max_nbytes, 0),
-            har_latency_max_nbytes=_int(env, "HARMPI_HAR_LATENCY_MAX_BYTES",
-                                        cls.har_latency_max_nbytes, 0),
+            small_max_nbytes=_int(env, "HARMPI_SMALL_MAX_BYTES", None, 0),
+            har_latency_max_nbytes=_int(env, "HARMPI_HAR_LATENCY_MAX_BYTES", None, 0),
+            model_file=(env.get("HARMPI_MODEL_FILE") or "").strip() or None,
             algorithm=(env.get("HARMPI_ALGORITHM") or "auto").strip().lower(),
             transport=(env.get("HARMPI_TRANSPORT") or "auto").strip().lower(),
             ranks_per_node=None if rpn in (None, "") else _int(env, "HARMPI_RANKS_PER_NODE", 0, 1),

@@ -290,7 +290,8 @@ LAYERS = (
     ("the API", ("harmpi.api", "harmpi.args", "harmpi.logits", "harmpi.gatherdim", "harmpi.profile",
                  "harmpi.allreduce", "harmpi.allgather", "harmpi.alltoall", "harmpi._callable")),
     ("torch.distributed backend", ("harmpi.distributed",)),
-    ("command lines", ("harmpi.cli", "harmpi.run", "harmpi.precompile", "harmpi.report")),
+    ("command lines", ("harmpi.cli", "harmpi.run", "harmpi.precompile", "harmpi.report",
+                       "harmpi.tune")),
     ("the package: import harmpi", ("harmpi",)),
 )
 

@@ -10,6 +10,11 @@ har_bandwidth  several nodes, same L on each      above har_latency_max bytes
 leader         any                                nodes of different sizes
 flat_ring      any (ignores shared memory)        never: a benchmark baseline
 =============  =================================  =================================
+
+The two switches, where not set, come from the cost model (``model``: every
+algorithm's latency and per-byte cost in L and N; ``model_rows``: the
+measurements its built-in constants are fitted to; ``model_file``: a host's
+own constants, written by ``python -m harmpi.tune``).
 """
 
 from ..config import ALGORITHM_IDS, ALGORITHM_NAMES, ALGORITHMS

@@ -19,7 +19,9 @@ sum and log2 G times on the rail.
 Cost: network bytes per rank ~(m/L)*log2 G (the L rails carry disjoint
 shares in parallel) instead of m*log2 G; memory traffic ~3m per rank; two
 flag rounds. Wins over har_latency once m/L on the wire outweighs the extra
-flag round: from a few hundred KiB on TCP.
+flag round; never on one-rank nodes (m/L = m). harmpi.algorithms.model
+prices both (rail latency, bytes per rail and per node link) and auto
+switches at its crossover for L and G (har_latency_max_nbytes).
 """
 
 from __future__ import annotations

@@ -17,9 +17,12 @@ written again soon after another core read it costs the writer an
 invalidation round trip (node.ring_pos).
 
 Cost (L ranks, m bytes): one copy of m, one flag round (~0.1-1 us when ranks
-own cores, a scheduler slice when oversubscribed), L*m bytes read for the
-sum. Best up to ~64 KiB, where the flag round dominates; beyond that the
-L*m reads lose to reduce-scatter + allgather (shm_rsag).
+own cores, a scheduler slice when oversubscribed), L*m bytes read and summed
+per rank, L^2*m through the node's memory. In harmpi.algorithms.model:
+F(L) + copy*m + sum*L*m + bus*L*(1+L)*m. Best where the flag round
+dominates: auto switches to shm_rsag where the model's two costs cross,
+lower as L grows (~11 KiB at 2 ranks, under 1 KiB at 16 with the built-in
+constants).
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ barrier (the double-buffering argument of harmpi.node holds per step).
 
 Cost (L ranks, m bytes per rank): copy-in m + sum reads m (L shares of m/L)
 + writes m/L + copy-out m: ~3m of memory traffic per rank instead of L*m,
-at the price of a second flag round. Wins above ~64 KiB.
+at the price of a second flag round. In harmpi.algorithms.model: 2*F(L) +
+copy*2m + sum*m + bus*L*3m. Wins above the model's crossover with shm (auto's
+small_max_nbytes), which falls as L grows.
 """
 
 from __future__ import annotations

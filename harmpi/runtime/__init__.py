@@ -7,6 +7,7 @@
 ``waits``        how a context's waits spin, yield and sleep
 ``signals``      Ctrl-C held over a set-up, and the wakeup pipe drained after a wait
 ``entries``      what a context runs for a collective, chosen when it is made
+``switches``     auto's size switches: the user's, else the cost model's (rank 0's)
 ``failures``     a failed step's status turned into the exception every rank raises
 ``context``      one communicator's context: topology, arena, transports, entries
 ``native``       the torch extension harmpi._C (``harmpi.native``: load, name_group, status)

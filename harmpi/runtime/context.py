@@ -30,7 +30,7 @@ from ..base.topology import agree, discover, dup_polled
 from ..config import Config
 from ..errors import HarmpiArgumentError, HarmpiError, HarmpiMismatchError
 from ..platform import schedslice
-from . import entries, failures, waits
+from . import entries, failures, switches, waits
 from .signals import HeldSigint, drain_wakeup
 
 __all__ = ["Context", "AUTO_CODE"]
@@ -74,6 +74,10 @@ class Context:
         # request there, where no other collective (the user's) can meet it
         self.setup_comm = dup_polled(comm, timeout_s, "setting up harmpi (its own "
                                      "communicator)") if self.topo.size > 1 else comm
+        #: auto's size switches: the user's, else the cost model's for this
+        #: topology (harmpi.runtime.switches; info()["model"])
+        self.switches = switches.resolve(comm, self.topo, self.config, timeout_s)
+        self.thresholds = self.switches.thresholds
         self.oversubscribed = waits.oversubscribed(comm, timeout_s)
         self.waits = w = waits.plan(self.config, self.oversubscribed)
         self.spin_count, self.wait_policy = w.spin_count, w.policy
@@ -82,7 +86,7 @@ class Context:
         self.ctl = control.new()
         self._tune_state = np.zeros(copytune.STATE_WORDS, np.int64)  # read by local rank 0
         node.init_control(self.ctl, self.arena, w.spin_count, self.config.timeout_s, AUTO_CODE,
-                          self.config.small_max_nbytes, self.config.stream_stores, sigfd,
+                          self.thresholds.small_max_nbytes, self.config.stream_stores, sigfd,
                           self._tune_state, w.policy, w.floor_ns, w.cap_ns, w.yield_ns)
         self.sched_slice = None
         self._busy_fd, self._busy_buf = waits.busy_look(self.ctl, self.wait_policy)
@@ -297,7 +301,7 @@ class Context:
                 self.log_once(f"allreduce: nodes hold {list(topo.node_sizes)} ranks (uneven); "
                               "using the leader algorithm")
                 name = "leader"
-            elif nbytes <= self.config.har_latency_max_nbytes:
+            elif nbytes <= self.thresholds.har_latency_max_nbytes:
                 name = "har_latency"
             else:
                 name = "har_bandwidth"

@@ -93,10 +93,9 @@ def auto_entry(ctx):
     python = PythonEntry(ctx, "auto")
     rail = ctx.rail_transport()
     if topo.node_count == 2 and topo.uniform and rail is not None and rail.compiled_rail:
-        cfg = ctx.config
-        return AutoEntry(SizeSwitch(HAR2_STEP, cfg.har_latency_max_nbytes, python), 0,
-                         (HAR2_START, HAR2_FINISH,
-                          min(cfg.har_latency_max_nbytes, cfg.slot_nbytes)), True)
+        har_max = ctx.thresholds.har_latency_max_nbytes
+        return AutoEntry(SizeSwitch(HAR2_STEP, har_max, python), 0,
+                         (HAR2_START, HAR2_FINISH, min(har_max, ctx.config.slot_nbytes)), True)
     return AutoEntry(python)
 
 

@@ -76,11 +76,14 @@ def default_size_classes(name):
     """Element counts of every size class of the default config: empty, tiny,
     the decode size, each side of small_max (sum every slot / reduce-scatter)
     and of har_latency_max (full tensor / one share on the rail), and past
-    one slot (several chunks)."""
+    one slot (several chunks), of the world context."""
     cfg = harmpi.Config()
     isz = ITEMSIZE[name]
-    return [0, 1, 7, 5120, cfg.small_max_nbytes // isz, cfg.small_max_nbytes // isz + 1,
-            cfg.har_latency_max_nbytes // isz, cfg.har_latency_max_nbytes // isz + 3,
+    # the switches the world context runs with (the cost model's for this
+    # topology, or the job's settings), capped: a switch that never happens
+    t = {k: min(v, 4 * cfg.slot_nbytes) for k, v in harmpi.info()["thresholds"].items()}
+    small, har = t["small_max_nbytes"], t["har_latency_max_nbytes"]
+    return [0, 1, 7, 5120, small // isz, small // isz + 1, har // isz, har // isz + 3,
             cfg.slot_nbytes // isz + 5, 2 * cfg.slot_nbytes // isz + 7]
 
 

@@ -2,6 +2,8 @@
 environment (HARMPI_*) is read only when no Config is given."""
 
 import dataclasses
+import pathlib
+import tempfile
 
 import pytest
 from conftest import torch
@@ -22,6 +24,7 @@ ENV = {
     "HARMPI_SLOT_BYTES": "8192",
     "HARMPI_SMALL_MAX_BYTES": "128",
     "HARMPI_HAR_LATENCY_MAX_BYTES": "256",
+    "HARMPI_MODEL_FILE": "/nonexistent/cost-model.json",
     "HARMPI_ALGORITHM": "flat_ring",
     "HARMPI_TRANSPORT": "mpi",
     "HARMPI_RANKS_PER_NODE": "2",
@@ -40,7 +43,8 @@ ENV = {
 GIVEN = harmpi.Config(timeout_s=30.0, wait="spin", spin_count=12345, sched_slice_us=250,
                       slot_nbytes=16384,
                       small_max_nbytes=4096,
-                      har_latency_max_nbytes=8192, algorithm="leader", transport="tcp",
+                      har_latency_max_nbytes=8192, model_file="/nonexistent/other.json",
+                      algorithm="leader", transport="tcp",
                       ranks_per_node=1, stream_stores="flush", native=True,
                       logits_route="allgather", logits_allreduce_max_nbytes=12345,
                       abort_on_exception=True, profile=False, profile_records=16384, trace=None,
@@ -111,3 +115,56 @@ def test_the_yield_window_is_set_only_for_auto_when_ranks_outnumber_cores(world,
         harmpi.allreduce(y, comm=comm)
         n = comm.Get_size()
         assert torch.all(y == n * (n + 1) / 2)
+
+
+def test_unset_switches_come_from_the_cost_model(world):
+    """Unset, both switches are the model's crossovers for this topology,
+    from rank 0's model file (another rank's bad file does not matter);
+    a set switch overrides the model; info() shows the model."""
+    from harmpi.algorithms import model, model_file
+
+    rank = world.Get_rank()
+    constants = dataclasses.replace(model.DEFAULT, flag_us=3.0)  # not the built-in ones
+    # a directory per rank (pytest's tmp_path would have the ranks clean one base at once)
+    with tempfile.TemporaryDirectory(prefix=f"harmpi-model-{rank}-") as tmp:
+        path = pathlib.Path(tmp) / "cost-model.json"
+        if rank == 0:
+            model_file.write(path, constants, [], {"hostname": "test"}, "2026-12-05T00:00:00Z")
+        else:
+            path.write_text("{ not json")
+        _check_the_model_switches(world, constants, path)
+
+
+def _check_the_model_switches(world, constants, path):
+    from harmpi.algorithms import model
+
+    rank = world.Get_rank()
+    comm = world.Dup()
+    base = dataclasses.replace(harmpi.Config.from_env(), small_max_nbytes=None,
+                               har_latency_max_nbytes=None, model_file=str(path))
+    ctx = harmpi.init(comm, config=base)
+    info = harmpi.info(comm)
+    L, N = max(ctx.topo.node_sizes), ctx.topo.node_count
+    expect = model.thresholds(constants, L, N)
+    assert info["model"]["source"] == str(world.bcast(str(path)))
+    assert info["model"]["problem"] is None
+    assert info["model"]["constants"]["flag_us"] == 3.0
+    assert info["model"]["switches_set_by"] == {"small_max_nbytes": "cost model",
+                                                "har_latency_max_nbytes": "cost model"}
+    assert info["thresholds"]["small_max_nbytes"] == expect.small_max_nbytes
+    assert info["thresholds"]["har_latency_max_nbytes"] == expect.har_latency_max_nbytes
+    assert ctx.ctl[0]["small_max_nbytes"] == min(expect.small_max_nbytes, 2 ** 62)
+    assert [c["nbytes"] for c in info["model"]["choices"]] == list(model.SHOWN_NBYTES)
+    # an explicit setting wins over the model
+    comm2 = world.Dup()
+    harmpi.init(comm2, config=dataclasses.replace(base, small_max_nbytes=12345))
+    info2 = harmpi.info(comm2)
+    assert info2["thresholds"]["small_max_nbytes"] == 12345
+    assert info2["thresholds"]["har_latency_max_nbytes"] == expect.har_latency_max_nbytes
+    assert info2["model"]["switches_set_by"]["small_max_nbytes"].startswith(
+        "HARMPI_SMALL_MAX_BYTES")
+    for c in (comm, comm2):
+        x = torch.full((6000,), float(rank + 1))  # 24 KB: either side of some switch
+        harmpi.allreduce(x, comm=c)
+        n = world.Get_size()
+        assert torch.all(x == n * (n + 1) / 2)

@@ -48,7 +48,8 @@ def sizes(name):
     switch and past one slot of the default config."""
     cfg = harmpi.Config()
     isz = ITEMSIZE[name]
-    return [0, 1, 7, 5120, cfg.small_max_nbytes // isz + 1, cfg.slot_nbytes // isz + 5]
+    small = min(harmpi.info()["thresholds"]["small_max_nbytes"], 4 * cfg.slot_nbytes)
+    return [0, 1, 7, 5120, small // isz + 1, cfg.slot_nbytes // isz + 5]
 
 
 @pytest.mark.parametrize("name", ["bf16", "f32"])
