@@ -93,7 +93,7 @@ def test_free_and_finalize_after_a_one_sided_failure_return_on_every_rank(tmp_pa
 
 
 CYCLES = """
-    import ctypes, gc, os, resource, sys, time, harmpi, numpy as np
+    import gc, os, resource, sys, time, harmpi, numpy as np
     from mpi4py import MPI
     from harmpi.runtime.context import Context
     if {keep}:   # contexts never freed: shows that the test can fail
@@ -113,11 +113,9 @@ CYCLES = """
         c.Free()
 
     def settled():
-        # RSS with the allocator's free memory given back (glibc keeps freed
-        # heap: over tcp RSS rises ~25 MB in the first 1,000 cycles and
-        # malloc_trim returns all but ~4 MB of it), and live Python objects
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        # usage() (RSS settled: over tcp RSS as read rises ~25 MB in the first
+        # 1,000 cycles and malloc_trim returns all but ~4 MB of it), and live
+        # Python objects
         return (*usage(), len(gc.get_objects()))
 
     for _ in range({warmup}):  # first-use caches (kernels' dispatch, the sockets' module)
@@ -198,7 +196,7 @@ def test_a_job_with_overlapping_groups_exits(tmp_path, end):
 
 
 TORCH_CYCLES = """
-    import ctypes, gc, os, sys, time, torch, torch.distributed as dist, harmpi.distributed
+    import os, sys, time, torch, torch.distributed as dist, harmpi.distributed
     from mpi4py import MPI
     dist.init_process_group("harmpi", init_method="mpi://")
     n, r = dist.get_world_size(), dist.get_rank()
@@ -224,13 +222,12 @@ TORCH_CYCLES = """
         return slot
 
     def settled():
-        # RSS in KB with the allocator's free memory given back (glibc keeps
-        # freed heap), the group slot, the keys of rank 0's store server
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        # RSS in KB (settled by usage() first), the group slot, the keys of
+        # rank 0's store server
+        rest = usage()[1:]
         pages = int(open("/proc/self/statm").read().split()[1])
         return (pages * os.sysconf("SC_PAGE_SIZE") >> 10, group_slot(), store.num_keys(),
-                *usage()[1:])
+                *rest)
 
     for _ in range({warmup}):   # first-use caches
         cycle()
