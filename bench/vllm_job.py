@@ -113,14 +113,24 @@ class Arms:
         self.own = getattr(self.dc, "dist_module", None)
         self.gloo = dist
 
-    def path(self, arm: str) -> str | None:
-        """What ``arm`` runs on this rank, or None where it cannot run."""
+    def kind(self, arm: str) -> str | None:
+        """Which all-reduce ``arm`` runs on this rank (a key of _GRAPH_OP, or
+        "none" with one rank), or None where it cannot run."""
         if self.dc is None:
-            return "none (one rank)"
+            return "none"
         if arm == "harmpi":
-            return f"harmpi ({type(self.dc).__name__})" if self.group is not None else None
+            return "harmpi" if self.group is not None else None
         module = self.gloo if arm == "gloo" else self.own
         return "vllm shm op" if type(module).__name__ == "_CPUSHMDistributed" else "gloo"
+
+    def path(self, arm: str) -> str | None:
+        """What ``arm`` runs on this rank in words, or None where it cannot run."""
+        kind = self.kind(arm)
+        if kind == "none":
+            return "none (one rank)"
+        if kind == "harmpi":
+            return f"harmpi ({type(self.dc).__name__})"
+        return kind
 
     def built_path(self) -> str:
         """The path of the communicator as vLLM made it: the one its
@@ -176,9 +186,11 @@ def _engines(make, mode: str, wanted, batch, params):
             sys.exit("vllm_job.py: a second engine made a TP communicator of its own; the "
                      "arms cannot share one process here")
     for arm in names:
+        if arms.kind(arm) == "none":
+            continue   # one rank: no all-reduce in the graph
         arms.use(arm)
         ops = _collective_ops(engines[arm], batch, params)
-        want = _GRAPH_OP[arms.path(arm).split(" (")[0]]
+        want = _GRAPH_OP[arms.kind(arm)]
         others = [op for op in _GRAPH_OP.values() if op != want and ops.get(op)]
         if not ops.get(want) or others:
             sys.exit(f"vllm_job.py: the {arm} engine's graph calls {ops}, not {want} alone")

@@ -110,6 +110,16 @@ class Fallback:
             raise self.exc
 
 
+def _attached(mod, entry, fallback=...):
+    """A fresh control block with ``entry`` attached (and ``fallback``: a new
+    Fallback unless given): (ctl, fallback)."""
+    ctl = _ctl()
+    if fallback is ...:
+        fallback = Fallback()
+    mod.attach(ctl.ctypes.data, _GATE, entry.address, _FORMATS, fallback)
+    return ctl, fallback
+
+
 def test_built_against_this_torch(mod):
     assert native.built_against(native._module_file()) == torch.__version__ == mod.TORCH_VERSION
     assert native.status() == "loaded"
@@ -153,8 +163,7 @@ def test_nothing_attached_declines_everything(mod):
 
 
 def test_hands_the_entry_address_length_and_format(mod, entries):
-    ctl = _ctl()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, None)
+    ctl, _ = _attached(mod, entries[0], None)
     for f in dtypes.FORMATS:
         t = torch.zeros(2, 3, 5, dtype=getattr(torch, f.torch_name))[1]  # offset view
         assert mod.allreduce(t) == 0
@@ -168,8 +177,7 @@ def test_the_torch_distributed_path_serves_only_a_synchronous_sum(mod, entries):
     """allreduce_sum([t], opts): harmpi.distributed's default-group hot path."""
     import torch.distributed as dist
 
-    ctl = _ctl()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, None)
+    ctl, _ = _attached(mod, entries[0], None)
     t = torch.ones(6)
     for op, async_op, rc in ((dist.ReduceOp.SUM, False, 0), (dist.ReduceOp.SUM, True, -2),
                              (dist.ReduceOp.AVG, False, -2), (dist.ReduceOp.MAX, False, -2)):
@@ -209,8 +217,7 @@ def _declined():
 
 
 def test_declines_what_the_python_path_must_judge(mod, entries):
-    ctl = _ctl()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, None)
+    ctl, _ = _attached(mod, entries[0], None)
     for x in [np.ones(4, np.float32), "text", *_declined()]:   # not a tensor, then tensors
         assert mod.allreduce(x) == -1, x
     assert _seen(ctl)[0] == -1, "no entry ran"
@@ -219,9 +226,7 @@ def test_declines_what_the_python_path_must_judge(mod, entries):
 
 
 def test_the_operator_calls_the_entry_in_place(mod, op, entries):
-    ctl = _ctl()
-    fallback = Fallback()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+    ctl, fallback = _attached(mod, entries[0])
     t = torch.zeros(2, 3, 5, dtype=torch.bfloat16)[1]
     assert op(t) is t
     assert _seen(ctl) == [FORMAT_IDS[torch.bfloat16], t.data_ptr(), 15]
@@ -229,9 +234,7 @@ def test_the_operator_calls_the_entry_in_place(mod, op, entries):
 
 
 def test_the_operator_hands_the_rest_to_the_fallback(mod, op, entries):
-    ctl = _ctl()
-    fallback = Fallback()
-    mod.attach(ctl.ctypes.data, _GATE, entries[1].address, _FORMATS, fallback)
+    ctl, fallback = _attached(mod, entries[1])
     t = torch.ones(3)
     assert op(t) is t
     assert fallback.calls == [(t, 7)]  # the entry's failure: the fallback raises it
@@ -249,9 +252,8 @@ def test_the_operator_hands_the_rest_to_the_fallback(mod, op, entries):
 
 
 def test_a_fallback_error_reaches_the_caller_unchanged(mod, op, entries):
-    ctl = _ctl()
     error = HarmpiError("rank 1: allreduce: test failure")
-    mod.attach(ctl.ctypes.data, _GATE, entries[1].address, _FORMATS, Fallback(error))
+    ctl, _ = _attached(mod, entries[1], Fallback(error))
     with pytest.raises(HarmpiError, match="rank 1: allreduce: test failure") as info:
         op(torch.ones(3))
     assert info.value is error
@@ -273,16 +275,13 @@ def test_the_meta_kernel_gives_the_input_back(op):
 def test_opcheck_schema_fake_and_functionalization(mod, op, entries):
     """torch.library.opcheck: the schema's mutation claim, the fake kernel
     against the real one, autograd registration, and AOT dispatch."""
-    ctl = _ctl()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, Fallback())
+    ctl, _ = _attached(mod, entries[0])
     for dtype in (torch.float32, torch.bfloat16):
         torch.library.opcheck(op.default, (torch.ones(2, 3, dtype=dtype),))
 
 
 def test_torch_compile_fullgraph(mod, op, entries):
-    ctl = _ctl()
-    fallback = Fallback()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+    ctl, fallback = _attached(mod, entries[0])
 
     def f(x):
         y = x * 2
@@ -302,9 +301,7 @@ def op_out(mod):
 
 
 def test_the_out_of_place_operator_leaves_its_input(mod, op_out, entries):
-    ctl = _ctl()
-    fallback = Fallback()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+    ctl, fallback = _attached(mod, entries[0])
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     # contiguous (memcpy; from an offset too), or not (copy_): it copies first
     for src in (x, x[1:], x[:, 1:], x.t(), x[:0]):
@@ -319,9 +316,7 @@ def test_the_out_of_place_operator_leaves_its_input(mod, op_out, entries):
 
 def test_a_named_group_takes_the_fallback(mod, op, op_out, entries):
     """The entry serves the world only; a group name goes to the Python side."""
-    ctl = _ctl()
-    fallback = Fallback()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+    ctl, fallback = _attached(mod, entries[0])
     t = torch.ones(5)
     assert op(t, "tp0") is t
     y = op_out(t, group="tp0")
@@ -350,8 +345,7 @@ def test_the_out_of_place_meta_kernel(op_out):
 
 
 def test_opcheck_of_the_out_of_place_operator(mod, op_out, entries):
-    ctl = _ctl()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, Fallback())
+    ctl, _ = _attached(mod, entries[0])
     for dtype in (torch.float32, torch.bfloat16):
         torch.library.opcheck(op_out.default, (torch.ones(2, 3, dtype=dtype),))
         torch.library.opcheck(op_out.default, (torch.ones(3, 2, dtype=dtype).t(), "g"))
@@ -414,9 +408,7 @@ def _out_of_place_then_mutate(x):
                                _out_of_place_then_mutate, _no_result_on_a_fused_buffer,
                                _no_result_on_the_input_and_a_view, _no_result_then_reused_before])
 def test_compiled_equals_eager(mod, doubling, f):
-    ctl = _ctl()
-    fallback = Fallback()
-    mod.attach(ctl.ctypes.data, _GATE, doubling.address, _FORMATS, fallback)
+    ctl, fallback = _attached(mod, doubling)
     torch._dynamo.reset()
     x0 = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     eager_x = x0.clone()
@@ -435,8 +427,7 @@ def test_dynamic_shapes_stay_symbolic(mod, entries, inplace):
     """vLLM compiles its model with the token count marked dynamic: the
     operators' Meta kernels must keep a symbolic size symbolic (reading
     concrete sizes pinned it, and dynamo raised ConstraintViolationError)."""
-    ctl = _ctl()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, Fallback())
+    ctl, _ = _attached(mod, entries[0])
     torch._dynamo.reset()
 
     def f(x):
@@ -464,9 +455,7 @@ def op_none(mod):
 
 
 def test_the_no_result_operator_sums_in_place(mod, op_none, entries):
-    ctl = _ctl()
-    fallback = Fallback()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, fallback)
+    ctl, fallback = _attached(mod, entries[0])
     t = torch.zeros(2, 3, 5, dtype=torch.bfloat16)[1]
     assert op_none(t) is None
     assert _seen(ctl) == [FORMAT_IDS[torch.bfloat16], t.data_ptr(), 15]
@@ -483,8 +472,7 @@ def test_the_no_result_operator_sums_in_place(mod, op_none, entries):
 
 
 def test_opcheck_of_the_no_result_operator(mod, op_none, entries):
-    ctl = _ctl()
-    mod.attach(ctl.ctypes.data, _GATE, entries[0].address, _FORMATS, Fallback())
+    ctl, _ = _attached(mod, entries[0])
     m = torch.empty(4, 6, dtype=torch.bfloat16, device="meta")
     assert op_none(m) is None
     for dtype in (torch.float32, torch.bfloat16):
@@ -496,8 +484,7 @@ def test_inductor_sums_the_graph_buffer_where_it_lies(mod, op_none, doubling):
     read again (vLLM's matmul output), inductor calls it on that buffer:
     no clone, no output of its own, no check of a returned tensor."""
     from torch._inductor.utils import run_and_get_code
-    ctl = _ctl()
-    mod.attach(ctl.ctypes.data, _GATE, doubling.address, _FORMATS, Fallback())
+    ctl, _ = _attached(mod, doubling)
     torch._dynamo.reset()
 
     def f(x, w):

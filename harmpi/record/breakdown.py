@@ -239,15 +239,21 @@ class Profile:
         median, p90 (us)], with last arrivals merged from every rank's
         records where its path heard its own node only (a wait for another
         node is not own time). Collective; None on the other ranks."""
-        comm = self._meet("the profile's own times")
+        every = self._gather_rings("the profile's own times")
+        if every is None:
+            return None
+        every.sort(key=lambda e: e[0])
+        _, last = last_arrivals(every, self.ctx.topo.size)[0]
+        return own_by_size(every[0][2], last)
+
+    def _gather_rings(self, what):
+        """Every rank's (rank, node index, records, calls written), gathered
+        to this context's rank 0 (collective; None on the other ranks)."""
+        comm = self._meet(what)
         mine = (self.ctx.topo.rank, self.ctx.topo.node_index, self.records(),
                 int(self.state[recorder.H_WRITTEN]))
         every = comm.gather(mine, root=0)
-        if comm.Get_rank() != 0:
-            return None
-        every = sorted(every, key=lambda e: e[0])
-        who, last = last_arrivals(every, self.ctx.topo.size)[0]
-        return own_by_size(every[0][2], last)
+        return every if comm.Get_rank() == 0 else None
 
     def summary(self):
         """The stats as a table (collective)."""
@@ -256,11 +262,8 @@ class Profile:
     def write_trace(self, path):
         """Chrome trace / Perfetto JSON of every rank's ring, merged by rank 0
         (collective; one track per rank). Returns the path on rank 0."""
-        comm = self._meet("writing the profile's trace")
-        mine = (self.ctx.topo.rank, self.ctx.topo.node_index, self.records(),
-                int(self.state[recorder.H_WRITTEN]))
-        every = comm.gather(mine, root=0)
-        if comm.Get_rank() != 0:
+        every = self._gather_rings("writing the profile's trace")
+        if every is None:
             return None
         with open(path, "w") as f:
             json.dump(trace_events(every, self.ctx), f)

@@ -76,9 +76,9 @@ class Context:
                                      "communicator)") if self.topo.size > 1 else comm
         #: auto's size switches: the user's, else the cost model's for this
         #: topology (harmpi.runtime.switches; info()["model"])
-        self.switches = switches.resolve(comm, self.topo, self.config, timeout_s)
+        self.switches = switches.resolve(self.setup_comm, self.topo, self.config, timeout_s)
         self.thresholds = self.switches.thresholds
-        self.oversubscribed = waits.oversubscribed(comm, timeout_s)
+        self.oversubscribed = waits.oversubscribed(self.setup_comm, timeout_s)
         self.waits = w = waits.plan(self.config, self.oversubscribed)
         self.spin_count, self.wait_policy = w.spin_count, w.policy
         self.transport_spin_count = w.transport_spin_count
