@@ -3,7 +3,8 @@
 The published hierarchical all-reduce for decode-sized tensors (G nodes of
 L ranks, every node the same L; rank (g, l) is local rank l of node g).
 
-Steps (per chunk of at most one slot of m elements):
+Steps (per chunk of m elements, at most rail_chunk_nbytes: one slot, and
+no more than 512 KiB, where one exchange of the tcp rail is fastest per byte):
   1. G = 2: post the rail exchange first — receive from, and send x to, the
      rail peer (same local rank on the other node), straight from the
      caller's buffer — so the network works while the node does step 2;
@@ -14,7 +15,8 @@ Steps (per chunk of at most one slot of m elements):
      exchanges; ranks beyond the largest power of two fold in first and
      get the result last);
   4. post my status (did the exchange disagree?), publish, wait for the node;
-  5. every rank sums the L slots in rank order into x.
+  5. every rank sums the L slots in rank order into x (L = 1 and G = 2: x +=
+     the peer's tensor, after the flag round, without the slot).
 
 No root, no relay, no broadcast: each rank's only network step is its own
 rail exchange, and all L rails run in parallel.
@@ -49,8 +51,8 @@ from ..errors import HarmpiTimeoutError
 from ..transports import sockio
 from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
 
-__all__ = ["HarLatencyAllreduce", "HAR2_STEP", "HAR2_START", "HAR2_FINISH", "rail_complete",
-           "rail_outcome", "rail_views"]
+__all__ = ["HarLatencyAllreduce", "RAIL_CHUNK_NBYTES", "rail_chunk_nbytes", "HAR2_STEP",
+           "HAR2_START", "HAR2_FINISH", "rail_complete", "rail_outcome", "rail_views"]
 
 # -- two nodes over the tcp transport: the whole step in one compiled call ----
 #
@@ -63,6 +65,20 @@ __all__ = ["HarLatencyAllreduce", "HAR2_STEP", "HAR2_START", "HAR2_FINISH", "rai
 
 _voidptr = control.voidptr
 _RAIL_ROWS = 2
+
+#: the most one rail exchange carries (the slot size where that is smaller):
+#: a larger tensor goes in steps of this size. On the 2-vCPU Xeon, 2 x 1
+#: over the tcp rail, bf16 medians: 1 MB in one exchange 630-640 us, in two
+#: of 512 KiB 350-400 (MPI over TCP 410-460 in the same runs), 512 KiB alone
+#: 190: past ~512 KiB in flight each way the loopback path slows per byte
+#: (a plain socket exchange does not: 87/216/463 us for 0.5/1/2 MB in 256 KiB
+#: sends, so the cost is in what the step holds at once, not in the wire)
+RAIL_CHUNK_NBYTES = 512 << 10
+
+
+def rail_chunk_nbytes(slot_nbytes):
+    """Bytes per rail exchange step for contexts of slot size ``slot_nbytes``."""
+    return min(slot_nbytes, RAIL_CHUNK_NBYTES)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -174,7 +190,7 @@ def _har2(ctl, x_addr, n, code, fmt, w):
     ops = numba.carray(_voidptr(c.rail_ops), (_RAIL_ROWS, sockio.OP_WORDS), np.int64)
     pollfds = numba.carray(_voidptr(c.rail_pollfds), (_RAIL_ROWS, 2), np.int32)
     scratch = numba.carray(_voidptr(c.rail_scratch), (c.rail_scratch_len,), np.int64)
-    chunk = c.slot_nbytes // isz
+    chunk = min(c.slot_nbytes, RAIL_CHUNK_NBYTES) // isz
     start = 0
     while True:
         m = min(chunk, n - start)
@@ -245,8 +261,9 @@ def _har2_finish(ctl, x_addr, n, fmt, w):
 def har2_start(ctl, x_addr, n, fmt):
     """Split-phase two-node step, first half (harmpi.node's split-phase
     comment): post the rail exchange, post the meta, publish, return. Only
-    for a call of one slot at most (the caller checks). On OK the context
-    stays entered until har2_finish; on failure it is left."""
+    for a call of one rail step at most (rail_chunk_nbytes; the caller
+    checks). On OK the context stays entered until har2_finish; on failure
+    it is left."""
     rc = node.enter(ctl)
     if rc != OK:
         return rc
@@ -319,7 +336,7 @@ class HarLatencyAllreduce(RailAlgorithm):
         isz = call.itemsize
         tag = kind.rail_tag(call.nbytes, call.code)
         timeout_s = ctx.config.timeout_s
-        for _start, addr, m in chunks(call, ctx.config.slot_nbytes // isz):
+        for _start, addr, m in chunks(call, rail_chunk_nbytes(ctx.config.slot_nbytes) // isz):
             pending = None
             ctx.guard(call)
             if self.G == 2:

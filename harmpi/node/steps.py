@@ -236,6 +236,16 @@ def add_publish_sum(ctl, x_addr, r_addr, m, status, fmt, w):
     non-zero; post ``status``, publish, wait, and if no rank failed, x[:m] =
     sum of the slots. Returns publish_wait_status's code."""
     c = ctl[0]
+    if c.local_size == 1 and r_addr != 0:
+        # one rank per node: x[:m] += r in place, after the (local) flag round,
+        # so a failed step leaves x untouched. The slot and the 1-row sum
+        # would only copy the same bits twice (2 x m bytes more at 1 MB).
+        rc = publish_wait_status(ctl, status)
+        if rc != OK:
+            return rc
+        if m > 0:
+            add_into(x_addr, r_addr, m, fmt, w)
+        return OK
     if status == 0 and r_addr != 0 and m > 0:
         mine = parity_slot_addr(c, step_parity(c), c.local_rank)
         if streams(c, m * w.itemsize):

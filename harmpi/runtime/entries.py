@@ -22,7 +22,7 @@ from .. import node
 from ..algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
 from ..algorithms.alltoall import HierAlltoall, MpiAlltoall
 from ..algorithms.base import Call
-from ..algorithms.har_latency import HAR2_FINISH, HAR2_START, HAR2_STEP
+from ..algorithms.har_latency import HAR2_FINISH, HAR2_START, HAR2_STEP, rail_chunk_nbytes
 from ..base import dtypes, kind
 from ..errors import HarmpiArgumentError, HarmpiError
 
@@ -94,8 +94,9 @@ def auto_entry(ctx):
     rail = ctx.rail_transport()
     if topo.node_count == 2 and topo.uniform and rail is not None and rail.compiled_rail:
         har_max = ctx.thresholds.har_latency_max_nbytes
+        split_max = min(har_max, rail_chunk_nbytes(ctx.config.slot_nbytes))
         return AutoEntry(SizeSwitch(HAR2_STEP, har_max, python), 0,
-                         (HAR2_START, HAR2_FINISH, min(har_max, ctx.config.slot_nbytes)), True)
+                         (HAR2_START, HAR2_FINISH, split_max), True)
     return AutoEntry(python)
 
 

@@ -17,6 +17,7 @@ from conftest import (
 )
 
 import harmpi
+from harmpi.algorithms.har_latency import rail_chunk_nbytes
 
 SLOT = SMALL["slot_nbytes"]
 
@@ -75,16 +76,18 @@ def test_numpy_inputs(small_comm, topo, name):
 def default_size_classes(name):
     """Element counts of every size class of the default config: empty, tiny,
     the decode size, each side of small_max (sum every slot / reduce-scatter)
-    and of har_latency_max (full tensor / one share on the rail), and past
-    one slot (several chunks), of the world context."""
+    and of har_latency_max (full tensor / one share on the rail), each side
+    of one rail step (har_latency's chunk), and past one slot (several
+    chunks), of the world context."""
     cfg = harmpi.Config()
     isz = ITEMSIZE[name]
     # the switches the world context runs with (the cost model's for this
     # topology, or the job's settings), capped: a switch that never happens
     t = {k: min(v, 4 * cfg.slot_nbytes) for k, v in harmpi.info()["thresholds"].items()}
     small, har = t["small_max_nbytes"], t["har_latency_max_nbytes"]
+    rail = rail_chunk_nbytes(cfg.slot_nbytes) // isz
     return [0, 1, 7, 5120, small // isz, small // isz + 1, har // isz, har // isz + 3,
-            cfg.slot_nbytes // isz + 5, 2 * cfg.slot_nbytes // isz + 7]
+            rail, rail + 1, cfg.slot_nbytes // isz + 5, 2 * cfg.slot_nbytes // isz + 7]
 
 
 @pytest.mark.parametrize("name", ["bf16", "f32"])
