@@ -73,6 +73,7 @@ FIELDS = (
     ("rail_pollfds", "two-node step: struct pollfd[2]"),
     ("rail_scratch", "two-node step: sockio scratch"),
     ("rail_scratch_len", "two-node step: its length in int64 words"),
+    ("rail_node", "two-node step: this rank's node index (0 or 1)"),
     ("split", "a started split-phase all-reduce (node.SPLIT_*): what its finish does"),
     ("split_pos", "its slot position (small one-node step)"),
     ("gather_table", "allgather: int64[L, G] communicator rank of (local rank, node)"),

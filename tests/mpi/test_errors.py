@@ -8,6 +8,7 @@ from conftest import torch
 from mpi4py import MPI
 
 import harmpi
+from harmpi.algorithms.har_latency import rail_chunk_nbytes
 
 
 def test_unsupported_dtype_is_rejected_locally(small_comm):
@@ -68,6 +69,31 @@ def test_mismatched_sizes_raise_on_every_rank(small_comm, algorithm, odd):
     y = torch.ones(10)
     harmpi.allreduce(y, comm=small_comm, algorithm=algorithm)
     assert torch.all(y == n_ranks)
+
+
+def test_mismatched_large_sizes_with_default_settings(world):
+    """The default call past one rail step (two nodes of one rank: the
+    reduce-scatter + allgather steps of har_latency): ranks that disagree by
+    a few elements, or where one call takes one exchange and the other the
+    two-exchange steps, raise on every rank with x untouched; the context
+    then still sums."""
+    comm = world.Dup()
+    try:
+        r, size = comm.Get_rank(), comm.Get_size()
+        if size == 1:
+            pytest.skip("needs two ranks")
+        step = rail_chunk_nbytes(harmpi.Config.from_env().slot_nbytes) // 4   # f32 elements
+        for mine, others in ((step + 5, step + 7), (step + 5, step - 3), (3 * step, 3 * step + 2)):
+            n = mine if r == 0 else others
+            x = torch.full((n,), 7.0)
+            with pytest.raises(harmpi.HarmpiMismatchError, match="ranks disagree"):
+                harmpi.allreduce(x, comm=comm)
+            assert torch.all(x == 7.0), "the caller's tensor must not be touched"
+        y = torch.arange(2 * step + 3, dtype=torch.float32)
+        harmpi.allreduce(y, comm=comm)
+        assert torch.equal(y, size * torch.arange(2 * step + 3, dtype=torch.float32))
+    finally:
+        comm.Free()  # frees the context with it
 
 
 def test_mismatched_dtype_raises_on_every_rank(small_comm):
