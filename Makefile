@@ -184,12 +184,14 @@ unit-serial: setup
 # allgather, logits, bad input). A failing job does not stop the others;
 # the failed ones are listed at the end. The matrix:
 # - every file at 1-4 ranks on one node (NPS);
-# - every file across virtual nodes at 2x2 over tcp (the auto transport)
-#   and at 3x2 over mpi (rail folding over both transports' code, the
-#   layout that once hung a finalize): the torch, thread and fault files
-#   run there once per rail, as each such job costs ~1 min on 2 cores;
+# - every file across virtual nodes at 2x2 over tcp (the auto transport),
+#   at 4x1 over tcp (the compiled recursive doubling over four nodes, its
+#   refusals and faults) and at 3x2 over mpi (rail folding over both
+#   transports' code, the layout that once hung a finalize): the torch,
+#   thread and fault files run there once per rail, as each such job costs
+#   ~1 min on 2 cores;
 # - the data-path files at 2+1 (uneven nodes: a local rank with no rail
-#   peer), 2x1 and 4x1 (one-rank nodes, recursive doubling over 4) and 3x2
+#   peer), 2x1 (one-rank nodes) and 3x2
 #   over tcp (rail folding over tcp); the slot-store modes the tuner may
 #   pick (auto picks by timing) forced in two of these, flush at 2+1 and
 #   on at 3x2 (each node has ranks copying into slots; a job of its own
@@ -206,7 +208,7 @@ MPI_CORE_TESTS := tests/mpi/test_allreduce.py tests/mpi/test_allgather_topology.
 MPI_PYTEST = $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no
 MPI_MATRIX ?= $(foreach n,$(NPS),$(n):-:-:-:all) \
   4:2:auto:-:all 6:2:mpi:-:all \
-  3:2:auto:HARMPI_STREAM_STORES=flush:core 2:1:auto:-:core 4:1:auto:-:core \
+  3:2:auto:HARMPI_STREAM_STORES=flush:core 2:1:auto:-:core 4:1:auto:-:all \
   6:2:auto:HARMPI_STREAM_STORES=on:core \
   2:-:-:HARMPI_WAIT=sleep:core 4:-:-:HARMPI_WAIT=sleep:core 4:2:auto:HARMPI_WAIT=sleep:core
 # A job whose mpirun could not start it (PMIx's listener thread, seen once

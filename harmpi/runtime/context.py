@@ -357,6 +357,12 @@ class Context:
             self.fail(rc, Call(buf.ctypes.data, 1, dtypes.F64, code | dtypes.F64,
                                f"refusal of {kind.COLL_NAMES.get(coll, 'a collective')}"))
         except HarmpiError as exc:
+            if self.topo.node_count > 2 and not self._gave_up:
+                # on three or more nodes this part met only its own partners
+                # (recursive doubling): a peer whose real call waits for this
+                # rank elsewhere (an allgather's exchange with every node)
+                # must hear of it now, not at its deadline
+                self.give_up(str(exc))
             return exc
         finally:
             self._refusing = False

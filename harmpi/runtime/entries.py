@@ -92,11 +92,13 @@ def auto_entry(ctx):
                          (node.ONE_NODE_START, node.ONE_NODE_FINISH, 1 << 62))
     python = PythonEntry(ctx, "auto")
     rail = ctx.rail_transport()
-    if topo.node_count == 2 and topo.uniform and rail is not None and rail.compiled_rail:
+    if topo.uniform and rail is not None and rail.compiled_rail:
+        # har_latency compiled (two nodes: the split-phase pair too; more:
+        # its recursive doubling, one call per all-reduce)
         har_max = ctx.thresholds.har_latency_max_nbytes
         split_max = min(har_max, rail_chunk_nbytes(ctx.config.slot_nbytes))
-        return AutoEntry(SizeSwitch(HAR2_STEP, har_max, python), 0,
-                         (HAR2_START, HAR2_FINISH, split_max), True)
+        split = (HAR2_START, HAR2_FINISH, split_max) if topo.node_count == 2 else None
+        return AutoEntry(SizeSwitch(HAR2_STEP, har_max, python), 0, split, True)
     return AutoEntry(python)
 
 
