@@ -1,13 +1,16 @@
-"""Two real MPI "hosts" on one Linux machine, for multi-node tests.
+"""Real MPI "hosts" on one Linux machine, for multi-node tests.
 
 ``TwoHosts`` builds two network namespaces joined by a veth pair, gives each
 its own host name, and launches ``mpirun`` so that Open MPI sees two separate
 nodes: ``COMM_TYPE_SHARED`` splits 4 ranks 2 + 2, ranks on the same "host"
 talk through shared memory (``sm`` BTL, ``MPI.Win.Allocate_shared``), and
-ranks on different "hosts" talk TCP across the veth pair. Everything it made
-is deleted when the ``with`` block ends, also on failure, timeout or
+ranks on different "hosts" talk TCP across the veth pair. ``Hosts(count)``
+does the same for ``count`` (2 to 18) hosts joined through a Linux bridge
+(see "N hosts" below); ``TwoHosts`` is ``Hosts(2, bridge=False)``. Everything
+it made is deleted when the ``with`` block ends, also on failure, timeout or
 KeyboardInterrupt. No pytest dependency: tests call
-``can_make_namespaces()`` and ``pytest.skip(reason)`` themselves.
+``can_make_namespaces()`` (``bridge=True`` for ``Hosts``) and
+``pytest.skip(reason)`` themselves.
 
 Usage::
 
@@ -16,6 +19,10 @@ Usage::
         proc = hosts.mpirun([sys.executable, "script.py"], np=4,
                             timeout_s=60, env={"HARMPI_X": "1"})
         print(hosts.names, proc.returncode, proc.stdout)
+
+    ok, reason = can_make_namespaces(bridge=True)
+    with Hosts(4, ranks_per_host=1) as hosts:      # np defaults to 4 x 1
+        proc = hosts.mpirun([sys.executable, "script.py"], timeout_s=60)
 
 ``mpirun`` returns a ``subprocess.CompletedProcess`` (text stdout/stderr
 captured, never checked unless ``check=True``); on timeout every process of
@@ -50,6 +57,18 @@ The recipe, and why each piece is needed
   adds the install prefix (PRTE_PREFIX, LD_LIBRARY_PATH) itself, so the venv's
   wheel works on b without ``--prefix``; variables given in ``env=`` are also
   forwarded with ``-x``.
+* N hosts (``Hosts(count)``, bridge=True): host namespaces ``...a``,
+  ``...b``, ``...c``, ... (at most 18: a-r) and one more namespace, the
+  "switch" ``...s``, holding a Linux bridge ``br0``. Each host gets a veth
+  pair created directly between its namespace and the switch's: ``v<host>``
+  in the host (address ``<subnet>.<i+1>``/24 for the i-th host), its peer
+  ``p<host>`` enslaved to ``br0``. All hosts share the one /24 and reach each
+  other through the bridge (no STP, so ports forward at once; the switch's
+  empty netfilter tables pass bridged frames). No process ever runs in the
+  switch namespace; it is deleted (and with it the bridge and every veth
+  pair) with the hosts. ``mpirun`` runs in host a with ``--host
+  a:R,b:R,c:R,...`` (R ranks per host); the rsh agent accepts every host
+  and nothing else (not the switch).
 * MCA settings: ``btl=tcp,self,sm`` (``vader`` is ``sm`` in Open MPI 5);
   ``btl_tcp_if_include`` and ``oob_tcp_if_include`` = the veth subnet (so TCP
   goes over the veth, not lo); ``pml=ob1`` and ``osc=^ucx`` for the pip wheel;
@@ -70,16 +89,18 @@ The recipe, and why each piece is needed
 * Clean-up (``close()``, run by ``__exit__`` and at interpreter exit): kill
   every process whose network namespace is one of ours (found through
   ``/proc/*/ns/net``, so also prted/ranks orphaned by a killed mpirun),
-  SIGTERM then SIGKILL; ``ip netns del`` both (deleting a namespace destroys
-  its veth end and so the pair); remove ``/etc/netns/<name>``, ``/dev/shm``
-  entries whose name contains one of our host names (``sm_segment.<host>.*``
-  left by killed ranks) and the per-run temp directory. ``leftovers()``
-  reports anything that survived; ``cleanup_stale()`` removes namespaces of
-  this naming scheme whose creating process is dead (after a SIGKILL).
+  SIGTERM then SIGKILL; ``ip netns del`` every host and the switch (deleting
+  a namespace destroys its veth ends and so the pairs, and the bridge);
+  remove ``/etc/netns/<name>``, ``/dev/shm`` entries whose name contains one
+  of our host names (``sm_segment.<host>.*`` left by killed ranks) and the
+  per-run temp directory. ``leftovers()`` reports anything that survived;
+  ``cleanup_stale()`` removes namespaces of this naming scheme (switch
+  included) whose creating process is dead (after a SIGKILL).
 
-Requirements: root, Linux with network namespaces and veth, ``ip`` (Debian
-package ``iproute2``), ``unshare`` (``util-linux``), ``sh``, and Open MPI's
-``mpirun`` (next to ``sys.executable`` first, then on PATH).
+Requirements: root, Linux with network namespaces, veth (and bridge, for
+``Hosts``), ``ip`` (Debian package ``iproute2``), ``unshare``
+(``util-linux``), ``sh``, and Open MPI's ``mpirun`` (next to
+``sys.executable`` first, then on PATH).
 """
 from __future__ import annotations
 
@@ -104,6 +125,7 @@ from launch.errors import MpiNotFoundError
 from launch.mpienv import find_mpirun, job_defaults, mpi_env
 
 __all__ = [
+    "Hosts",
     "TwoHosts",
     "can_make_namespaces",
     "cleanup_stale",
@@ -112,10 +134,14 @@ __all__ = [
 ]
 
 _PREFIX = "hm"
-_NAME_RE = re.compile(rf"^{_PREFIX}(\d+)n(\d+)([abt])$")
+# namespace suffixes: hosts a, b, c, ... (at most 18), "s" the switch of a
+# bridged run, "t" the throwaway probe
+_HOST_SUFFIXES = "abcdefghijklmnopqr"
+_SWITCH_SUFFIX = "s"
+_NAME_RE = re.compile(rf"^{_PREFIX}(\d+)n(\d+)([a-t])$")
 _SBIN = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 _SEQ = itertools.count()
-_LIVE: "set[TwoHosts]" = set()
+_LIVE: "set[Hosts]" = set()
 _LOCK = threading.Lock()
 _SET_HOSTNAME = 'echo "$0" > /proc/sys/kernel/hostname && exec "$@"'
 _CLONE_NEWNET = 0x40000000
@@ -157,7 +183,8 @@ def _run(argv: Sequence[str], check: bool = True,
 
 
 def _new_base() -> str:
-    # hm<pid>n<seq>: at most 2+7+1+3 = 13 chars, +1 for a/b, +1 for "v" prefix
+    # hm<pid>n<seq>: at most 2+7+1+3 = 13 chars, +1 for the suffix (a, b, ..., s),
+    # +1 for the "v"/"p" prefix of a veth end: 15, the interface name limit
     return f"{_PREFIX}{os.getpid()}n{next(_SEQ) % 1000}"
 
 
@@ -178,8 +205,9 @@ def _missing_prerequisite(need_mpirun: bool) -> str | None:
     return None
 
 
-def _try_namespace(ip: str, unshare: str) -> tuple[bool, str]:
-    """Make a throwaway namespace with a veth pair and a private host name, then delete it."""
+def _try_namespace(ip: str, unshare: str, bridge: bool = False) -> tuple[bool, str]:
+    """Make a throwaway namespace with a veth pair and a private host name
+    (and a bridge with one veth end enslaved, if ``bridge``), then delete it."""
     name = _new_base() + "t"
     try:
         proc = _run([ip, "netns", "add", name], check=False)
@@ -193,6 +221,12 @@ def _try_namespace(ip: str, unshare: str) -> tuple[bool, str]:
              ' && test "$(cat /proc/sys/kernel/hostname)" = "$0"',
              name],
         ]
+        if bridge:
+            steps += [
+                [ip, "-n", name, "link", "add", "tbr", "type", "bridge"],
+                [ip, "-n", name, "link", "set", "tvb", "master", "tbr"],
+                [ip, "-n", name, "link", "set", "tbr", "up"],
+            ]
         for argv in steps:
             proc = _run(argv, check=False)
             if proc.returncode != 0:
@@ -205,19 +239,20 @@ def _try_namespace(ip: str, unshare: str) -> tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(need_mpirun: bool) -> tuple[bool, str]:
+def _probe(need_mpirun: bool, bridge: bool = False) -> tuple[bool, str]:
     missing = _missing_prerequisite(need_mpirun)
     if missing is not None:
         return False, missing
-    return _try_namespace(find_tool("ip"), find_tool("unshare"))
+    return _try_namespace(find_tool("ip"), find_tool("unshare"), bridge)
 
 
-def can_make_namespaces(need_mpirun: bool = True) -> tuple[bool, str]:
+def can_make_namespaces(need_mpirun: bool = True, bridge: bool = False) -> tuple[bool, str]:
     """(True, "ok") if this process can build TwoHosts: Linux, root, ``ip``,
     ``unshare``, (``mpirun``), and a throwaway namespace with a veth pair and
-    a private host name really works. Otherwise (False, reason) for
+    a private host name really works; with ``bridge``, also a Linux bridge
+    (what ``Hosts`` needs). Otherwise (False, reason) for
     ``pytest.skip(reason)``. Cached."""
-    return _probe(need_mpirun)
+    return _probe(need_mpirun, bridge)
 
 
 def _netns_inode(name: str) -> int | None:
@@ -281,9 +316,11 @@ def _netns_list(ip: str) -> list[str]:
 
 
 def leftovers(names: Sequence[str], inodes: Sequence[int] = (), tmpdir: str | None = None) -> dict:
-    """What is left of a TwoHosts run (empty dict = clean): namespaces still
-    listed, /etc/netns dirs, processes in its namespaces, links named like its
-    veth ends in the root namespace, /dev/shm entries, its temp dir."""
+    """What is left of a TwoHosts/Hosts run (empty dict = clean): namespaces
+    still listed, /etc/netns dirs, processes in its namespaces, links named
+    like its veth ends (``v<name>``, ``p<name>``) in the root namespace,
+    /dev/shm entries, its temp dir. ``names``: every namespace of the run,
+    the switch included."""
     ip = find_tool("ip") or "ip"
     left: dict = {}
     ns = [n for n in _netns_list(ip) if n in names]
@@ -295,7 +332,7 @@ def leftovers(names: Sequence[str], inodes: Sequence[int] = (), tmpdir: str | No
     pids = _pids_in(inodes)
     if pids:
         left["pids"] = pids
-    links = [f"v{n}" for n in names if os.path.exists(f"/sys/class/net/v{n}")]
+    links = [f"{v}{n}" for n in names for v in "vp" if os.path.exists(f"/sys/class/net/{v}{n}")]
     if links:
         left["links"] = links
     shm = _shm_entries(names)
@@ -308,9 +345,9 @@ def leftovers(names: Sequence[str], inodes: Sequence[int] = (), tmpdir: str | No
 
 def cleanup_stale() -> list[str]:
     """Delete what runs of this module left behind when their process died
-    without cleaning up (e.g. SIGKILL): namespaces named ``hm<pid>n<seq>[ab]``
-    whose <pid> no longer exists, with their processes, /etc/netns dirs,
-    /dev/shm entries and temp dirs. Returns the names removed."""
+    without cleaning up (e.g. SIGKILL): namespaces named ``hm<pid>n<seq>[a-t]``
+    (hosts a-r, switch s, probe t) whose <pid> no longer exists, with their
+    processes, /etc/netns dirs, /dev/shm entries and temp dirs. Returns the names removed."""
     ip = find_tool("ip")
     if ip is None or os.geteuid() != 0:
         return []
@@ -371,33 +408,48 @@ esac
 exec {ip} netns exec "$host" {unshare} --uts /bin/sh -c \\
   'echo "$0" > /proc/sys/kernel/hostname && {own_shm}exec /bin/sh -c "$1"' "$host" "$*"
 """
-# host b's /dev/shm of its own (TwoHosts(own_shm=True)): a fresh tmpfs in the mount
-# namespace `ip netns exec` made for this command, seen by it and its children only
-_OWN_SHM = 'case "$0" in {b}) mount -t tmpfs -o mode=1777,size=1g harmpi-netns /dev/shm ;; esac && '
+# a /dev/shm of its own for every host but a (where mpirun runs), as on separate
+# machines (TwoHosts(own_shm=True): host b's): a fresh tmpfs in the mount namespace
+# `ip netns exec` made for this command, seen by it and its children only
+_OWN_SHM = ('case "$0" in {others}) '
+            'mount -t tmpfs -o mode=1777,size=1g harmpi-netns /dev/shm ;; esac && ')
 
 
 
-class TwoHosts:
-    """Two network-namespace "hosts" on this machine; see the module docstring.
+class Hosts:
+    """``count`` network-namespace "hosts" on this machine; see the module docstring.
 
-    Attributes (valid inside the ``with`` block): ``names`` (host a, host b;
-    also the namespace names), ``addresses``, ``cidr``, ``tmpdir``,
-    ``agent`` (the rsh agent path), ``mpirun_path``.
+    ``bridge=True`` (the default): the hosts hang off a Linux bridge in a
+    separate "switch" namespace (``switch``); ``bridge=False`` (``count`` must
+    be 2): one veth pair joins the two hosts directly (``TwoHosts``).
+
+    Attributes (valid inside the ``with`` block): ``names`` (host a, b, ...;
+    also the namespace names), ``addresses`` (same order), ``switch`` (the
+    switch namespace's name, None without a bridge), ``count``, ``cidr``,
+    ``tmpdir``, ``agent`` (the rsh agent path), ``mpirun_path``.
     """
 
-    def __init__(self, ranks_per_host: int = 2, *, subnet: str = "10.213.7",
-                 mpirun: str | None = None, own_shm: bool = False) -> None:
+    def __init__(self, count: int, ranks_per_host: int = 1, *, subnet: str = "10.213.7",
+                 mpirun: str | None = None, own_shm: bool = False,
+                 bridge: bool = True) -> None:
+        if not 2 <= count <= len(_HOST_SUFFIXES):
+            raise ValueError(f"count must be 2 to {len(_HOST_SUFFIXES)}, not {count}")
+        if not bridge and count != 2:
+            raise ValueError("without a bridge only 2 hosts (one veth pair) can be joined")
         if ranks_per_host < 1:
             raise ValueError("ranks_per_host must be >= 1")
         if not re.fullmatch(r"10\.\d{1,3}\.\d{1,3}", subnet):
             raise ValueError("subnet must be the first three octets of a private 10.x.y.0/24")
+        self.count = count
+        self.bridge = bridge
         self.ranks_per_host = ranks_per_host
         self.own_shm = own_shm
         self.subnet = subnet
         self.cidr = f"{subnet}.0/24"
-        self.addresses = (f"{subnet}.1", f"{subnet}.2")
+        self.addresses: tuple[str, ...] = tuple(f"{subnet}.{i + 1}" for i in range(count))
         self.mpirun_path = mpirun or _mpirun()
-        self.names: tuple[str, str] = ("", "")
+        self.names: tuple[str, ...] = ("",) * count
+        self.switch: str | None = None
         self.tmpdir: str | None = None
         self.agent: str | None = None
         self._inodes: list[int] = []
@@ -407,21 +459,25 @@ class TwoHosts:
         self._last_cleanup: dict = {}
 
     # ---- lifecycle -------------------------------------------------------
-    def __enter__(self) -> "TwoHosts":
+    def __enter__(self) -> "Hosts":
         self.open()
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def open(self) -> "TwoHosts":
-        ok, reason = can_make_namespaces(need_mpirun=False)
+    def _namespaces(self) -> list[str]:
+        """Every namespace of this run: the hosts, then the switch (if any)."""
+        return [n for n in (*self.names, self.switch) if n]
+
+    def open(self) -> "Hosts":
+        ok, reason = can_make_namespaces(need_mpirun=False, bridge=self.bridge)
         if not ok:
             raise RuntimeError(f"cannot make network namespaces: {reason}")
         cleanup_stale()
         base = _new_base()
-        a, b = base + "a", base + "b"
-        self.names = (a, b)
+        self.names = tuple(base + s for s in _HOST_SUFFIXES[:self.count])
+        self.switch = base + _SWITCH_SUFFIX if self.bridge else None
         with _LOCK:
             _LIVE.add(self)
         self._open = True
@@ -434,14 +490,26 @@ class TwoHosts:
 
     def _build(self) -> None:
         ip = self._ip
-        a, b = self.names
+        a = self.names[0]
         self.tmpdir = tempfile.mkdtemp(prefix=f"netns-{a[:-1]}-")
         os.mkdir(os.path.join(self.tmpdir, "tmp"))
-        for n in self.names:
+        for n in self._namespaces():
             _run([ip, "netns", "add", n])
             self._inodes.append(_netns_inode(n))
-        _run([ip, "link", "add", f"v{a}", "netns", a, "type", "veth",
-              "peer", "name", f"v{b}", "netns", b])
+        if self.switch is None:
+            b = self.names[1]
+            _run([ip, "link", "add", f"v{a}", "netns", a, "type", "veth",
+                  "peer", "name", f"v{b}", "netns", b])
+        else:
+            sw = self.switch
+            _run([ip, "-n", sw, "link", "add", "br0", "type", "bridge"])
+            _run([ip, "-n", sw, "link", "set", "br0", "up"])
+            for n in self.names:
+                # both ends made directly in their namespaces: never in the root one
+                _run([ip, "link", "add", f"v{n}", "netns", n, "type", "veth",
+                      "peer", "name", f"p{n}", "netns", sw])
+                _run([ip, "-n", sw, "link", "set", f"p{n}", "master", "br0"])
+                _run([ip, "-n", sw, "link", "set", f"p{n}", "up"])
         for n, addr in zip(self.names, self.addresses):
             _run([ip, "-n", n, "link", "set", "lo", "up"])
             _run([ip, "-n", n, "addr", "add", f"{addr}/24", "dev", f"v{n}"])
@@ -462,7 +530,8 @@ class TwoHosts:
                     time.sleep(0.05)
         self.agent = os.path.join(self.tmpdir, "rsh_agent.sh")
         with open(self.agent, "w") as f:
-            own_shm = _OWN_SHM.format(b=self.names[1]) if self.own_shm else ""
+            own_shm = (_OWN_SHM.format(others="|".join(self.names[1:]))
+                       if self.own_shm else "")
             f.write(_AGENT.format(hosts="|".join(self.names), ip=shlex.quote(ip),
                                   unshare=shlex.quote(self._unshare), own_shm=own_shm))
         os.chmod(self.agent, 0o755)
@@ -476,20 +545,21 @@ class TwoHosts:
         try:
             _kill_all(self._inodes)
         finally:
-            for n in self.names:
-                if n:
-                    subprocess.run([ip, "netns", "del", n], capture_output=True)
-            for n in self.names:
-                if n:
-                    # only if creation failed half-way in the root namespace
-                    if os.path.exists(f"/sys/class/net/v{n}"):
-                        subprocess.run([ip, "link", "del", f"v{n}"], capture_output=True)
-                    shutil.rmtree(f"/etc/netns/{n}", ignore_errors=True)
+            # the hosts, then the switch (deleting it drops the bridge and
+            # whatever veth ends are left on it)
+            for n in self._namespaces():
+                subprocess.run([ip, "netns", "del", n], capture_output=True)
+            for n in self._namespaces():
+                # only if creation failed half-way in the root namespace
+                for v in "vp":
+                    if os.path.exists(f"/sys/class/net/{v}{n}"):
+                        subprocess.run([ip, "link", "del", f"{v}{n}"], capture_output=True)
+                shutil.rmtree(f"/etc/netns/{n}", ignore_errors=True)
             try:
                 os.rmdir("/etc/netns")  # only if empty; other runs may use it
             except OSError:
                 pass
-            for p in _shm_entries([n for n in self.names if n]):
+            for p in _shm_entries(self._namespaces()):
                 _rm(p)
             if self.tmpdir:
                 shutil.rmtree(self.tmpdir, ignore_errors=True)
@@ -504,16 +574,17 @@ class TwoHosts:
         return self._last_cleanup
 
     def leftovers(self) -> dict:
-        return leftovers(self.names, self._inodes, self.tmpdir)
+        return leftovers(self._namespaces(), self._inodes, self.tmpdir)
 
     # ---- running things --------------------------------------------------
     def pids(self) -> list[int]:
-        """Pids of all processes currently inside either host."""
+        """Pids of all processes currently inside any host (or the switch)."""
         return _pids_in(self._inodes)
 
     def veth_bytes(self) -> dict[str, tuple[int, int]]:
-        """{host: (rx_bytes, tx_bytes)} of each host's veth end: proof that
-        traffic really crossed between the hosts."""
+        """{host: (rx_bytes, tx_bytes)} of each host's veth end (towards the
+        other host, or the bridge): proof that traffic really crossed between
+        the hosts."""
         out = {}
         for n in self.names:
             stats = f"/sys/class/net/v{n}/statistics"
@@ -583,14 +654,14 @@ class TwoHosts:
         """The full command line (``ip netns exec A unshare ... mpirun ...``).
         ``mca`` entries override the defaults; a None value drops one."""
         if not self._open:
-            raise RuntimeError("TwoHosts is not open")
+            raise RuntimeError(f"{type(self).__name__} is not open")
         if self.mpirun_path is None:
             raise RuntimeError("mpirun not found next to sys.executable nor on PATH")
         rph = self.ranks_per_host
-        np = 2 * rph if np is None else np
+        np = self.count * rph if np is None else np
         settings = self.default_mca()
         settings.update(mca or {})
-        cmd = [self.mpirun_path, "--host", f"{self.names[0]}:{rph},{self.names[1]}:{rph}",
+        cmd = [self.mpirun_path, "--host", ",".join(f"{n}:{rph}" for n in self.names),
                "-np", str(np)]
         for k, v in settings.items():
             if v is not None:
@@ -608,7 +679,7 @@ class TwoHosts:
                extra_args: Sequence[str] = (), bind_to: str | None = "none",
                cwd: str | None = None, check: bool = False) -> subprocess.CompletedProcess:
         """Run ``argv`` (e.g. ``[sys.executable, "script.py"]``) as an MPI job
-        of ``np`` ranks (default 2 x ranks_per_host) over the two hosts.
+        of ``np`` ranks (default count x ranks_per_host) over the hosts.
 
         ``env`` is added to this process's environment and forwarded to every
         rank (``-x``). Leftover processes of the job are killed afterwards. On
@@ -626,8 +697,8 @@ class TwoHosts:
         PATH), updated by ``extra``."""
         # root allowed (and the MCA settings of default_mca(), which win)
         env = mpi_env(extra={"SHELL": "/bin/sh", "TMPDIR": os.path.join(self.tmpdir, "tmp")})
-        # mpirun must come from the wheel / PATH we chose, and prted on host b
-        # from the same prefix: keep the venv's bin first on PATH.
+        # mpirun must come from the wheel / PATH we chose, and prted on the
+        # other hosts from the same prefix: keep the venv's bin first on PATH.
         if self.mpirun_path:
             bindir = os.path.dirname(self.mpirun_path)
             env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
@@ -658,6 +729,21 @@ class TwoHosts:
         # a clean mpirun leaves nothing; a failed one may leave prted/ranks
         _kill_all(self._inodes, grace_s=1.0)
         return subprocess.CompletedProcess(argv, p.returncode, out, err)
+
+
+class TwoHosts(Hosts):
+    """Two network-namespace "hosts" joined directly by one veth pair (no
+    bridge, no switch namespace); see the module docstring.
+
+    Attributes (valid inside the ``with`` block): ``names`` (host a, host b;
+    also the namespace names), ``addresses``, ``cidr``, ``tmpdir``,
+    ``agent`` (the rsh agent path), ``mpirun_path``.
+    """
+
+    def __init__(self, ranks_per_host: int = 2, *, subnet: str = "10.213.7",
+                 mpirun: str | None = None, own_shm: bool = False) -> None:
+        super().__init__(2, ranks_per_host, subnet=subnet, mpirun=mpirun,
+                         own_shm=own_shm, bridge=False)
 
 
 @atexit.register
