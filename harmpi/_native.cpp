@@ -296,13 +296,14 @@ void attach_alltoall(int64_t entry_addr, int64_t nranks, int64_t coll_bits,
 
 // allgather ----------------------------------------------------------------
 
-// harmpi.allgather(t)'s hot path (dim 0 on the served context): a new tensor
-// holding every rank's t along dimension 0, in rank order, or an int:
-// kNotMine (the Python path takes it; it explains what it refuses) or the
-// step's failure status (> 0). The kind word's digest is
-// kind.shape_digest(t.shape), so ranks that gather different shapes fail
-// alike, as on the Python path.
-py::object allgather(py::handle obj) {
+// harmpi.allgather(t[, out])'s hot path (dim 0 on the served context): every
+// rank's t along dimension 0, in rank order, in a new tensor or in ``out``
+// (a tensor of t's dtype, contiguous, with nranks times t's elements, as
+// torch's all_gather_into_tensor), or an int: kNotMine (the Python path
+// takes it; it explains what it refuses) or the step's failure status
+// (> 0). The kind word's digest is kind.shape_digest(t.shape), so ranks
+// that gather different shapes fail alike, as on the Python path.
+py::object allgather(py::handle obj, py::handle out_obj) {
   py::detail::make_caster<at::Tensor> tensor;
   if (g_gather.entry == nullptr || !tensor.load(obj, false)) {
     return py::int_(kNotMine);
@@ -312,9 +313,21 @@ py::object allgather(py::handle obj) {
   if (fmt < 0 || t.dim() < 1) {
     return py::int_(kNotMine);
   }
-  std::vector<int64_t> sizes = t.sizes().vec();
-  sizes[0] *= g_gather.nranks;
-  at::Tensor out = at::empty(sizes, t.options());
+  at::Tensor out;
+  if (out_obj.is_none()) {
+    std::vector<int64_t> sizes = t.sizes().vec();
+    sizes[0] *= g_gather.nranks;
+    out = at::empty(sizes, t.options());
+  } else {
+    py::detail::make_caster<at::Tensor> given;
+    if (!given.load(out_obj, false)) {
+      return py::int_(kNotMine);
+    }
+    out = py::detail::cast_op<const at::Tensor&>(given);
+    if (format_of(out) != fmt || out.numel() != t.numel() * g_gather.nranks) {
+      return py::int_(kNotMine);
+    }
+  }
   const int64_t digest = static_cast<int64_t>(shape_crc(t, 0)) & g_gather.digest_mask;
   int64_t rc;
   {
@@ -515,7 +528,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attach_alltoall", &attach_alltoall, py::arg("entry_addr"), py::arg("nranks"), py::arg("coll_bits"), py::arg("digest_shift"),
         py::arg("digest_mask"),
         "attach_alltoall(...): the attached context's all-to-all step (after attach)");
-  m.def("allgather", &allgather, py::arg("t"),
+  m.def("allgather", &allgather, py::arg("t"), py::arg("out") = py::none(),
         "allgather(t) -> every rank's t concatenated along dimension 0, or -1 (not handled "
         "here) or the step's failure status");
   m.def("attach_allgather", &attach_allgather, py::arg("entry_addr"), py::arg("nranks"),

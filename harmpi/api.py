@@ -184,13 +184,14 @@ def allgather(x: Buffer, dim: int = 0, comm: MPI.Comm | None = None, dtype: str 
     and written, plus a few us of Python (harmpi.gatherdim.allgather_dim).
     """
     native = _STATE.native_allgather
-    if native is not None and not dim and dim is not None and out is None and dtype is None \
+    if native is not None and not dim and dim is not None and dtype is None \
             and (comm is None or comm is _COMM_WORLD):
-        # dim 0 of a tensor on the world context (one node), checked and run
-        # from C++ (harmpi.native); an int: not a call it takes (-1), or a failure
-        got = native(x)
+        # dim 0 of a tensor on the world context (one node), into a new
+        # tensor or ``out``, checked and run from C++ (harmpi.native); an
+        # int: not a call it takes (-1), or a failure
+        got = native(x, out)
         if type(got) is not int:
-            return got
+            return got if out is None else out
         if got != -1:
             _native_allgather_failed(x, got)
     # (0 and False: the dim-0 path, no more Python on it; a dim that names

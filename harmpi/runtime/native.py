@@ -260,7 +260,7 @@ def alltoall():
 
 
 def allgather():
-    """The module's ``allgather(t)`` (harmpi.allgather(t)'s hot path at dim 0;
+    """The module's ``allgather(t, out)`` (harmpi.allgather(t)'s hot path at dim 0;
     it declines with -1 while no one-node context is served), or None if not
     loaded."""
     return getattr(_loaded, "allgather", None)

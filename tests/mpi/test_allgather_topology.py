@@ -62,6 +62,20 @@ def test_default_allgather_runs_from_cpp_on_one_node(world, topo, shape):
         assert_same_everywhere(world, got)
         assert native(x.float()).dtype == torch.float32  # another format: its own kind
         assert native(torch.zeros(())) == -1  # 0-d: the Python path's (it counts as (1,))
+        # into a given tensor of any shape with n times x's elements (as
+        # all_gather_into_tensor): filled in place; one it cannot take
+        # (another dtype or count, not contiguous) goes to the Python path,
+        # which explains its refusal
+        out = torch.full((n * max(1, x.numel()),), -1.0, dtype=torch.bfloat16)[:n * x.numel()]
+        back = native(x, out)
+        assert isinstance(back, torch.Tensor) and back.data_ptr() == out.data_ptr()
+        assert torch.equal(out, want.reshape(-1))
+        assert native(x, out.float()) == -1
+        if x.numel():
+            assert native(x, torch.empty(n * x.numel() + 1, dtype=torch.bfloat16)) == -1
+        if n * x.numel() > 1:  # (a view of one element is contiguous)
+            assert native(x, torch.empty(2 * n * x.numel(), dtype=torch.bfloat16)[::2]) == -1
+        assert harmpi.allgather(x, out=out) is out and torch.equal(out, want.reshape(-1))
 
 
 def test_ranks_that_gather_different_shapes_fail_alike_then_recover(world):
