@@ -14,7 +14,9 @@ flat_ring      any (ignores shared memory)        never: a benchmark baseline
 The two switches, where not set, come from the cost model (``model``: every
 algorithm's latency and per-byte cost in L and N; ``model_rows``: the
 measurements its built-in constants are fitted to; ``model_file``: a host's
-own constants, written by ``python -m harmpi.tune``).
+own constants, written by ``python -m harmpi.tune``). ``rail_turns`` holds
+the compiled rail schedules har_latency runs over tcp (recursive doubling,
+and recursive halving for large steps on 2^k one-rank nodes).
 """
 
 from ..config import ALGORITHM_IDS, ALGORITHM_NAMES, ALGORITHMS

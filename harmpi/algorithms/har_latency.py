@@ -36,6 +36,12 @@ folds in the call's bytes and kind) before x is written; a failure in (2)
 (a deadline, a lost peer, Ctrl-C) raises with x partly summed: an error,
 never a silent result.
 
+Large tensors, 2^k > 2 nodes of one rank each over the tcp rail (a step of
+more than 256 KiB): recursive halving, then recursive doubling of the owned
+pieces, in the slot and then straight into x (rail_turns.rail_halving: 2m
+(G-1)/G bytes sent per rank instead of m log2 G; 4 x 1, 1 MB bf16 on the
+2-vCPU Xeon ~950 us against 1684 doubling).
+
 Invariants: after step 3 the slot of local rank l holds the same bits on
 every node (a + b == b + a in IEEE arithmetic, also after rounding to bf16,
 and recursive doubling combines identical pairs), so step 5 yields the same
@@ -52,8 +58,8 @@ slot (G = 2); two flag rounds; L*m bytes read in the final sum. Network
 bytes per rank ~m*log2 G: right for small m, wasteful for large m (see
 har_bandwidth). Over the tcp transport, steps 1-5 run as one compiled call
 (no Python between them) at any G: for G > 2 the recursive doubling turns
-through the rail peers' sockets (_rail_doubling, the same messages as
-algorithms.base.rail_allreduce). 4 virtual nodes x 1 rank on the 2-vCPU
+through the rail peers' sockets (rail_turns.rail_doubling, the same messages
+as algorithms.base.rail_allreduce). 4 virtual nodes x 1 rank on the 2-vCPU
 Xeon, 10 KB bf16: 123 us as Python steps, 30 compiled (MPI over TCP 56-70).
 """
 
@@ -64,13 +70,23 @@ import numpy as np
 
 from .. import node
 from ..base import control, dtypes, kind
-from ..base.control import MISMATCH, OK, POISONED, RAIL_FAILED, RAIL_LATE, RAIL_TIMEOUT
+from ..base.control import MISMATCH, OK, POISONED, RAIL_LATE, RAIL_TIMEOUT
 from ..errors import HarmpiTimeoutError
 from ..transports import sockio
 from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
+from .rail_turns import (
+    RAIL_ROWS,
+    got,
+    post_exchange,
+    rail_complete,
+    rail_doubling,
+    rail_halving,
+    rail_views,
+    use_halving,
+)
 
 __all__ = ["HarLatencyAllreduce", "RAIL_CHUNK_NBYTES", "rail_chunk_nbytes", "HAR2_STEP",
-           "HAR2_START", "HAR2_FINISH", "rail_complete", "rail_outcome", "rail_views"]
+           "HAR2_START", "HAR2_FINISH"]
 
 # -- two nodes over the tcp transport: the whole step in one compiled call ----
 #
@@ -82,7 +98,6 @@ __all__ = ["HarLatencyAllreduce", "RAIL_CHUNK_NBYTES", "rail_chunk_nbytes", "HAR
 # rows are in the control block (rail_* fields).
 
 _voidptr = control.voidptr
-_RAIL_ROWS = 2
 
 #: the most one rail exchange carries (the slot size where that is smaller):
 #: a larger tensor goes in steps of this size. On the 2-vCPU Xeon, 2 x 1
@@ -103,50 +118,12 @@ def rail_chunk_nbytes(slot_nbytes):
 def _har2_post(ctl, ops, scratch, addr, m, total, code, tag, w):
     """First half of a step: post the exchange, post the meta, publish."""
     c = ctl[0]
-    nbytes = m * w.itemsize
-    # a local rank that gave up on an earlier step (Ctrl-C, a timeout) leaves
-    # this node out of every later one: send nothing the other node could
-    # complete a step with (the rail peer then learns from the notice)
-    rc = node.peers_abandoned(ctl)
+    # (a local rank that gave up on an earlier step leaves this node out of
+    # every later one: post_exchange sends nothing then)
+    rc = post_exchange(ctl, ops, scratch, c.rail_recv, c.rail_recv_cap, addr, m * w.itemsize, tag)
     if rc != OK:
         return rc
-    sockio.set_recv(ops, 0, c.rail_fd, c.rail_recv, c.rail_recv_cap)
-    sockio.set_send(ops, 1, c.rail_fd, addr, nbytes, tag, sockio.realtime_ns() + c.timeout_ns)
-    if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
-        node.abandon(ctl, c.rail_peer)
-        return RAIL_FAILED
     return node.stage_post(ctl, 0, m, 0, m, total, code, w, 0)
-
-
-@numba.njit(cache=True, nogil=True)
-def rail_complete(ctl, ops, pollfds, scratch):
-    """Wait for the posted exchange with the rail peer (row 0 receives, row 1
-    sends; sleeping in poll(2) past the spin budget): OK, or the status of
-    a step this rank gives up on (its rail peer is told by the abandon)."""
-    c = ctl[0]
-    io = sockio.progress(ops, _RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
-                         node.hook_addr(ctl), c.wait_yield, node.wait_addr(ctl))
-    return rail_outcome(ctl, ops, io)
-
-
-@numba.njit(cache=True, nogil=True)
-def rail_outcome(ctl, ops, io):
-    """The status of a rail exchange that sockio.progress ended with ``io``
-    (rail_complete's, and the two-node all-to-all's longer wait): OK, or
-    the status of a step this rank gives up on (its rail peer is told by
-    the abandon)."""
-    c = ctl[0]
-    if io == sockio.IO_INTERRUPTED:
-        return node.interrupted(ctl)
-    if io != sockio.IO_OK:
-        node.abandon(ctl, c.rail_peer)
-        return RAIL_TIMEOUT if io == sockio.IO_TIMEOUT else RAIL_FAILED
-    if sockio.realtime_ns() > ops[0, sockio.OP_HDR_DL]:
-        # the peer's message is older than its deadline: it gave up on this
-        # step (or is about to), so this rank must not complete it
-        node.abandon(ctl, c.rail_peer)
-        return RAIL_LATE
-    return OK
 
 
 @numba.njit(cache=True, nogil=True)
@@ -173,11 +150,11 @@ def _har2_complete(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w
         return rc
     local_bad = rc == MISMATCH
     if local_bad:  # keep the node's verdict while the step ends poisoned
-        c.saved_peer, c.saved_a, c.saved_b = c.err_peer, c.err_a, c.err_b
+        node.keep_mismatch(c)
     rc = rail_complete(ctl, ops, pollfds, scratch)
     if rc != OK:
         return rc
-    rail_bad = ops[0, sockio.OP_HDR_N] != nbytes or ops[0, sockio.OP_HDR_TAG] != tag
+    rail_bad = not got(ops, nbytes, tag)
     if c.profile != 0 and c.epoch == c.coll_epoch + 1:
         _peer_arrived(c, ops[0, sockio.OP_HDR_DL])
     status = 1 if (local_bad or rail_bad) else 0
@@ -185,8 +162,7 @@ def _har2_complete(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w
     if rc != OK and rc != POISONED:
         return rc
     if local_bad:
-        c.err_peer, c.err_a, c.err_b = c.saved_peer, c.saved_a, c.saved_b
-        return MISMATCH
+        return node.settle_mismatch(c)
     return rc
 
 
@@ -207,16 +183,11 @@ def _rsag2_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
     c = ctl[0]
     isz = w.itemsize
     mine, mine_n, theirs, theirs_n = _halves(c, m)
-    rc = node.peers_abandoned(ctl)
+    # 1. send the peer's half of x, receive the peer's copy of my half
+    rc = post_exchange(ctl, ops, scratch, c.rail_recv, c.rail_recv_cap, addr + theirs * isz,
+                       theirs_n * isz, tag)
     if rc != OK:
         return rc
-    # 1. send the peer's half of x, receive the peer's copy of my half
-    sockio.set_recv(ops, 0, c.rail_fd, c.rail_recv, c.rail_recv_cap)
-    sockio.set_send(ops, 1, c.rail_fd, addr + theirs * isz, theirs_n * isz, tag,
-                    sockio.realtime_ns() + c.timeout_ns)
-    if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
-        node.abandon(ctl, c.rail_peer)
-        return RAIL_FAILED
     rc = node.stage_post(ctl, 0, m, 0, m, total, code, w, 0)
     if rc != OK:
         return rc
@@ -230,109 +201,37 @@ def _rsag2_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
         _peer_arrived(c, ops[0, sockio.OP_HDR_DL])
     # the tag folds in the call's bytes and kind, so a disagreement is seen
     # here on both nodes, before x is written; neither then sends its half
-    bad = ops[0, sockio.OP_HDR_N] != mine_n * isz or ops[0, sockio.OP_HDR_TAG] != tag
+    bad = not got(ops, mine_n * isz, tag)
     if not bad:
         # 2. my half summed, then sent; the peer's summed half lands in x
         node.add_into(addr + mine * isz, c.rail_recv, mine_n, fmt, w)
-        sockio.set_recv(ops, 0, c.rail_fd, addr + theirs * isz, theirs_n * isz)
-        sockio.set_send(ops, 1, c.rail_fd, addr + mine * isz, mine_n * isz, tag,
-                        sockio.realtime_ns() + c.timeout_ns)
-        if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
-            node.abandon(ctl, c.rail_peer)
-            return RAIL_FAILED
+        rc = post_exchange(ctl, ops, scratch, addr + theirs * isz, theirs_n * isz,
+                           addr + mine * isz, mine_n * isz, tag)
+        if rc != OK:
+            return rc
         rc = rail_complete(ctl, ops, pollfds, scratch)
         if rc != OK:
             return rc
-        bad = ops[0, sockio.OP_HDR_N] != theirs_n * isz or ops[0, sockio.OP_HDR_TAG] != tag
+        bad = not got(ops, theirs_n * isz, tag)
     return node.publish_wait_status(ctl, 1 if bad else 0)
 
 
 @numba.njit(cache=True, nogil=True)
-def _rail_turn(ctl, ops, pollfds, scratch, h, send_addr, send_nbytes, send_tag, recv):
-    """One turn of the compiled recursive doubling with node h's rail peer:
-    send ``send_nbytes`` at ``send_addr`` (none when negative) and/or
-    receive into the rail receive buffer (``recv``). OK, or the status of a
-    step this rank gives up on (rail_complete; the peer is then in rail_peer)."""
-    c = ctl[0]
-    fds = numba.carray(_voidptr(c.rail_fds), (c.rail_nodes,), np.int64)
-    world = numba.carray(_voidptr(c.rail_world), (c.rail_nodes,), np.int64)
-    c.rail_fd = fds[h]
-    c.rail_peer = world[h]
-    if recv:
-        sockio.set_recv(ops, 0, c.rail_fd, c.rail_recv, c.rail_recv_cap)
-    else:   # (a far deadline: rail_outcome reads row 0's)
-        ops[0, sockio.OP_STATE] = sockio.ST_DONE
-        ops[0, sockio.OP_HDR_DL] = 1 << 62
-    if send_nbytes >= 0:
-        # no data leaves this node once one of its ranks gave up (Context.guard)
-        rc = node.peers_abandoned(ctl)
-        if rc != OK:
-            return rc
-        sockio.set_send(ops, 1, c.rail_fd, send_addr, send_nbytes, send_tag,
-                        sockio.realtime_ns() + c.timeout_ns)
-    else:
-        ops[1, sockio.OP_STATE] = sockio.ST_DONE
-    if sockio.kick(ops, _RAIL_ROWS, scratch) != sockio.IO_OK:
-        node.abandon(ctl, c.rail_peer)
-        return RAIL_FAILED
-    return rail_complete(ctl, ops, pollfds, scratch)
-
-
-@numba.njit(cache=True, nogil=True)
-def _got(ops, nbytes, tag):
-    """The turn's message is the expected one (bytes and tag)."""
-    return ops[0, sockio.OP_HDR_N] == nbytes and ops[0, sockio.OP_HDR_TAG] == tag
-
-
-@numba.njit(cache=True, nogil=True)
-def _fold_in(c, ops, slot, m, tag, poisoned, fmt, w):
-    """After a turn that received: slot += the peer's message unless either
-    side is poisoned; returns the new poisoned flag."""
-    if not _got(ops, m * w.itemsize, tag):
-        return True
-    if not poisoned:
-        node.add_into(slot, c.rail_recv, m, fmt, w)
-    return poisoned
-
-
-@numba.njit(cache=True, nogil=True)
-def _rail_doubling(ctl, ops, pollfds, scratch, slot, m, tag, poisoned, fmt, w):
-    """harmpi.algorithms.base.rail_allreduce compiled, over the G rail peers
-    of this rank, in place at ``slot``: the same messages in the same order,
-    so a rank on either path meets the other. Returns (status, poisoned)."""
-    c = ctl[0]
-    G, g = c.rail_nodes, c.rail_node
-    nbytes = m * w.itemsize
-    P = 1
-    while P * 2 <= G:
-        P *= 2
-    if g >= P:   # extra node: hand x to the partner, get the total back
-        rc = _rail_turn(ctl, ops, pollfds, scratch, g - P, slot, nbytes,
-                        kind.POISON_TAG if poisoned else tag, False)
-        if rc == OK:
-            rc = _rail_turn(ctl, ops, pollfds, scratch, g - P, 0, -1, 0, True)
-        if rc != OK or poisoned or not _got(ops, nbytes, tag):
-            return rc, True
-        node.memcpy(slot, c.rail_recv, nbytes)
-        return OK, False
-    if g < G - P:   # take the extra node's part first
-        rc = _rail_turn(ctl, ops, pollfds, scratch, g + P, 0, -1, 0, True)
-        if rc != OK:
-            return rc, poisoned
-        poisoned = _fold_in(c, ops, slot, m, tag, poisoned, fmt, w)
-    k = 1
-    while k < P:
-        rc = _rail_turn(ctl, ops, pollfds, scratch, g ^ k, slot, nbytes,
-                        kind.POISON_TAG if poisoned else tag, True)
-        if rc != OK:
-            return rc, poisoned
-        poisoned = _fold_in(c, ops, slot, m, tag, poisoned, fmt, w)
-        k <<= 1
-    rc = OK
-    if g < G - P:   # and send it the total
-        rc = _rail_turn(ctl, ops, pollfds, scratch, g + P, slot, nbytes,
-                        kind.POISON_TAG if poisoned else tag, False)
-    return rc, poisoned
+def _halving_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
+    """One large step over x[:m] on 2^k > 2 nodes of one rank: the meta
+    round (its own meta only), rail_halving in my slot and x, the status
+    round."""
+    rc = node.stage_post(ctl, 0, m, 0, m, total, code, w, 0)
+    if rc != OK:
+        return rc
+    rc = node.stage_check(ctl, total, code, 0)
+    if rc != OK:   # (one rank per node: no mismatch here)
+        return rc
+    rc, bad = rail_halving(ctl, ops, pollfds, scratch, addr,
+                           node.slot_addr(ctl, ctl[0].local_rank), m, tag, fmt, w)
+    if rc != OK:
+        return rc
+    return node.publish_wait_status(ctl, 1 if bad else 0)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -341,6 +240,8 @@ def _harG_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
     node's metas checked, recursive doubling over the rail in my slot, then
     the status round and the node sum (steps 2-5 of the module docstring)."""
     c = ctl[0]
+    if use_halving(c, m * w.itemsize):
+        return _halving_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w)
     rc = node.stage_post(ctl, addr, m, 0, 0, total, code, w, 0)
     if rc != OK:
         return rc
@@ -349,8 +250,8 @@ def _harG_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
         return rc
     local_bad = rc == MISMATCH
     if local_bad:  # keep the node's verdict while the step ends poisoned
-        c.saved_peer, c.saved_a, c.saved_b = c.err_peer, c.err_a, c.err_b
-    rc, poisoned = _rail_doubling(ctl, ops, pollfds, scratch, node.slot_addr(ctl, c.local_rank),
+        node.keep_mismatch(c)
+    rc, poisoned = rail_doubling(ctl, ops, pollfds, scratch, node.slot_addr(ctl, c.local_rank),
                                   m, tag, local_bad, fmt, w)
     if rc != OK:
         return rc
@@ -358,8 +259,7 @@ def _harG_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
     if rc != OK and rc != POISONED:
         return rc
     if local_bad:
-        c.err_peer, c.err_a, c.err_b = c.saved_peer, c.saved_a, c.saved_b
-        return MISMATCH
+        return node.settle_mismatch(c)
     return rc
 
 
@@ -378,9 +278,7 @@ def _har2(ctl, x_addr, n, code, fmt, w):
     isz = w.itemsize
     total = n * isz
     tag = kind.rail_tag(total, code)
-    ops = numba.carray(_voidptr(c.rail_ops), (_RAIL_ROWS, sockio.OP_WORDS), np.int64)
-    pollfds = numba.carray(_voidptr(c.rail_pollfds), (_RAIL_ROWS, 2), np.int32)
-    scratch = numba.carray(_voidptr(c.rail_scratch), (c.rail_scratch_len,), np.int64)
+    ops, pollfds, scratch = rail_views(c)
     chunk = min(c.slot_nbytes, RAIL_CHUNK_NBYTES) // isz
     # one rank per node, more than one step: each step as two exchanges of half
     rsag = c.local_size == 1 and n > chunk
@@ -428,14 +326,6 @@ def har2_step(ctl, x_addr, n, fmt):
     rc = har2_run(ctl, x_addr, n, ctl[0].auto_code | fmt, fmt)
     node.leave(ctl)
     return rc
-
-
-@numba.njit(cache=True, nogil=True)
-def rail_views(c):
-    ops = numba.carray(_voidptr(c.rail_ops), (_RAIL_ROWS, sockio.OP_WORDS), np.int64)
-    pollfds = numba.carray(_voidptr(c.rail_pollfds), (_RAIL_ROWS, 2), np.int32)
-    scratch = numba.carray(_voidptr(c.rail_scratch), (c.rail_scratch_len,), np.int64)
-    return ops, pollfds, scratch
 
 
 @numba.njit(cache=True, nogil=True)
@@ -511,8 +401,8 @@ class HarLatencyAllreduce(RailAlgorithm):
         if self.compiled:
             t = self.transport
             # rows of its own: the transport's may be reallocated by its other users
-            self.ops = sockio.new_ops(_RAIL_ROWS)
-            self.pollfds = sockio.new_pollfds(_RAIL_ROWS)
+            self.ops = sockio.new_ops(RAIL_ROWS)
+            self.pollfds = sockio.new_pollfds(RAIL_ROWS)
             self.scratch = sockio.new_scratch()
             #: per node, the socket to its rail peer and that peer's rank (the
             #: control block points at both; G > 2 turns through them)
@@ -584,6 +474,6 @@ class HarLatencyAllreduce(RailAlgorithm):
                 f"{self.ctx.config.timeout_s:g} s ago and has given up on this collective: this "
                 "rank arrived after its deadline (HARMPI_TIMEOUT_S sets it)")
         if rc == RAIL_TIMEOUT:
-            t.raise_timeout(_RAIL_ROWS, 1, (peer, peer), self.ctx.config.timeout_s, call,
+            t.raise_timeout(RAIL_ROWS, 1, (peer, peer), self.ctx.config.timeout_s, call,
                             ops=self.ops)
         t.raise_failed((peer, peer), call, ops=self.ops)

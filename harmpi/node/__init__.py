@@ -77,8 +77,10 @@ from .entries import (
     thread_self,
 )
 from .flags import (
+    keep_mismatch,
     publish_wait,
     publish_wait_status,
+    settle_mismatch,
     stage,
     stage_at,
     stage_check,
@@ -106,6 +108,7 @@ from .steps import (
     NEVER_RSAG,
     add_into,
     add_publish_sum,
+    add_to,
     copy_blocks,
     copy_slot,
     gather_node,
@@ -131,10 +134,12 @@ __all__ = [
     "abandoned_by", "peers_abandoned", "who_abandoned",
     # the flag protocol (flags)
     "publish_wait", "publish_wait_status", "stage", "stage_meta", "stage_at", "stage_post",
+    "keep_mismatch", "settle_mismatch",
     "stage_check",
     # the data steps (steps)
     "sum_slots", "sum_own_part", "gather_parts", "reduce_scatter_allgather", "tune_state",
-    "shm_allreduce", "add_into", "copy_slot", "copy_blocks", "gather_node", "add_publish_sum",
+    "shm_allreduce", "add_into", "add_to", "copy_slot", "copy_blocks", "gather_node",
+    "add_publish_sum",
     "NEVER_RSAG",
     # the entries (entries)
     "thread_self", "foreign_thread", "enter", "leave", "gather_step", "one_node_step",

@@ -51,7 +51,7 @@ from .layout import flag_addr, hook_addr, local_rank_of, slots2d, step_parity, w
 from .stamps import post_stamp, read_stamps
 
 __all__ = ["ENTERED_BASE", "publish_wait", "publish_wait_status", "stage", "stage_meta", "stage_at",
-           "stage_post", "stage_check"]
+           "stage_post", "stage_check", "keep_mismatch", "settle_mismatch"]
 
 _LINE = FLAG_LINE_NBYTES
 _WORD = 8
@@ -230,3 +230,18 @@ def publish_wait_status(ctl, status):
             c.err_b = 0
             return POISONED
     return OK
+
+
+@numba.njit(cache=True, nogil=True)
+def keep_mismatch(c):
+    """Keep the node's MISMATCH verdict (err_peer, err_a, err_b) aside while
+    a step that found it goes on, poisoned, through its rail exchange and
+    status round (which may overwrite err_*)."""
+    c.saved_peer, c.saved_a, c.saved_b = c.err_peer, c.err_a, c.err_b
+
+
+@numba.njit(cache=True, nogil=True)
+def settle_mismatch(c):
+    """The end of such a step: the kept verdict back in err_*; MISMATCH."""
+    c.err_peer, c.err_a, c.err_b = c.saved_peer, c.saved_a, c.saved_b
+    return MISMATCH

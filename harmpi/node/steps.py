@@ -179,6 +179,17 @@ def add_into(a_addr, b_addr, m, fmt, w):
     sum2(a, b, a, fmt)
 
 
+@numba.njit(cache=True, nogil=True)
+def add_to(out_addr, a_addr, b_addr, m, fmt, w):
+    """out[:m] = a[:m] + b[:m] (one rounding; out may be a or b)."""
+    if m <= 0:
+        return
+    a = numba.carray(_voidptr(a_addr), (m,), w.dtype)
+    b = numba.carray(_voidptr(b_addr), (m,), w.dtype)
+    out = numba.carray(_voidptr(out_addr), (m,), w.dtype)
+    sum2(a, b, out, fmt)
+
+
 @numba.njit(sigs(types.void, _ctl, _i64, types.intp, _i64, _i64, "W"), cache=True, nogil=True)
 def copy_slot(ctl, j, out_addr, lo, hi, w):
     """out[0:hi-lo] = slot(p, j)[lo:hi] for the current step."""

@@ -18,6 +18,7 @@ from conftest import (
 
 import harmpi
 from harmpi.algorithms.har_latency import rail_chunk_nbytes
+from harmpi.algorithms.rail_turns import HALVING_MIN_NBYTES
 
 SLOT = SMALL["slot_nbytes"]
 
@@ -77,8 +78,9 @@ def default_size_classes(name):
     """Element counts of every size class of the default config: empty, tiny,
     the decode size, each side of small_max (sum every slot / reduce-scatter)
     and of har_latency_max (full tensor / one share on the rail), each side
-    of one rail step (har_latency's chunk), and past one slot (several
-    chunks), of the world context."""
+    of one rail step (har_latency's chunk) and of the rail's halving size
+    (more than two one-rank nodes), and past one slot (several chunks), of
+    the world context."""
     cfg = harmpi.Config()
     isz = ITEMSIZE[name]
     # the switches the world context runs with (the cost model's for this
@@ -87,7 +89,8 @@ def default_size_classes(name):
     small, har = t["small_max_nbytes"], t["har_latency_max_nbytes"]
     rail = rail_chunk_nbytes(cfg.slot_nbytes) // isz
     return [0, 1, 7, 5120, small // isz, small // isz + 1, har // isz, har // isz + 3,
-            rail, rail + 1, cfg.slot_nbytes // isz + 5, 2 * cfg.slot_nbytes // isz + 7]
+            rail, rail + 1, HALVING_MIN_NBYTES // isz, HALVING_MIN_NBYTES // isz + 3,
+            cfg.slot_nbytes // isz + 5, 2 * cfg.slot_nbytes // isz + 7]
 
 
 @pytest.mark.parametrize("name", ["bf16", "f32"])

@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 import harmpi
 from harmpi.algorithms.har_latency import rail_chunk_nbytes
+from harmpi.algorithms.rail_turns import HALVING_MIN_NBYTES
 
 
 def test_unsupported_dtype_is_rejected_locally(small_comm):
@@ -73,18 +74,23 @@ def test_mismatched_sizes_raise_on_every_rank(small_comm, algorithm, odd):
 
 def test_mismatched_large_sizes_with_default_settings(world):
     """The default call past one rail step (two nodes of one rank: the
-    reduce-scatter + allgather steps of har_latency): ranks that disagree by
-    a few elements, or where one call takes one exchange and the other the
-    two-exchange steps, raise on every rank with x untouched; the context
-    then still sums."""
+    reduce-scatter + allgather steps of har_latency; four: its recursive
+    halving): ranks that disagree by a few elements, or where one call takes
+    one exchange (or doubling) and the other the two-exchange steps (or
+    halving), rank 0 alone or half the ranks against the other half (their
+    disagreement then seen only in a later turn), raise on every rank with x
+    untouched; the context then still sums."""
     comm = world.Dup()
     try:
         r, size = comm.Get_rank(), comm.Get_size()
         if size == 1:
             pytest.skip("needs two ranks")
         step = rail_chunk_nbytes(harmpi.Config.from_env().slot_nbytes) // 4   # f32 elements
-        for mine, others in ((step + 5, step + 7), (step + 5, step - 3), (3 * step, 3 * step + 2)):
-            n = mine if r == 0 else others
+        halve = HALVING_MIN_NBYTES // 4
+        for mine, others, split in ((step + 5, step + 7, 1), (step + 5, step - 3, 1),
+                                    (3 * step, 3 * step + 2, 1), (step + 5, step + 7, size // 2),
+                                    (halve - 9, halve + 9, 1), (halve - 9, halve + 9, size // 2)):
+            n = mine if r < split else others
             x = torch.full((n,), 7.0)
             with pytest.raises(harmpi.HarmpiMismatchError, match="ranks disagree"):
                 harmpi.allreduce(x, comm=comm)

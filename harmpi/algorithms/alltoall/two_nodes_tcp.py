@@ -39,7 +39,7 @@ from ...base.control import voidptr as _voidptr
 from ...base.kind import POISON_TAG
 from ...base.sync import monotonic_ns
 from ...transports import sockio
-from ..har_latency import rail_outcome, rail_views
+from ..rail_turns import RAIL_ROWS, rail_outcome, rail_views
 from .one_node import fill_slot, own_rows
 from .plan import expect, geometry, prefix, recv, recv_off
 from .rail_message import (
@@ -61,8 +61,6 @@ __all__ = ["A2A2_ROUND", "A2A2_COPY", "RAIL_ROWS"]
 
 _i64 = types.int64
 _W = np.empty(0, np.uint16)  # (one_node's witness of the flag rounds)
-#: har_latency's rows: row 0 receives, row 1 sends
-RAIL_ROWS = 2
 #: the extra deadline's wait, in slices: between them it looks for a local
 #: rank that gave up (its culprit word names the rank it waited for)
 _EXTRA_SLICE_NS = 10_000_000
@@ -153,7 +151,7 @@ def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, 
         return _tell_rail_peer(ctl, rc, msg_addr)
     local_bad = rc == MISMATCH
     if local_bad:
-        c.saved_peer, c.saved_a, c.saved_b = c.err_peer, c.err_a, c.err_b
+        node.keep_mismatch(c)
     rows_in = recv(plan, P)
     if k == 0 and not local_bad:
         state[0], state[1] = scan_headers(c, counts, ranks, g, P, L, rank, rows_in)
@@ -196,8 +194,7 @@ def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, 
     if rc != OK and rc != POISONED:
         return rc
     if local_bad:
-        c.err_peer, c.err_a, c.err_b = c.saved_peer, c.saved_a, c.saved_b
-        return MISMATCH
+        return node.settle_mismatch(c)
     return rc
 
 
