@@ -22,19 +22,12 @@ No root, no relay, no broadcast: each rank's only network step is its own
 rail exchange, and all L rails run in parallel.
 
 Large tensors, two nodes of one rank each over the tcp rail (a tensor of
-more than one rail step): each step is a reduce-scatter + allgather over
-the rail. Node 0 owns the first half of the step, node 1 the rest: (1)
-send the peer's half of x and receive the peer's copy of mine (with the
-same flag rounds as above); (2) if both headers agree, x[my half] += it,
-then send my summed half and receive the peer's summed half straight into
-x. Each end moves the same bytes as in one exchange of the step, but adds
-half of them and copies none. 2 x 1, 1 MB bf16 on the 2-vCPU Xeon, medians
-of 500: as two exchanges 285-340 us; as two such steps 238-285 (MPI over
-TCP 340-390 in the same runs); as one step of 1 MB (halves of 512 KiB)
-284-444. A disagreement shows in the headers of (1) on both nodes (the tag
-folds in the call's bytes and kind) before x is written; a failure in (2)
-(a deadline, a lost peer, Ctrl-C) raises with x partly summed: an error,
-never a silent result.
+more than one rail step): reduce-scatter + allgather steps over the rail,
+pipelined (rail_turns.rail_rsag2): each end sends the same bytes as in
+plain exchanges but adds half of them and copies none. A disagreement shows
+in the first round's headers on both nodes (the tag folds in the call's
+bytes and kind) before x is written; a later failure (a deadline, a lost
+peer, Ctrl-C) raises with x partly summed: an error, never a silent result.
 
 Large tensors, 2^k > 2 nodes of one rank each over the tcp rail (a step of
 more than 256 KiB): recursive halving, then recursive doubling of the owned
@@ -75,12 +68,13 @@ from ..errors import HarmpiTimeoutError
 from ..transports import sockio
 from .base import RailAlgorithm, chunks, rail_allreduce, recv_check
 from .rail_turns import (
-    RAIL_ROWS,
+    PIPE_ROWS,
     got,
     post_exchange,
     rail_complete,
     rail_doubling,
     rail_halving,
+    rail_rsag2,
     rail_views,
     use_halving,
 )
@@ -167,52 +161,21 @@ def _har2_complete(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w
 
 
 @numba.njit(cache=True, nogil=True)
-def _halves(c, m):
-    """(first element, count) of this rank's half of an m-element step and
-    of its rail peer's: node 0 owns x[:m // 2], node 1 the rest."""
-    h = m // 2
-    if c.rail_node == 0:
-        return 0, h, h, m - h
-    return h, m - h, 0, h
-
-
-@numba.njit(cache=True, nogil=True)
-def _rsag2_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w):
-    """One step over x[:m] at ``addr`` with one rank per node: the two-node
-    reduce-scatter + allgather (module docstring, "Large tensors")."""
+def _rsag2(ctl, x_addr, n, chunk, total, code, tag, fmt, w):
+    """x[:n] past one rail step with one rank per node: the meta round (its
+    own meta only), rail_turns.rail_rsag2's steps, the status round."""
     c = ctl[0]
-    isz = w.itemsize
-    mine, mine_n, theirs, theirs_n = _halves(c, m)
-    # 1. send the peer's half of x, receive the peer's copy of my half
-    rc = post_exchange(ctl, ops, scratch, c.rail_recv, c.rail_recv_cap, addr + theirs * isz,
-                       theirs_n * isz, tag)
-    if rc != OK:
-        return rc
-    rc = node.stage_post(ctl, 0, m, 0, m, total, code, w, 0)
+    rc = node.stage_post(ctl, 0, n, 0, n, total, code, w, 0)
     if rc != OK:
         return rc
     rc = node.stage_check(ctl, total, code, 0)
-    if rc != OK:   # (one rank per node: its own meta only, no mismatch)
+    if rc != OK:   # (one rank per node: no mismatch here)
         return rc
-    rc = rail_complete(ctl, ops, pollfds, scratch)
+    rc, bad, first = rail_rsag2(ctl, x_addr, n, chunk, tag, fmt, w)
     if rc != OK:
         return rc
-    if c.profile != 0 and c.epoch == c.coll_epoch + 1:
-        _peer_arrived(c, ops[0, sockio.OP_HDR_DL])
-    # the tag folds in the call's bytes and kind, so a disagreement is seen
-    # here on both nodes, before x is written; neither then sends its half
-    bad = not got(ops, mine_n * isz, tag)
-    if not bad:
-        # 2. my half summed, then sent; the peer's summed half lands in x
-        node.add_into(addr + mine * isz, c.rail_recv, mine_n, fmt, w)
-        rc = post_exchange(ctl, ops, scratch, addr + theirs * isz, theirs_n * isz,
-                           addr + mine * isz, mine_n * isz, tag)
-        if rc != OK:
-            return rc
-        rc = rail_complete(ctl, ops, pollfds, scratch)
-        if rc != OK:
-            return rc
-        bad = not got(ops, theirs_n * isz, tag)
+    if c.profile != 0 and c.epoch == c.coll_epoch + 1 and first != 0:
+        _peer_arrived(c, first)
     return node.publish_wait_status(ctl, 1 if bad else 0)
 
 
@@ -280,17 +243,14 @@ def _har2(ctl, x_addr, n, code, fmt, w):
     tag = kind.rail_tag(total, code)
     ops, pollfds, scratch = rail_views(c)
     chunk = min(c.slot_nbytes, RAIL_CHUNK_NBYTES) // isz
-    # one rank per node, more than one step: each step as two exchanges of half
-    rsag = c.local_size == 1 and n > chunk
+    if c.rail_nodes == 2 and c.local_size == 1 and n > chunk:
+        return _rsag2(ctl, x_addr, n, chunk, total, code, tag, fmt, w)
     start = 0
     while True:
         m = min(chunk, n - start)
         if c.rail_nodes > 2:
             rc = _harG_chunk(ctl, ops, pollfds, scratch, x_addr + start * isz, m, total, code,
                              tag, fmt, w)
-        elif rsag:
-            rc = _rsag2_chunk(ctl, ops, pollfds, scratch, x_addr + start * isz, m, total, code,
-                              tag, fmt, w)
         else:
             rc = _har2_chunk(ctl, ops, pollfds, scratch, x_addr + start * isz, m, total, code,
                              tag, fmt, w)
@@ -401,8 +361,11 @@ class HarLatencyAllreduce(RailAlgorithm):
         if self.compiled:
             t = self.transport
             # rows of its own: the transport's may be reallocated by its other users
-            self.ops = sockio.new_ops(RAIL_ROWS)
-            self.pollfds = sockio.new_pollfds(RAIL_ROWS)
+            # (PIPE_ROWS: rail_rsag2 runs two exchanges per round; rows not
+            # posted read as done in a timeout's report)
+            self.ops = sockio.new_ops(PIPE_ROWS)
+            self.ops[:, sockio.OP_STATE] = sockio.ST_DONE
+            self.pollfds = sockio.new_pollfds(PIPE_ROWS)
             self.scratch = sockio.new_scratch()
             #: per node, the socket to its rail peer and that peer's rank (the
             #: control block points at both; G > 2 turns through them)
@@ -474,6 +437,6 @@ class HarLatencyAllreduce(RailAlgorithm):
                 f"{self.ctx.config.timeout_s:g} s ago and has given up on this collective: this "
                 "rank arrived after its deadline (HARMPI_TIMEOUT_S sets it)")
         if rc == RAIL_TIMEOUT:
-            t.raise_timeout(RAIL_ROWS, 1, (peer, peer), self.ctx.config.timeout_s, call,
+            t.raise_timeout(PIPE_ROWS, (peer,) * PIPE_ROWS, self.ctx.config.timeout_s, call,
                             ops=self.ops)
-        t.raise_failed((peer, peer), call, ops=self.ops)
+        t.raise_failed((peer,) * PIPE_ROWS, call, ops=self.ops)

@@ -306,7 +306,7 @@ class TcpTransport(Transport):
                              self.pollfds, self.scratch, self.hook.ctypes.data,
                              self.yield_ns, self.wait_state)
         if rc == sockio.IO_TIMEOUT:
-            self.raise_timeout(pending.k, pending.recv_rows, pending.peers, timeout_s, what)
+            self.raise_timeout(pending.k, pending.peers, timeout_s, what)
         elif rc == sockio.IO_INTERRUPTED:
             raise KeyboardInterrupt(f"rank {self._world[self.rank]}: {what}: interrupted while "
                                     "waiting on the tcp transport")
@@ -359,13 +359,14 @@ class TcpTransport(Transport):
                     "exited or crashed)")
         raise HarmpiTransportError(f"rank {self._world[self.rank]}: {what}: tcp I/O failed")
 
-    def raise_timeout(self, k, recv_rows, peers, timeout_s, what, ops=None):
-        """Raise for op rows [0, k) still pending (rows < recv_rows receive)."""
+    def raise_timeout(self, k, peers, timeout_s, what, ops=None):
+        """Raise for op rows [0, k) still pending (row i talks to peers[i])."""
         ops = self.ops if ops is None else ops
         waiting, late = [], []
         for i in range(k):
             if ops[i, sockio.OP_STATE] == sockio.ST_PENDING:
-                kind = "a message from" if i < recv_rows else "delivery to"
+                kind = ("a message from" if ops[i, sockio.OP_KIND] == sockio.KIND_RECV
+                        else "delivery to")
                 waiting.append(f"{kind} rank {self._world[peers[i]]}")
                 late.append(self._world[peers[i]])
         raise timeout_error(self._world[self.rank], what, timeout_s, self.name, waiting, late)

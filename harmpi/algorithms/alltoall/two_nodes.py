@@ -177,7 +177,7 @@ class HierAlltoall:
             raise self._told_error(call, int(state[5]), int(state[6]))
         if rc == RAIL_TIMEOUT:  # (after the extra deadline: say how long it waited)
             peer = self.peers[0]
-            self.transport.raise_timeout(RAIL_ROWS, 1, (peer, peer), 2 * ctx.config.timeout_s,
+            self.transport.raise_timeout(RAIL_ROWS, (peer, peer), 2 * ctx.config.timeout_s,
                                          call, ops=ctx.har2().ops)
         ctx.fail(rc, call)
 
