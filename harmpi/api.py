@@ -493,6 +493,7 @@ def info(comm: MPI.Comm | None = None) -> dict[str, Any]:
         "oversubscribed": ctx.oversubscribed,
         "timeout_s": cfg.timeout_s,
         "native": _native_status(ctx),
+        "allgather": ctx.cma_note,
     }
 
 

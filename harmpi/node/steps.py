@@ -15,6 +15,7 @@ from numba import types
 
 from ..base import control, copytune
 from ..base.control import OK
+from .cma import CMA_MIN_NBYTES, read_peer
 from .copy import copy_bytes, done_reading, memcpy, stream_copy, streams
 from .dispatch import sigs, sum2, sum_rows, sum_rows_x
 from .flags import publish_wait, publish_wait_status, stage_at
@@ -218,13 +219,43 @@ def copy_blocks(ctl, out_addr, n, start, m, w):
 
 
 @numba.njit(cache=True, nogil=True)
+def _gather_direct(ctl, x_addr, out_addr, n, code, w):
+    """The single-copy one-node allgather (harmpi.node.cma): (pid, address
+    of x) in my slot, one flag round, every peer's x read straight into
+    its block of out, mine copied, then a status round (no rank returns
+    while a peer may still read its x)."""
+    c = ctl[0]
+    nbytes = n * w.itemsize
+    mine = numba.carray(_voidptr(parity_slot_addr(c, c.steps & 1, c.local_rank)), (2,), np.int64)
+    mine[0] = c.cma_pid
+    mine[1] = x_addr
+    rc = stage_at(ctl, 0, 0, 0, 0, nbytes, code, w, 0)
+    if rc != OK:
+        return rc
+    table = numba.carray(_voidptr(c.gather_table), (c.local_size, c.gather_nodes), np.int64)
+    bad = 0
+    for j in range(c.local_size):
+        o = table[j, 0] * nbytes
+        if j == c.local_rank:
+            memcpy(out_addr + o, x_addr, nbytes)
+            continue
+        theirs = numba.carray(_voidptr(parity_slot_addr(c, step_parity(c), j)), (2,), np.int64)
+        if not read_peer(theirs[0], out_addr + o, theirs[1], nbytes):
+            bad = 1
+    return publish_wait_status(ctl, bad)
+
+
+@numba.njit(cache=True, nogil=True)
 def gather_node(ctl, x_addr, out_addr, n, code, w):
     """One node's whole allgather, chunk by chunk (at least one step, so a
     zero-size call still checks agreement): my chunk into my next slot,
     post meta, publish, wait, then every rank's chunk from its slot to its
-    block of out."""
+    block of out. From CMA_MIN_NBYTES per rank where local ranks may read
+    each other (cma_pid set), in one step reading the peers directly."""
     c = ctl[0]
     isz = w.itemsize
+    if c.cma_pid != 0 and c.gather_nodes == 1 and n * isz >= CMA_MIN_NBYTES:
+        return _gather_direct(ctl, x_addr, out_addr, n, code, w)
     chunk = max(1, c.slot_nbytes // isz)
     start = 0
     while True:

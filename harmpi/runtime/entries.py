@@ -18,6 +18,8 @@ fmt, digest) -> status``.
 
 from __future__ import annotations
 
+import os
+
 from .. import node
 from ..algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
 from ..algorithms.alltoall import HierAlltoall, MpiAlltoall
@@ -25,6 +27,7 @@ from ..algorithms.base import Call
 from ..algorithms.har_latency import HAR2_FINISH, HAR2_START, HAR2_STEP, rail_chunk_nbytes
 from ..base import dtypes, kind
 from ..errors import HarmpiArgumentError, HarmpiError
+from ..node import cma
 
 __all__ = ["PythonEntry", "SizeSwitch", "AutoEntry", "auto_entry", "forced_entry",
            "gather_entry", "alltoall_entry"]
@@ -114,7 +117,15 @@ def gather_entry(ctx):
     """(entry, what its control block points into, or None): the compiled
     one-node allgather where it applies, else the algorithm object."""
     if ctx.topo.node_count == 1 and ctx.topo.uniform:
-        return node.GATHER_STEP, HierAllgather(ctx).table  # kept alive: ctl holds its address
+        table = HierAllgather(ctx).table  # kept alive: ctl holds its address
+        # large calls read the peers directly where the kernel lets every
+        # local rank (a collective over the node: each rank tries each other)
+        ok, why = cma.probe(ctx.node_comm, ctx.config.timeout_s)
+        ctx.ctl[0]["cma_pid"] = os.getpid() if ok else 0
+        ctx.cma_note = "single copy (process_vm_readv) from " \
+            f"{cma.CMA_MIN_NBYTES >> 10} KiB per rank" if ok else f"through the slots ({why})"
+        return node.GATHER_STEP, table
+    ctx.cma_note = "through the slots (several nodes)"
     return HierAllgather(ctx), None
 
 

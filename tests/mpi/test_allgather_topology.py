@@ -196,3 +196,59 @@ def test_allgather_into_out_on_world_checks_shapes(world):
             harmpi.allgather(y, out=out)
     z = harmpi.allgather(torch.full((1,), float(r), dtype=torch.bfloat16))
     assert torch.equal(z, torch.arange(n_ranks, dtype=torch.bfloat16))
+
+
+def _gather_expected(n, size):
+    """Every rank's bf16 tensor in the large allgather tests (rank q's own)."""
+    return [(torch.arange(n) % 251 + 1000 * q).to(torch.bfloat16) for q in range(size)]
+
+
+def test_large_allgather_reads_each_peer_in_place(world, topo):
+    """One node where the kernel lets ranks read each other: from
+    CMA_MIN_NBYTES per rank each peer's tensor is read straight into out
+    (info says so); right and bitwise the same on every rank at sizes around
+    that switch and up to past 4 MiB, through the default call (C++ where it
+    serves) and out=; ranks on either side of the switch fail alike, then
+    the next call is right."""
+    from harmpi.node import cma
+    r, size = world.Get_rank(), world.Get_size()
+    if topo.node_count != 1 or size == 1:
+        pytest.skip("one node of two ranks or more")
+    note = harmpi.info()["allgather"]
+    assert note.startswith("single copy"), note
+    k = cma.CMA_MIN_NBYTES // 2
+    for n in (k - 1, k, k + 1, 3 * k + 7, (4 << 20) // 2 + 3):
+        xs = _gather_expected(n, size)
+        x = xs[r]
+        out = harmpi.allgather(x)
+        assert torch.equal(out, torch.cat(xs)), n
+        assert_same_everywhere(world, out.float().numpy())
+        out2 = torch.full((size * n,), -1.0, dtype=torch.bfloat16)
+        assert harmpi.allgather(x, out=out2) is out2
+        assert torch.equal(out2, out), n
+    with pytest.raises(harmpi.HarmpiMismatchError):
+        harmpi.allgather(torch.zeros(k + (r % 2) * 2 - 1, dtype=torch.bfloat16))
+    x = torch.full((k + 5,), float(r), dtype=torch.bfloat16)
+    assert torch.equal(harmpi.allgather(x)[::k + 5], torch.arange(size, dtype=torch.bfloat16))
+
+
+def test_a_rank_that_cannot_read_its_peers_keeps_the_node_on_the_slots(world, topo, monkeypatch):
+    """The probe's verdict is the node's: one rank whose reads fail (here
+    faked) puts every local rank of a new context on the two-copy path,
+    which still gathers large tensors right."""
+    from harmpi.node import cma
+    r, size = world.Get_rank(), world.Get_size()
+    if topo.node_count != 1 or size == 1:
+        pytest.skip("one node of two ranks or more")
+    if r == size - 1:
+        monkeypatch.setattr(cma, "_read_word", lambda libc, pid, addr: None)
+    comm = world.Dup()
+    try:
+        note = harmpi.info(comm)["allgather"]
+        assert note.startswith("through the slots (process_vm_readv of local rank"), note
+        n = cma.CMA_MIN_NBYTES
+        xs = _gather_expected(n, size)
+        out = harmpi.allgather(xs[r], comm=comm)
+        assert torch.equal(out, torch.cat(xs))
+    finally:
+        comm.Free()
