@@ -215,7 +215,8 @@ def test_both_spellings():
 
 def test_small_slots_geometry():
     head, block = geometry(SMALL["slot_nbytes"], 4)
-    assert head == 64 and block % 64 == 0 and head + 4 * block <= SMALL["slot_nbytes"]
+    # (2P + 2 words: send, expect, the pid and x address: 80 bytes in two lines)
+    assert head == 128 and block % 64 == 0 and head + 4 * block <= SMALL["slot_nbytes"]
 
 
 def test_default_call_runs_from_cpp_on_one_node(world, topo):
@@ -276,3 +277,39 @@ def test_other_threads_never_disturb_the_owners_calls(world):
             t.join()
     assert refused and all("thread" in m for m in refused), refused[:1]
     comm.Barrier()
+
+
+def test_large_segments_go_straight_from_the_sender(small_comm, topo):
+    """One node whose ranks may read each other (harmpi.node.cma): a segment
+    of CMA_MIN_NBYTES or more is read from its sender's x, a smaller one goes
+    through the slots (4 KiB here: several steps), both in one call, with
+    uneven counts learned from the data and with recv_counts given; bitwise.
+    A pair that disagrees across the switch fails every rank, output
+    unwritten, and the next call is right."""
+    from harmpi.node import cma
+    P, me = small_comm.Get_size(), small_comm.Get_rank()
+    if topo.node_count != 1 or P == 1:
+        pytest.skip("one node of two ranks or more")
+    big = cma.CMA_MIN_NBYTES // 4          # f32 rows of one element: the switch
+    for salt, sizes in ((1, (big, big + 1, 3 * big + 5)), (2, (big - 1, 700, big)),
+                        (3, (0, big + 9, 5))):
+        # rank i sends rank j sizes[(i + j) % 3] rows: direct and slot pairs mixed
+        matrix = [[sizes[(i + j) % 3] for j in range(P)] for i in range(P)]
+        x, want = inputs("f32", matrix, me, (), salt, "torch")
+        out, got_counts = harmpi.alltoall(x, matrix[me], comm=small_comm)
+        assert got_counts == [matrix[i][me] for i in range(P)]
+        assert bits(out) == bits(want), salt
+        out2 = torch.full_like(want, -1.0)
+        harmpi.alltoall(x, matrix[me], comm=small_comm, out=out2,
+                        recv_counts=[matrix[i][me] for i in range(P)])
+        assert bits(out2) == bits(want), salt
+    # rank 0 expects one row more from rank 1 than rank 1 sends (across the switch)
+    matrix = [[big - 1 if (i, j) == (1, 0) else big for j in range(P)] for i in range(P)]
+    x, _ = inputs("f32", matrix, me, (), 4, "torch")
+    expect = [big] * P if me == 0 else [matrix[i][me] for i in range(P)]
+    out = torch.full((sum(expect),), -1.0)
+    with pytest.raises(harmpi.HarmpiMismatchError):
+        harmpi.alltoall(x, matrix[me], comm=small_comm, out=out, recv_counts=expect)
+    assert torch.all(out == -1.0), "the output must not be written"
+    x, want = inputs("f32", [[big] * P] * P, me, (), 5, "torch")
+    assert bits(harmpi.alltoall(x, comm=small_comm)) == bits(want)

@@ -132,8 +132,9 @@ def prefix(counts, out, P):
 @register_jitable
 def geometry(slot_nbytes, P):
     """(header bytes, block bytes) of a slot shared by P destinations: a
-    header of 2P words (send, expect), then P blocks of 64-byte multiples."""
-    head = (16 * P + 63) // 64 * 64
+    header of 2P + 2 words (send, expect; the sender's pid and x address),
+    then P blocks of 64-byte multiples."""
+    head = (16 * P + 16 + 63) // 64 * 64
     block = (slot_nbytes - head) // P // 64 * 64
     return head, block
 
