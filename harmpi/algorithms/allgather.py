@@ -38,7 +38,7 @@ from ..base.kind import rail_tag
 from ..base.topology import check_arrivals, gather_records, wait_polled
 from .base import Call, chunks, mismatch_error, recv_check
 
-__all__ = ["HierAllgather"]
+__all__ = ["HierAllgather", "gather_table"]
 
 log = logging.getLogger(__name__)
 

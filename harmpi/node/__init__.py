@@ -53,6 +53,7 @@ from .dispatch import format_itemsize, sigs
 from .entries import (
     CFUNC_SIG,
     GATHER_CFUNC,
+    GATHER_SIG,
     GATHER_STEP,
     ONE_NODE_CFUNC,
     ONE_NODE_FINISH,
@@ -145,5 +146,6 @@ __all__ = [
     "thread_self", "foreign_thread", "enter", "leave", "gather_step", "one_node_step",
     "one_node_start", "one_node_finish", "solo_step", "entry_point", "STEP_SIG", "CFUNC_SIG",
     "SPLIT_NONE", "SPLIT_DONE", "SPLIT_SMALL", "SPLIT_RSAG", "ONE_NODE_STEP", "ONE_NODE_CFUNC",
-    "SOLO_STEP", "SOLO_CFUNC", "GATHER_STEP", "GATHER_CFUNC", "ONE_NODE_START", "ONE_NODE_FINISH",
+    "SOLO_STEP", "SOLO_CFUNC", "GATHER_SIG", "GATHER_STEP", "GATHER_CFUNC", "ONE_NODE_START",
+    "ONE_NODE_FINISH",
 ]

@@ -32,7 +32,7 @@ from .steps import gather_node, reduce_scatter_allgather, shm_allreduce, sum_slo
 __all__ = ["thread_self", "foreign_thread", "enter", "leave", "gather_step", "one_node_step",
            "one_node_start", "one_node_finish", "solo_step", "entry_point", "STEP_SIG",
            "CFUNC_SIG", "SPLIT_NONE", "SPLIT_DONE", "SPLIT_SMALL", "SPLIT_RSAG", "ONE_NODE_STEP",
-           "ONE_NODE_CFUNC", "SOLO_STEP", "SOLO_CFUNC", "GATHER_STEP", "GATHER_CFUNC",
+           "ONE_NODE_CFUNC", "SOLO_STEP", "SOLO_CFUNC", "GATHER_SIG", "GATHER_STEP", "GATHER_CFUNC",
            "ONE_NODE_START", "ONE_NODE_FINISH"]
 
 _BF16, _F16, _F32 = dtypes.BF16, dtypes.F16, dtypes.F32
@@ -41,7 +41,7 @@ _i64 = types.int64
 _ctl = control.ARRAY
 STEP_SIG = _i64(_ctl, types.intp, _i64, _i64)
 CFUNC_SIG = _i64(_i64, _i64, _i64, _i64)
-_GATHER_SIG = _i64(_ctl, types.intp, types.intp, _i64, _i64, _i64)
+GATHER_SIG = _i64(_ctl, types.intp, types.intp, _i64, _i64, _i64)
 
 
 @intrinsic
@@ -110,7 +110,7 @@ def _gather(ctl, x_addr, out_addr, n, fmt, digest):
     return gather_node(ctl, x_addr, out_addr, n, code, np.empty(0, np.float64))
 
 
-@numba.njit(_GATHER_SIG, cache=True, nogil=True)
+@numba.njit(GATHER_SIG, cache=True, nogil=True)
 def gather_step(ctl, x_addr, out_addr, n, fmt, digest):
     """The one-node allgather entry: out = every local rank's x[:n] in
     communicator rank order."""
@@ -291,7 +291,7 @@ ONE_NODE_STEP = entry_point(one_node_step, STEP_SIG)
 ONE_NODE_CFUNC = _cfunc_address(_one_node_cfunc)
 SOLO_STEP = entry_point(solo_step, STEP_SIG)
 SOLO_CFUNC = _cfunc_address(_solo_cfunc)
-GATHER_STEP = entry_point(gather_step, _GATHER_SIG)
+GATHER_STEP = entry_point(gather_step, GATHER_SIG)
 GATHER_CFUNC = _cfunc_address(_gather_cfunc)
 ONE_NODE_START = entry_point(one_node_start, STEP_SIG)
 ONE_NODE_FINISH = entry_point(one_node_finish, STEP_SIG)
