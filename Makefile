@@ -181,7 +181,8 @@ unit-serial: setup
 # uncaught exception into MPI_Abort). One job per line of MPI_MATRIX, each
 # "np:ranks-per-node:transport:VAR=value:files" (- for unset; files all =
 # tests/mpi, core = MPI_CORE_TESTS: every algorithm and size class,
-# allgather, logits, bad input). A failing job does not stop the others;
+# allgather, logits, bad input, a refusal on one rank: ~2 s a job; at 2+1 it
+# caught the uneven allgather's refusal waiting out the peers' deadline). A failing job does not stop the others;
 # the failed ones are listed at the end. The matrix:
 # - every file at 1-4 ranks on one node (NPS);
 # - every file across virtual nodes at 2x2 over tcp (the auto transport),
@@ -204,7 +205,8 @@ unit-serial: setup
 # runs in 3x2 mpi with every file; the uneven layout's logic is above the
 # transport and runs at 2+1 over tcp).
 MPI_CORE_TESTS := tests/mpi/test_allreduce.py tests/mpi/test_allgather_topology.py \
-  tests/mpi/test_logits.py tests/mpi/test_inputs.py tests/mpi/test_errors.py
+  tests/mpi/test_logits.py tests/mpi/test_inputs.py tests/mpi/test_errors.py \
+  tests/mpi/test_refusal.py
 MPI_PYTEST = $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no
 MPI_MATRIX ?= $(foreach n,$(NPS),$(n):-:-:-:all) \
   4:2:auto:-:all 6:2:mpi:-:all \

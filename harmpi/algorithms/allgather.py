@@ -38,7 +38,10 @@ from ..base.kind import rail_tag
 from ..base.topology import check_arrivals, gather_records, wait_polled
 from .base import Call, chunks, mismatch_error, recv_check
 
-__all__ = ["HierAllgather", "gather_table"]
+__all__ = ["HierAllgather", "gather_table", "REFUSED_NBYTES"]
+
+#: the bytes a refusal posts in the uneven allgather's first exchange (no call has them)
+REFUSED_NBYTES = -1
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,20 @@ class HierAllgather:
             node.copy_blocks(ctl, out_addr, call.n, start, m, call.w)
 
 
+    def refuse(self):
+        """Uneven nodes: this rank refused its own arguments to an allgather
+        (harmpi.api.refuse): take part in the first exchange of the call its
+        peers may be in, with REFUSED_NBYTES bytes, so they fail it at once,
+        naming this rank. Returns whether every rank refused."""
+        ctx = self.ctx
+        comm, timeout_s = ctx.setup_comm, ctx.config.timeout_s
+        label = "refused allgather (MPI_Allgather for uneven nodes)"
+        code = kind.refusal_code(kind.COLL_ALLGATHER, 0)
+        stamps, kinds = gather_records(comm, timeout_s, label,
+                                       (("call", f"{REFUSED_NBYTES} {code}"),))
+        check_arrivals(comm, stamps, timeout_s, label)
+        return all(k == kinds[0] for k in kinds)
+
     def _run_uneven(self, call, out_addr):
         """MPI_Iallgather on harmpi's own duplicate (no user collective can
         meet it), polled under the deadline; before it, a polled exchange
@@ -113,6 +130,10 @@ class HierAllgather:
         check_arrivals(comm, stamps, timeout_s, what)
         if any(k != kinds[0] for k in kinds):
             shown = [tuple(int(v) for v in k.split("=", 1)[1].split()) for k in kinds]
+            refused = [r for r, k in enumerate(shown) if k[0] == REFUSED_NBYTES]
+            if refused:
+                raise mismatch_error(ctx.topo.rank, call, f"rank {refused[0]} refused its own "
+                                     "arguments to this call (its HarmpiArgumentError says why)")
             raise mismatch_error(ctx.topo.rank, call, f"(bytes, kind) by rank: {shown}")
         nbytes, size = call.nbytes, ctx.topo.size
         send = np.frombuffer(ctx.view(call.addr, nbytes), np.uint8).copy()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import pickle
 import time
 
@@ -33,6 +34,8 @@ _RECORD_NBYTES = 1024
 #: an arrival later than this fraction of the deadline after the first one
 #: fails on every rank (see :func:`agree`)
 LATE_FRACTION = 0.75
+#: wait_polled tests back to back this long before it starts to sleep
+POLL_SPIN_S = 200e-6
 #: agreements this process gave up on: MPI may still complete them (a late
 #: peer's contribution), so their buffers must outlive the request
 _STRANDED = []
@@ -122,8 +125,16 @@ def wait_polled(comm, req, timeout_s, what, buffers):
     given up on stays with MPI (a late peer may still complete it), so it
     and its ``buffers`` are kept alive here, never handed back to a caller."""
     deadline = time.monotonic() + timeout_s
+    # the first POLL_SPIN_S: MPI_Test back to back (giving the core away
+    # between tests, for ranks that share it), then sleeps that double: a
+    # sleep costs ~60 us here, which a collective of the hot path (the
+    # all-to-all of more than two nodes) would otherwise pay every call
+    spin_until = time.perf_counter() + POLL_SPIN_S
     pause = 1e-5
     while not req.Test():
+        if time.perf_counter() < spin_until:
+            os.sched_yield()
+            continue
         if time.monotonic() > deadline:
             _STRANDED.append((req, buffers))
             raise HarmpiTimeoutError(

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import node, transports
-from ..algorithms import ALGORITHM_IDS, ALLREDUCE
+from ..algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
 from ..algorithms.alltoall import MpiAlltoall
 from ..algorithms.base import Call
 from ..base import control, copytune, dtypes, kind, sync
@@ -318,6 +318,17 @@ class Context:
             algo = self._algorithms[name] = ALLREDUCE[name](self)
         return algo
 
+    def _refused_in_mpi(self, coll):
+        """The algorithm whose peers meet in MPI on the set-up communicator,
+        not in the flags, for a refused ``coll`` (its refuse()), or None: the
+        all-to-all on more than two nodes, the allgather on uneven nodes."""
+        if coll == kind.COLL_ALLTOALL and isinstance(self.alltoall, MpiAlltoall):
+            return self.alltoall
+        if coll == kind.COLL_ALLGATHER and isinstance(self.gather, HierAllgather) \
+                and not self.gather.uniform:
+            return self.gather
+        return None
+
     def refuse(self, coll):
         """This rank refused its own arguments to a ``coll`` call
         (kind.COLL_*), before moving anything; its peers may be in that call.
@@ -330,10 +341,10 @@ class Context:
         for any disagreement, whether the context stays usable."""
         if self.topo.size == 1 or self.broken is not None:
             return None
-        if coll == kind.COLL_ALLTOALL and isinstance(self.alltoall, MpiAlltoall):
-            # its peers meet in MPI on the set-up communicator, not in the flags
+        in_mpi = self._refused_in_mpi(coll)
+        if in_mpi is not None:
             try:
-                if self.alltoall.refuse():
+                if in_mpi.refuse():
                     return None
             except HarmpiError as exc:
                 return exc
