@@ -73,6 +73,7 @@ import numpy as np
 from .. import node
 from ..base import control, kind
 from ..base.control import OK, RAIL_FAILED, RAIL_LATE, RAIL_TIMEOUT
+from ..base.kind import ABANDON_TAG
 from ..transports import sockio
 
 __all__ = ["RAIL_ROWS", "PIPE_ROWS", "HALVING_MIN_NBYTES", "rail_rsag2", "rail_views",
@@ -104,6 +105,25 @@ def rail_views(c):
 
 
 @numba.njit(cache=True, nogil=True)
+def _disagreed_then_left(ops):
+    """The peer's whole message came, then its abandon notice, and its tag
+    is not the one this rank sent with its own (finished) part: the two
+    ran different calls, and the peer already failed its side. The step
+    fails here as the disagreement it is (the caller's check of the
+    message), not as a peer that gave up, so both ends raise the same
+    error: with two compiled ends, a peer's give-up after a disagreement
+    between collectives (failures.mismatch_is_clean) could reach the
+    socket before this rank read the message."""
+    return (ops[0, sockio.OP_STATE] == sockio.ST_FAILED
+            and ops[0, sockio.OP_ERRNO] == sockio.ERR_ABANDONED
+            and ops[0, sockio.OP_HDR_TAG] != ABANDON_TAG
+            and ops[0, sockio.OP_DONE] == sockio.HEADER_NBYTES + ops[0, sockio.OP_HDR_N]
+            and ops[1, sockio.OP_KIND] == sockio.KIND_SEND
+            and ops[1, sockio.OP_STATE] == sockio.ST_DONE
+            and ops[0, sockio.OP_HDR_TAG] != ops[1, sockio.OP_HDR_TAG])
+
+
+@numba.njit(cache=True, nogil=True)
 def rail_outcome(ctl, ops, io):
     """The status of a rail exchange that sockio.progress ended with ``io``
     (rail_complete's, and the two-node all-to-all's longer wait): OK, or
@@ -112,6 +132,8 @@ def rail_outcome(ctl, ops, io):
     c = ctl[0]
     if io == sockio.IO_INTERRUPTED:
         return node.interrupted(ctl)
+    if io != sockio.IO_OK and _disagreed_then_left(ops):
+        return OK   # (the caller's check of the message fails the step)
     if io != sockio.IO_OK:
         node.abandon(ctl, c.rail_peer)
         return RAIL_TIMEOUT if io == sockio.IO_TIMEOUT else RAIL_FAILED
@@ -153,8 +175,9 @@ def post_exchange(ctl, ops, scratch, recv_addr, recv_cap, send_addr, send_nbytes
     if send_nbytes >= 0:
         sockio.set_send(ops, 1, c.rail_fd, send_addr, send_nbytes, tag,
                         sockio.realtime_ns() + c.timeout_ns)
-    else:
+    else:   # (no kind: a send row left from an earlier exchange is not this one's)
         ops[1, sockio.OP_STATE] = sockio.ST_DONE
+        ops[1, sockio.OP_KIND] = -1
     if sockio.kick(ops, RAIL_ROWS, scratch) != sockio.IO_OK:
         node.abandon(ctl, c.rail_peer)
         return RAIL_FAILED
@@ -333,6 +356,7 @@ def _idle(ops, i):
     ops[i, sockio.OP_STATE] = sockio.ST_DONE
     ops[i, sockio.OP_HDR_DL] = 1 << 62
     ops[i + 1, sockio.OP_STATE] = sockio.ST_DONE
+    ops[i + 1, sockio.OP_KIND] = -1
 
 
 @numba.njit(cache=True, nogil=True)
