@@ -161,15 +161,23 @@ def _har2_complete(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w
 
 
 @numba.njit(cache=True, nogil=True)
+def _own_meta_round(ctl, m, total, code, w):
+    """The meta round of a step on a one-rank node whose slot this rank
+    never fills (the rail steps write x and the slot themselves): post the
+    meta, publish, wait; only its own meta to check, so never a mismatch."""
+    rc = node.stage_post(ctl, 0, m, 0, m, total, code, w, 0)
+    if rc != OK:
+        return rc
+    return node.stage_check(ctl, total, code, 0)
+
+
+@numba.njit(cache=True, nogil=True)
 def _rsag2(ctl, x_addr, n, chunk, total, code, tag, fmt, w):
     """x[:n] past one rail step with one rank per node: the meta round (its
     own meta only), rail_turns.rail_rsag2's steps, the status round."""
     c = ctl[0]
-    rc = node.stage_post(ctl, 0, n, 0, n, total, code, w, 0)
+    rc = _own_meta_round(ctl, n, total, code, w)
     if rc != OK:
-        return rc
-    rc = node.stage_check(ctl, total, code, 0)
-    if rc != OK:   # (one rank per node: no mismatch here)
         return rc
     rc, bad, first = rail_rsag2(ctl, x_addr, n, chunk, tag, fmt, w)
     if rc != OK:
@@ -184,11 +192,8 @@ def _halving_chunk(ctl, ops, pollfds, scratch, addr, m, total, code, tag, fmt, w
     """One large step over x[:m] on 2^k > 2 nodes of one rank: the meta
     round (its own meta only), rail_halving in my slot and x, the status
     round."""
-    rc = node.stage_post(ctl, 0, m, 0, m, total, code, w, 0)
+    rc = _own_meta_round(ctl, m, total, code, w)
     if rc != OK:
-        return rc
-    rc = node.stage_check(ctl, total, code, 0)
-    if rc != OK:   # (one rank per node: no mismatch here)
         return rc
     rc, bad = rail_halving(ctl, ops, pollfds, scratch, addr,
                            node.slot_addr(ctl, ctl[0].local_rank), m, tag, fmt, w)

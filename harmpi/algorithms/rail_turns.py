@@ -201,9 +201,9 @@ def rail_turn(ctl, ops, pollfds, scratch, h, send_addr, send_nbytes, send_tag, r
 
 
 @numba.njit(cache=True, nogil=True)
-def got(ops, nbytes, tag):
-    """The turn's message is the expected one (bytes and tag)."""
-    return ops[0, sockio.OP_HDR_N] == nbytes and ops[0, sockio.OP_HDR_TAG] == tag
+def got(ops, nbytes, tag, row=0):
+    """The message received in ``row`` is the expected one (bytes and tag)."""
+    return ops[row, sockio.OP_HDR_N] == nbytes and ops[row, sockio.OP_HDR_TAG] == tag
 
 
 @numba.njit(cache=True, nogil=True)
@@ -425,8 +425,8 @@ def rail_rsag2(ctl, x_addr, n, chunk, tag, fmt, w):
             first = ops[0, sockio.OP_HDR_DL]
         mine, mine_n, _theirs, _theirs_n = _halves(c, m)
         _p_mine, _p_mine_n, _p_theirs, p_theirs_n = _halves(c, prev_m)
-        if (m > 0 and not got(ops, mine_n * isz, tag)) or (prev >= 0 and not (
-                ops[2, sockio.OP_HDR_N] == p_theirs_n * isz and ops[2, sockio.OP_HDR_TAG] == tag)):
+        if (m > 0 and not got(ops, mine_n * isz, tag)) or (
+                prev >= 0 and not got(ops, p_theirs_n * isz, tag, 2)):
             return OK, True, first
         if m == 0:
             return OK, False, first
