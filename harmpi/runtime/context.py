@@ -232,8 +232,9 @@ class Context:
     # -- pieces the algorithms ask for --------------------------------------
 
     def har2(self):
-        """The compiled two-node all-reduce's algorithm (its rail is in the
-        control block), or None on other topologies."""
+        """The compiled rail all-reduce's algorithm (har_latency on two or
+        more uniform nodes of a tcp rail; its rail is in the control block),
+        or None on other topologies."""
         return self._har2
 
     def rail_transport(self):

@@ -23,7 +23,7 @@ import os
 from .. import node
 from ..algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
 from ..algorithms.allgather import gather_table
-from ..algorithms.allgather_tcp import GATHER2_STEP
+from ..algorithms.allgather_tcp import GATHER_TCP_STEP, gathers_compiled
 from ..algorithms.alltoall import HierAlltoall, MpiAlltoall
 from ..algorithms.base import Call
 from ..algorithms.har_latency import HAR2_FINISH, HAR2_START, HAR2_STEP, rail_chunk_nbytes
@@ -128,10 +128,10 @@ def gather_entry(ctx):
             f"{cma.CMA_MIN_NBYTES >> 10} KiB per rank" if ok else f"through the slots ({why})"
         return node.GATHER_STEP, table
     ctx.cma_note = "through the slots (several nodes)"
-    if ctx.topo.node_count == 2 and ctx.topo.uniform and ctx.har2() is not None:
-        # the compiled two-node all-reduce's rail (control block): the
+    if gathers_compiled(ctx.topo.node_count) and ctx.topo.uniform and ctx.har2() is not None:
+        # the compiled all-reduce's rail (control block): on 2^k nodes the
         # allgather's steps run compiled on it too
-        return GATHER2_STEP, gather_table(ctx)
+        return GATHER_TCP_STEP, gather_table(ctx)
     return HierAllgather(ctx), None
 
 

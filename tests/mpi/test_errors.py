@@ -145,6 +145,28 @@ def test_allgather_shape_mismatch(small_comm):
         harmpi.allgather(x, comm=small_comm)
 
 
+@pytest.mark.parametrize("odd", ["first", "last", "upper_half"])
+@pytest.mark.parametrize("rows", [1, 700])
+def test_allgather_count_mismatch_fails_every_rank_unwritten(small_comm, odd, rows):
+    """Some ranks gather 5 columns, the others 4: every rank raises, and
+    no output is written. On 4 one-rank nodes the upper half disagrees with
+    the lower only in the rail's second turn (the first pairs 0-1 and 2-3);
+    700 rows are many chunks of the 4 KiB slots."""
+    r, n_ranks = small_comm.Get_rank(), small_comm.Get_size()
+    if n_ranks == 1:
+        pytest.skip("needs two ranks")
+    odd_ranks = {"first": {0}, "last": {n_ranks - 1},
+                 "upper_half": set(range(n_ranks // 2, n_ranks))}[odd]
+    x = torch.full((rows, 5 if r in odd_ranks else 4), float(r + 1))
+    out = torch.full((n_ranks * x.numel(),), -1.0)
+    with pytest.raises(harmpi.HarmpiMismatchError):
+        harmpi.allgather(x, comm=small_comm, out=out)
+    assert torch.all(out == -1.0), "no output after a disagreement"
+    y = torch.full((rows, 4), float(r))
+    got = harmpi.allgather(y, comm=small_comm)
+    assert torch.equal(got[::rows, 0], torch.arange(n_ranks, dtype=torch.float32))
+
+
 def test_native_entry_point_errors_and_gate(world, topo):
     """harmpi.allreduce(t) on the world context goes through harmpi.native
     when it is built: a mismatch still raises on every rank and leaves the
