@@ -235,6 +235,13 @@ class Registry:
         for ctx in self.contexts + self.leaked:
             ctx.close_transports()
         self.close("the interpreter is exiting")
+        if getattr(sys, "last_value", None) is not None and "mpi4py.run" in sys.modules:
+            # the script ended on an uncaught exception (Python printed it and
+            # set sys.last_value) under `python -m mpi4py`, whose exit calls
+            # MPI_Abort: a collective free here would first wait for peers
+            # that may be in a collective, waiting for this rank, until their
+            # deadline (a 2-rank job took 60 s to end after a crash, not 1)
+            return
         if MPI.Is_initialized() and not MPI.Is_finalized():
             arena.free_remaining()  # (not a forked child's: they are its parent's)
 
