@@ -131,6 +131,7 @@ def gather_entry(ctx):
     if gathers_compiled(ctx.topo.node_count) and ctx.topo.uniform and ctx.har2() is not None:
         # the compiled all-reduce's rail (control block): on 2^k nodes the
         # allgather's steps run compiled on it too
+        ctx.cma_note = "through the slots, compiled recursive doubling over the tcp rail"
         return GATHER_TCP_STEP, gather_table(ctx)
     return HierAllgather(ctx), None
 

@@ -117,6 +117,11 @@ def test_topology_matches_environment(world, topo):
         assert info["transport"] == ("tcp" if wanted == "auto" else wanted)
         assert info["transport_reason"].startswith("auto: " if wanted == "auto" else
                                                    f"HARMPI_TRANSPORT={wanted}")
+        # the allgather's rail steps: compiled over tcp on 2^k equal nodes
+        G = topo.node_count
+        rail_steps = info["transport"] == "tcp" and topo.uniform and G & (G - 1) == 0
+        assert ("recursive doubling over the tcp rail" in info["allgather"]) == rail_steps, \
+            info["allgather"]
     else:
         assert info["transport"] == "none"
 
