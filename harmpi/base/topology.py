@@ -26,7 +26,7 @@ from ..errors import HarmpiArgumentError, HarmpiMismatchError, HarmpiTimeoutErro
 
 __all__ = ["Topology", "discover", "arrive", "agree", "vote", "gather_records", "check_arrivals",
            "wait_polled", "allgather_polled", "barrier_polled", "dup_polled", "world_ranks",
-           "LATE_FRACTION"]
+           "LATE_FRACTION", "HOT_SPIN_S"]
 
 
 #: bytes per rank in a set-up agreement: the arrival stamp, then the settings
@@ -36,6 +36,13 @@ _RECORD_NBYTES = 1024
 LATE_FRACTION = 0.75
 #: wait_polled tests back to back this long before it starts to sleep
 POLL_SPIN_S = 200e-6
+#: and this long for a collective of the hot path (spin_s=HOT_SPIN_S): 4
+#: virtual nodes x 1 on 2 vCPUs, MpiAlltoall (two polled collectives a
+#: call), osu_alltoall medians, two runs each: at 200 us 4 KiB 677-685 us,
+#: 64 KiB 1159-1163; at 1 ms 495-656, 844-849 (MPI_Alltoall 183-250,
+#: 408-428); 5 ms no better. Not for set-up collectives: 1 ms there made
+#: the oversubscribed MPI test jobs ~10% slower
+HOT_SPIN_S = 1e-3
 #: agreements this process gave up on: MPI may still complete them (a late
 #: peer's contribution), so their buffers must outlive the request
 _STRANDED = []
@@ -119,17 +126,17 @@ def gather_records(comm, timeout_s, what, settings):
             [bytes(row[8:]).rstrip(b"\0").decode() for row in table])
 
 
-def wait_polled(comm, req, timeout_s, what, buffers):
+def wait_polled(comm, req, timeout_s, what, buffers, spin_s=POLL_SPIN_S):
     """Poll the non-blocking collective ``req`` on ``comm`` until it
     completes, or raise HarmpiTimeoutError after ``timeout_s``. A request
     given up on stays with MPI (a late peer may still complete it), so it
     and its ``buffers`` are kept alive here, never handed back to a caller."""
     deadline = time.monotonic() + timeout_s
-    # the first POLL_SPIN_S: MPI_Test back to back (giving the core away
+    # the first spin_s: MPI_Test back to back (giving the core away
     # between tests, for ranks that share it), then sleeps that double: a
     # sleep costs ~60 us here, which a collective of the hot path (the
     # all-to-all of more than two nodes) would otherwise pay every call
-    spin_until = time.perf_counter() + POLL_SPIN_S
+    spin_until = time.perf_counter() + spin_s
     pause = 1e-5
     while not req.Test():
         if time.perf_counter() < spin_until:

@@ -63,7 +63,7 @@ class MpiAlltoall:
         row bytes, kind, sends, wants), after the arrival check."""
         from mpi4py import MPI  # noqa: PLC0415
 
-        from ...base.topology import check_arrivals, wait_polled  # noqa: PLC0415
+        from ...base.topology import HOT_SPIN_S, check_arrivals, wait_polled  # noqa: PLC0415
 
         ctx = self.ctx
         comm, timeout_s, P = ctx.setup_comm, ctx.config.timeout_s, ctx.topo.size
@@ -73,7 +73,7 @@ class MpiAlltoall:
         table = np.zeros((P, 3 + 2 * P), np.int64)
         mine[0] = time.time_ns()
         req = comm.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
-        wait_polled(comm, req, timeout_s, label, (mine, table))
+        wait_polled(comm, req, timeout_s, label, (mine, table), HOT_SPIN_S)
         check_arrivals(comm, table[:, 0], timeout_s, label)
         return table
 
@@ -92,7 +92,7 @@ class MpiAlltoall:
     def run(self, call, row_nb, plan, make_out):
         from mpi4py import MPI  # noqa: PLC0415
 
-        from ...base.topology import wait_polled  # noqa: PLC0415
+        from ...base.topology import HOT_SPIN_S, wait_polled  # noqa: PLC0415
         from ..base import mismatch_error  # noqa: PLC0415
 
         ctx = self.ctx
@@ -127,7 +127,7 @@ class MpiAlltoall:
         rdispl = np.concatenate(([0], np.cumsum(rows_in)[:-1])) * row_nb
         req = comm.Ialltoallv([sbuf, (sends * row_nb, sdispl), MPI.BYTE],
                               [rbuf, (rows_in * row_nb, rdispl), MPI.BYTE])
-        wait_polled(comm, req, timeout_s, label, (sbuf, rbuf))
+        wait_polled(comm, req, timeout_s, label, (sbuf, rbuf), HOT_SPIN_S)
         recv(plan, P)[:] = rows_in
         out, out_addr = make_out(int(rows_in.sum()))
         node.copy_bytes(out_addr, rbuf.ctypes.data, rbuf.nbytes)
