@@ -46,13 +46,11 @@ import numba
 import numpy as np
 
 from .. import node
-from ..base import control, dtypes, kind
+from ..base import dtypes, kind
 from ..base.control import OK, POISONED
-from .rail_turns import got, post_exchange, rail_complete, rail_turn, rail_views
+from .rail_turns import got, post_exchange, rail_complete, rail_turn, rail_views, select_peer
 
 __all__ = ["GATHER_TCP_STEP", "gather_tcp_step", "gathers_compiled"]
-
-_voidptr = control.voidptr
 
 
 def gathers_compiled(node_count):
@@ -68,10 +66,7 @@ def _first_turn(ctl, ops, pollfds, scratch, slot, src, nb, tag):
     c = ctl[0]
     g = c.rail_node
     p = g ^ 1
-    fds = numba.carray(_voidptr(c.rail_fds), (c.rail_nodes,), np.int64)
-    world = numba.carray(_voidptr(c.rail_world), (c.rail_nodes,), np.int64)
-    c.rail_fd = fds[p]
-    c.rail_peer = world[p]
+    select_peer(c, p)
     rc = post_exchange(ctl, ops, scratch, slot + p * nb, c.slot_nbytes - p * nb, src, nb, tag)
     if rc != OK:
         return rc

@@ -77,8 +77,8 @@ from ..base.kind import ABANDON_TAG
 from ..transports import sockio
 
 __all__ = ["RAIL_ROWS", "PIPE_ROWS", "HALVING_MIN_NBYTES", "rail_rsag2", "rail_views",
-           "rail_outcome", "rail_complete", "post_exchange", "rail_turn", "got", "fold_in",
-           "rail_doubling", "rail_halving", "use_halving"]
+           "rail_outcome", "rail_complete", "post_exchange", "select_peer", "rail_turn", "got",
+           "fold_in", "rail_doubling", "rail_halving", "use_halving"]
 
 _voidptr = control.voidptr
 
@@ -185,15 +185,20 @@ def post_exchange(ctl, ops, scratch, recv_addr, recv_cap, send_addr, send_nbytes
 
 
 @numba.njit(cache=True, nogil=True)
-def rail_turn(ctl, ops, pollfds, scratch, h, send_addr, send_nbytes, send_tag, recv_addr,
-              recv_cap):
-    """One turn with node h's rail peer: post_exchange, then rail_complete
-    (on failure the peer is in rail_peer)."""
-    c = ctl[0]
+def select_peer(c, h):
+    """Make node h's rail peer the current one (rail_fd, rail_peer)."""
     fds = numba.carray(_voidptr(c.rail_fds), (c.rail_nodes,), np.int64)
     world = numba.carray(_voidptr(c.rail_world), (c.rail_nodes,), np.int64)
     c.rail_fd = fds[h]
     c.rail_peer = world[h]
+
+
+@numba.njit(cache=True, nogil=True)
+def rail_turn(ctl, ops, pollfds, scratch, h, send_addr, send_nbytes, send_tag, recv_addr,
+              recv_cap):
+    """One turn with node h's rail peer: post_exchange, then rail_complete
+    (on failure the peer is in rail_peer)."""
+    select_peer(ctl[0], h)
     rc = post_exchange(ctl, ops, scratch, recv_addr, recv_cap, send_addr, send_nbytes, send_tag)
     if rc != OK:
         return rc
