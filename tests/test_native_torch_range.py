@@ -52,18 +52,30 @@ def minor_of(version: str) -> tuple[int, int]:
 
 
 def oldest_python() -> str:
+    """The venv's Python once make torch-oldest-venv finished (its stamp): a
+    venv whose install broke off (a lost download, a full disk) has a Python
+    but no working torch, and is named as such, not tried."""
     python = OLDEST_VENV / "bin" / "python"
-    if not python.exists():
+    if not (OLDEST_VENV / ".installed").exists():
+        why = (f"{OLDEST_VENV} did not finish installing" if python.exists()
+               else f"{OLDEST_VENV} is missing")
         if os.environ.get("HARMPI_TORCH_OLDEST_REQUIRED") == "1":
-            pytest.fail(f"{OLDEST_VENV} is missing: make torch-oldest-venv installs it")
-        pytest.skip(f"{OLDEST_VENV} is missing (make torch-oldest-venv)")
+            pytest.fail(f"{why}: make torch-oldest-venv installs it (in make test, its "
+                        f"output is in the set-up's; disk free: {free_disk()})")
+        pytest.skip(f"{why} (make torch-oldest-venv)")
     return str(python)
 
 
+def free_disk() -> str:
+    return f"{shutil.disk_usage(OLDEST_VENV.parent).free / 2**30:.1f} GiB"
+
+
 def torch_of(python: str) -> str:
-    return subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
-                          capture_output=True, text=True, check=True,
-                          timeout=120).stdout.strip()
+    done = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (
+        f"{python} cannot import torch (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout.strip()
 
 
 def seeded_copy(dst: Path) -> Path:
