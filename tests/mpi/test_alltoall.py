@@ -256,7 +256,10 @@ def test_other_threads_never_disturb_the_owners_calls(world):
 
     def hammer():
         x = torch.full((n * 7, 3), -5.0)
-        while not stop.is_set():
+        while not stop.wait(0.0005):
+            # the wait lets go of the GIL: two threads calling back to back held
+            # it for most of each 5 ms switch interval, and the owner's 60 calls
+            # took 7 s at 2 x 2 on 2 cores
             try:
                 harmpi.alltoall(x, [7] * n, comm=comm)
             except harmpi.HarmpiError as exc:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 from conftest import torch
-from test_faults import _short
+from test_faults import _GAVE_UP, _short, _wait_for_gave_up
 
 import harmpi
 
@@ -28,12 +28,15 @@ def test_every_alltoall_waiter_names_the_rank_that_never_arrived(world, topo,
     last_node = topo.node_ranks[-1]
     missing = last_node[-1] if missing_local_rank == "last" else last_node[0]
     if r == missing:
-        time.sleep(5.0)
+        _wait_for_gave_up(world, size - 1)   # stays away until every other rank raised
     else:
         x = torch.arange(size * 2 * 3, dtype=torch.float32).reshape(size * 2, 3) + 100 * r
         t0 = time.monotonic()
-        with pytest.raises(harmpi.HarmpiTimeoutError) as info:
-            harmpi.alltoall(x, comm=comm)
+        try:
+            with pytest.raises(harmpi.HarmpiTimeoutError) as info:
+                harmpi.alltoall(x, comm=comm)
+        finally:
+            world.send(r, dest=missing, tag=_GAVE_UP)
         took_s = time.monotonic() - t0
         message = str(info.value)
         print(f"rank {r}: after {took_s:.2f} s: {message}", flush=True)

@@ -243,10 +243,13 @@ def test_every_waiting_rank_names_the_rank_that_never_arrived(world, topo):
     _short(comm, timeout_s=1.0)
     missing = size - 1
     if r == missing:
-        time.sleep(4.0)
+        _wait_for_gave_up(world, size - 1)   # stays away until every other rank raised
     else:
-        with pytest.raises(harmpi.HarmpiTimeoutError) as info:
-            harmpi.allreduce(torch.ones(10), comm=comm)
+        try:
+            with pytest.raises(harmpi.HarmpiTimeoutError) as info:
+                harmpi.allreduce(torch.ones(10), comm=comm)
+        finally:
+            world.send(r, dest=missing, tag=_GAVE_UP)
         assert f"rank {missing}" in str(info.value), str(info.value)
     world.Barrier()
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from conftest import assert_same_everywhere, harmpi_process_group
 from mpi4py import MPI
+from test_faults import _GAVE_UP, _wait_for_gave_up
 
 import harmpi
 
@@ -262,12 +263,16 @@ def test_barrier_failure_met_at_once_is_not_called_a_timeout(world):
     """Rank 1 comes after the deadline: the others time out (and say so),
     rank 1 fails at once and must not say "timeout after"."""
     group = _fresh_group(timeout_s=2)
-    me = dist.get_rank()
+    me, n = dist.get_rank(), dist.get_world_size()
     if me == 1:
-        time.sleep(3.5)
+        _wait_for_gave_up(MPI.COMM_WORLD, n - 1)   # comes only after every other rank raised
     start = time.monotonic()
-    with pytest.raises(harmpi.HarmpiError) as info:
-        dist.barrier(group=group)
+    try:
+        with pytest.raises(harmpi.HarmpiError) as info:
+            dist.barrier(group=group)
+    finally:
+        if me != 1:
+            MPI.COMM_WORLD.send(me, dest=1, tag=_GAVE_UP)
     took, msg = time.monotonic() - start, str(info.value)
     assert "barrier" in msg
     if me == 1:
