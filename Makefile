@@ -106,7 +106,7 @@ test-verbs: setup
 	  $(PY) -m mpi4py -m pytest -q -p no:cacheprovider --color=no tests/mpi/test_allreduce.py \
 	  tests/mpi/test_verbs_rail.py
 
-# The two venvs install side by side (pip waits on the network most of the
+# The venvs install side by side (pip waits on the network most of the
 # time); then the test stages in order. A stage written a+b runs b beside a
 # (its output held back and printed after a's): the vLLM generations, which
 # keep both cores busy for ~4 min, go beside the one-file-at-a-time unit
@@ -121,13 +121,17 @@ TEST_STAGES ?= lint unit-parallel unit-serial+vllm-test mpi-test torch-suite
 # keeps only the tail of a run): pytest's short summary, tracebacks' last
 # lines, the MPI jobs' verdicts, stalled threads' stacks
 FAILURE_LINES := ^(FAILED|ERROR) |^ERROR: |No space left|^==== rank .*(failed|aborting)|^tests/[^ ]*:[0-9]+: |^E  +[A-Za-z.]*(Error|Exception|assert)|== mpi-test job failed|== mpi-test FAILED|^(Thread|Current thread) 0x|^  File .*(harmpi|tests)/|Timeout|timed out
+# The three venvs install side by side: .venv-torch-oldest's (mostly download
+# and unpacking) beside the other two, not after one of them
+SETUP_JOBS ?= 3
 # The free disk is printed before the set-up and after a failed stage: the
 # three venvs take ~10 GB (.venv-torch-oldest's CUDA torch 5.5 of it), and a
 # set-up that failed only shows much later, in the stages that need it.
 FREE_DISK = df -Ph $(CURDIR) $${TMPDIR:-/tmp} | awk 'NR>1 {print $$6": "$$4" free"}' | sort -u | tr '\n' ' '
 test:
-	@echo "== make test: before the set-up: $$($(FREE_DISK))"
-	-$(MAKE) --no-print-directory -k -j2 setup vllm-venv torch-oldest-venv
+	@echo "== make test: before the set-up: $$($(FREE_DISK))"; t=$$(date +%s); \
+	$(MAKE) --no-print-directory -k -j$(SETUP_JOBS) setup vllm-venv torch-oldest-venv; \
+	echo "== make test: set-up took $$(( $$(date +%s) - t )) s"
 	@test -f $(STAMP) || { echo "make test: setup failed, no test stage can run ($$($(FREE_DISK)))"; exit 1; }
 	@why=$$(mktemp); \
 	for stamp in $(VLLM_HARMPI_STAMP) $(OLDEST_STAMP); do test -f $$stamp || \
