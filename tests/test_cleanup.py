@@ -75,4 +75,4 @@ def test_singleton_leaves_no_segment(tmp_path, mpi_env):
 
 def test_singleton_setting_does_not_reach_child_processes():
     import harmpi  # noqa: F401  (this pytest process is a singleton)
-    assert os.environ.get("OMPI_MCA_btl") != "^sm"
+    assert os.environ.get("OMPI_MCA_btl") != "^sm,ofi"
