@@ -37,9 +37,12 @@ Stopping: the ranks leave by themselves when their channel to the engine
 ends (harmpi_vllm.worker), and mpirun then exits; after :data:`GRACE_S`
 mpirun gets SIGTERM, after twice that what is left below the keeper is
 killed; then every /dev/shm file that still exists of those the job's
-processes had mapped and the engine had not (the engine's own, which
-vLLM's resource tracker removes), and of those named by ``job``, is
-removed. All of it ends well within vLLM's 30 s.
+processes had mapped and the engine had not, and of those named by
+``job``, is removed. The engine's own files (its scheduler queue) are
+vLLM's resource tracker's to remove, while the engine lives; once it is
+gone (on Ctrl-C vLLM's server kills it at once), those of them that no
+live process maps are removed too: a tracker that died with the engine
+leaves them. All of it ends well within vLLM's 30 s.
 """
 
 from __future__ import annotations
@@ -88,6 +91,10 @@ def _descendants(root: int) -> list[int]:
             found.append(pid)
         todo += children.get(pid, [])
     return found
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
 def shm_mapped(pids) -> set[str]:
@@ -231,7 +238,10 @@ class Keeper:
         self._poll_mpirun()
         if ended:
             _say(f"forced killed {len(ended)} process(es) the job left: {ended}")
-        for path in sorted((self.mapped - self.engine_files) | self.job_files):
+        left = (self.mapped - self.engine_files) | self.job_files
+        if self.engine_files and not self._engine_alive():
+            left |= self.engine_files - shm_mapped(_all_pids())
+        for path in sorted(left):
             try:
                 os.unlink(path)
                 _say(f"forced removed {path}")
