@@ -121,8 +121,8 @@ TEST_STAGES ?= lint unit-parallel unit-serial+vllm-test mpi-test torch-suite
 # keeps only the tail of a run): pytest's short summary, tracebacks' last
 # lines, the MPI jobs' verdicts, stalled threads' stacks
 FAILURE_LINES := ^(FAILED|ERROR) |^ERROR: |No space left|^==== rank .*(failed|aborting)|^tests/[^ ]*:[0-9]+: |^E  +[A-Za-z.]*(Error|Exception|assert)|== mpi-test job failed|== mpi-test FAILED|^(Thread|Current thread) 0x|^  File .*(harmpi|tests)/|Timeout|timed out
-# The three venvs install side by side: .venv-torch-oldest's (mostly download
-# and unpacking) beside the other two, not after one of them
+# one job per venv: .venv-torch-oldest's (mostly download and unpacking) runs
+# beside the other two, not after one of them
 SETUP_JOBS ?= 3
 # The free disk is printed before the set-up and after a failed stage: the
 # three venvs take ~10 GB (.venv-torch-oldest's CUDA torch 5.5 of it), and a

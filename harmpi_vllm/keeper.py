@@ -76,14 +76,19 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[1])
 
 
+def _all_pids() -> list[int]:
+    """Every process's pid (Linux /proc)."""
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
 def _descendants(root: int) -> list[int]:
     """``root``'s descendants that are not zombies (Linux /proc)."""
     children: dict[int, list[int]] = {}
     states = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and (st := _stat(int(name))) is not None:
-            children.setdefault(st[1], []).append(int(name))
-            states[int(name)] = st[0]
+    for pid in _all_pids():
+        if (st := _stat(pid)) is not None:
+            children.setdefault(st[1], []).append(pid)
+            states[pid] = st[0]
     found, todo = [], list(children.get(root, []))
     while todo:
         pid = todo.pop()
@@ -91,10 +96,6 @@ def _descendants(root: int) -> list[int]:
             found.append(pid)
         todo += children.get(pid, [])
     return found
-
-
-def _all_pids() -> list[int]:
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
 def shm_mapped(pids) -> set[str]:
@@ -167,10 +168,10 @@ class Keeper:
     def _reap(self) -> None:
         """Reap adopted zombies (never mpirun: subprocess reaps it)."""
         me = os.getpid()
-        for name in os.listdir("/proc"):
-            if name.isdigit() and int(name) != self.proc.pid and _stat(int(name)) == ("Z", me):
+        for pid in _all_pids():
+            if pid != self.proc.pid and _stat(pid) == ("Z", me):
                 try:
-                    os.waitpid(int(name), os.WNOHANG)
+                    os.waitpid(pid, os.WNOHANG)
                 except ChildProcessError:
                     pass
 
