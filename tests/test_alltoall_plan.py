@@ -54,3 +54,21 @@ def test_an_even_split_fills_send_and_expect():
     assert plan.pair_mismatch(p, P) == (0, 0)  # (a zeroed bad_pair word names pair 0)
     p[plan.bad_pair_at(P)] = -1
     assert plan.pair_mismatch(p, P) is None
+
+
+def test_many_node_turns_pair_every_node_once_doubling_partners_first():
+    """many_nodes_tcp.partner: in every turn the nodes pair off (g's partner's
+    partner is g); over the G - 1 turns each node meets every other once;
+    the first log2 G turns are the all-reduce's doubling partners g ^ 1,
+    g ^ 2, ... (a refusal's all-reduce meets them in the same order)."""
+    from harmpi.algorithms.alltoall.many_nodes_tcp import alltoall_compiled, partner
+
+    assert [G for G in range(1, 40) if alltoall_compiled(G)] == [4, 8, 16, 32]
+    for G in (4, 8, 16, 32):
+        k = G.bit_length() - 1
+        for g in range(G):
+            met = [partner(G, g, t) for t in range(G - 1)]
+            assert sorted(met) == [h for h in range(G) if h != g], (G, g, met)
+            assert met[:k] == [g ^ (1 << b) for b in range(k)], (G, g, met)
+            for t, h in enumerate(met):
+                assert partner(G, h, t) == g, (G, g, t)

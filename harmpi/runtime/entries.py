@@ -25,6 +25,7 @@ from ..algorithms import ALGORITHM_IDS, ALLREDUCE, HierAllgather
 from ..algorithms.allgather import gather_table
 from ..algorithms.allgather_tcp import GATHER_TCP_STEP, gathers_compiled
 from ..algorithms.alltoall import HierAlltoall, MpiAlltoall
+from ..algorithms.alltoall.many_nodes_tcp import alltoall_compiled
 from ..algorithms.base import Call
 from ..algorithms.har_latency import HAR2_FINISH, HAR2_START, HAR2_STEP, rail_chunk_nbytes
 from ..base import dtypes, kind
@@ -141,8 +142,14 @@ def alltoall_entry(ctx):
     harmpi.algorithms.alltoall), else the algorithm object."""
     if ctx.topo.node_count == 1:
         return None
-    # on three or more nodes a disagreeing pair is seen by its two nodes
-    # only; MPI_Ialltoallv's path checks every pair on every rank
-    if ctx.topo.uniform and ctx.topo.node_count == 2:
+    # two nodes: one rail exchange per step; 2^k > 2 nodes over a compiled
+    # tcp rail: G - 1 turns per step whose messages carry every node's
+    # counts, so every rank checks every pair (many_nodes_tcp). Elsewhere a
+    # disagreeing pair would be seen by its two nodes only: MPI_Ialltoallv's
+    # path checks every pair on every rank
+    har2 = ctx.har2()
+    compiled = har2 is not None and har2.compiled
+    if ctx.topo.uniform and (ctx.topo.node_count == 2 or (
+            compiled and alltoall_compiled(ctx.topo.node_count))):
         return HierAlltoall(ctx)
     return MpiAlltoall(ctx)

@@ -37,6 +37,8 @@ out of the message (local rows: out of the slot).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ... import node
@@ -44,6 +46,7 @@ from ...base.arena import FLAG_LINE_NBYTES
 from ...base.control import MISMATCH, OK, POISONED, RAIL_FAILED, RAIL_TIMEOUT
 from ...base.kind import POISON_TAG, rail_tag
 from ...errors import HarmpiError, HarmpiMismatchError, HarmpiTimeoutError, HarmpiTransportError
+from . import many_nodes_tcp as many
 from . import rail_message as rail
 from .one_node import fill_slot, own_rows
 from .plan import (
@@ -83,16 +86,30 @@ class HierAlltoall:
         self.transport = ctx.rail_transport()
         self.head, self.block = geometry(ctx.config.slot_nbytes, self.P)
         self.msg_head = rail.msg_head_nbytes(self.L)
-        cap = self.msg_head + self.L * self.block
         self.peers = [p for p in range(self.G) if p != self.g]
-        self.send_bufs = {p: np.empty(cap, np.uint8) for p in self.peers}
-        self.recv_bufs = {p: np.empty(cap, np.uint8) for p in self.peers}
-        self.recv = np.zeros(self.P, np.int64)
-        self.counts = np.zeros((self.L, self.P), np.int64)
-        #: two nodes over tcp: the steps run compiled, on the rail the
-        #: two-node all-reduce set up in the control block (its rows too)
+        #: over tcp: the steps run compiled, on the rail the compiled
+        #: all-reduce set up in the control block (its rows too); on 2^k > 2
+        #: nodes they are many_nodes_tcp's (no other path takes more than two)
         har2 = ctx.har2()
         self.compiled = har2 is not None and har2.compiled
+        self.many = self.G > 2
+        if self.many and not (self.compiled and many.alltoall_compiled(self.G)):
+            raise ValueError(f"the rail all-to-all on {self.G} nodes needs a compiled tcp rail "
+                             "and 2^k nodes (harmpi.runtime.entries picks MpiAlltoall otherwise)")
+        cap = self.msg_head + self.L * self.block
+        if self.many:
+            cap = many.msg_nbytes(ctx.config.slot_nbytes, self.G, self.L)
+            #: my message of a turn, and each node's message to me
+            self.msg = np.empty(cap, np.uint8)
+            self.bufs = np.empty((self.G, cap), np.uint8)
+            #: every rank's send and expect rows ([sender, receiver], [receiver, sender])
+            self.send_tab = np.zeros((self.P, self.P), np.int64)
+            self.expect_tab = np.zeros((self.P, self.P), np.int64)
+        else:
+            self.send_bufs = {p: np.empty(cap, np.uint8) for p in self.peers}
+            self.recv_bufs = {p: np.empty(cap, np.uint8) for p in self.peers}
+        self.recv = np.zeros(self.P, np.int64)
+        self.counts = np.zeros((self.L, self.P), np.int64)
         self.state = np.zeros(7, np.int64)
         self.roff = np.zeros(self.P, np.int64)
         #: the told message this rank sends when it gives up before its rail
@@ -104,8 +121,14 @@ class HierAlltoall:
         """The whole collective (``call``: x and the kind word); ``make_out(
         total_rows)`` -> (out, address) once the receive counts are known.
         Returns out."""
+        if self.many:
+            return self._run_many(call, row_nb, plan, make_out)
         if self.compiled:
             return self._run_compiled(call, row_nb, plan, make_out)
+        return self._run_loop(call, row_nb, plan, make_out)
+
+    def _run_loop(self, call, row_nb, plan, make_out):
+        """run() over a transport other than tcp: Python around compiled copies."""
         ctx, ctl, P, L, g, me = self.ctx, self.ctx.ctl, self.P, self.L, self.g, self.me
         x_addr, code = call.addr, call.code
         self._send_offsets(plan)
@@ -168,17 +191,53 @@ class HierAlltoall:
                     raise failed
                 return out
 
-    def _round_failed(self, call, rc):
-        """Raise for A2A2_ROUND's failed status ``rc``."""
+    def _run_many(self, call, row_nb, plan, make_out):
+        """run() on 2^k > 2 nodes over tcp (many_nodes_tcp): per step one
+        compiled call for the rounds and the G - 1 turns, one for the copies.
+        A bad pair is seen by every rank after step 0, and none goes on."""
+        ctx, ctl, P, state = self.ctx, self.ctx.ctl, self.P, self.state
+        self._send_offsets(plan)
+        tag = rail_tag(row_nb, call.code)
+        bufs, cap = self.bufs.ctypes.data, self.bufs.shape[1]
+        out = out_addr = None
+        k = 0
+        while True:
+            t0 = time.monotonic()
+            rc = many.A2AG_ROUND(ctl, call.addr, row_nb, plan, call.code, k, self.send_tab,
+                                 self.expect_tab, self.ranks, self.g, self.msg.ctypes.data, bufs,
+                                 cap, tag, state)
+            if rc:
+                # (a later turn waits longer: say how long this one did)
+                self._round_failed(call, rc, time.monotonic() - t0)
+            if k == 0:
+                if state[1] >= 0:
+                    raise pair_error(ctx.topo.rank, call.op, *divmod(int(state[1]), P))
+                out, out_addr = make_out(int(recv(plan, P).sum()))
+            many.A2AG_COPY(ctl, call.addr, out_addr, row_nb, plan, k, self.ranks, self.g, bufs,
+                           cap)
+            k += 1
+            if not state[2]:
+                return out
+
+    def _turn_peer(self):
+        """The node whose rail peer the failed step waited for or heard from."""
+        world = self.ranks[:, self.l]
+        return int(np.flatnonzero(world == self.ctx.ctl[0]["rail_peer"])[0])
+
+    def _round_failed(self, call, rc, waited_s=None):
+        """Raise for A2A2_ROUND's (A2AG_ROUND's) failed status ``rc``, after
+        ``waited_s`` in the round (None: two deadlines)."""
         ctx, state = self.ctx, self.state
         if rc == POISONED:
             raise self._rail_mismatch(call, int(state[3]), int(ctx.ctl[0]["err_peer"]))
         if rc == RAIL_FAILED and state[4]:
-            raise self._told_error(call, int(state[5]), int(state[6]))
+            raise self._told_error(call, int(state[5]), int(state[6]),
+                                   self._turn_peer() if self.many else None)
         if rc == RAIL_TIMEOUT:  # (after the extra deadline: say how long it waited)
-            peer = self.peers[0]
-            self.transport.raise_timeout(RAIL_ROWS, (peer, peer), 2 * ctx.config.timeout_s,
-                                         call, ops=ctx.har2().ops)
+            peer = self._turn_peer() if self.many else self.peers[0]
+            waited_s = 2 * ctx.config.timeout_s if waited_s is None else round(waited_s, 1)
+            self.transport.raise_timeout(RAIL_ROWS, (peer, peer), waited_s, call,
+                                         ops=ctx.har2().ops)
         ctx.fail(rc, call)
 
     def _send_offsets(self, plan):

@@ -57,7 +57,7 @@ from .rail_message import (
     unpack_message,
 )
 
-__all__ = ["A2A2_ROUND", "A2A2_COPY", "RAIL_ROWS"]
+__all__ = ["A2A2_ROUND", "A2A2_COPY", "RAIL_ROWS", "tell_rail_peer", "heard_told", "rail_wait"]
 
 _i64 = types.int64
 _W = np.empty(0, np.uint16)  # (one_node's witness of the flag rounds)
@@ -67,7 +67,7 @@ _EXTRA_SLICE_NS = 10_000_000
 
 
 @numba.njit(cache=True, nogil=True)
-def _tell_rail_peer(ctl, rc, msg_addr):
+def tell_rail_peer(ctl, rc, msg_addr):
     """Send the rail peer the told message of status ``rc`` (in msg_addr)
     from sockio row 0; returns rc. Best effort: a send that cannot start
     now is left to the give-up's closed socket (no notice follows a half-sent
@@ -82,15 +82,14 @@ def _tell_rail_peer(ctl, rc, msg_addr):
 
 
 @numba.njit(cache=True, nogil=True)
-def _heard_told(ctl, ops, state):
-    """Whether receive row 0 got a told message (into rail_recv): then give
-    up, posting its culprit (or, if that is no rank, the rank that gave up
-    first), with state[4:7] = (1, culprit word, that rank)."""
-    c = ctl[0]
+def heard_told(ctl, ops, state, recv_addr):
+    """Whether receive row 0 got a told message (into ``recv_addr``): then
+    give up, posting its culprit (or, if that is no rank, the rank that gave
+    up first), with state[4:7] = (1, culprit word, that rank)."""
     if (ops[0, sockio.OP_DONE] < sockio.HEADER_NBYTES + TOLD_NBYTES
             or ops[0, sockio.OP_HDR_TAG] != POISON_TAG or ops[0, sockio.OP_HDR_N] != TOLD_NBYTES):
         return False
-    words = numba.carray(_voidptr(c.rail_recv), (TOLD_WORDS,), np.int64)
+    words = numba.carray(_voidptr(recv_addr), (TOLD_WORDS,), np.int64)
     if words[0] != TOLD_MAGIC:
         return False
     state[4], state[5], state[6] = 1, words[1], words[2]
@@ -99,15 +98,16 @@ def _heard_told(ctl, ops, state):
 
 
 @numba.njit(cache=True, nogil=True)
-def _rail_wait(ctl, ops, pollfds, scratch, state):
-    """har_latency.rail_complete, with one more deadline for a rail peer that
-    gives up and tells (ended early by a local rank that gave up). Returns
-    OK or the status of a step this rank gives up on; RAIL_FAILED with
-    state[4] = 1 after a told message (_heard_told)."""
+def rail_wait(ctl, ops, pollfds, scratch, state, recv_addr, until_ns):
+    """har_latency.rail_complete, with more time for a rail peer that gives
+    up and tells (ended early by a local rank that gave up): until
+    ``until_ns`` (monotonic; 0: one more deadline). Returns OK or the status
+    of a step this rank gives up on; RAIL_FAILED with state[4] = 1 after a
+    told message into ``recv_addr`` (heard_told)."""
     c = ctl[0]
     io = sockio.progress(ops, RAIL_ROWS, c.rail_spin, c.timeout_ns, pollfds, scratch,
                          node.hook_addr(ctl), c.wait_yield, node.wait_addr(ctl))
-    end = monotonic_ns() + c.timeout_ns
+    end = until_ns if until_ns > 0 else monotonic_ns() + c.timeout_ns
     while io == sockio.IO_TIMEOUT:
         left = end - monotonic_ns()
         if left <= 0:
@@ -117,7 +117,7 @@ def _rail_wait(ctl, ops, pollfds, scratch, state):
             return rc
         io = sockio.progress(ops, RAIL_ROWS, 0, min(left, _EXTRA_SLICE_NS), pollfds, scratch,
                              node.hook_addr(ctl), 0, node.wait_addr(ctl))
-    if _heard_told(ctl, ops, state):
+    if heard_told(ctl, ops, state, recv_addr):
         return RAIL_FAILED
     return rail_outcome(ctl, ops, io)
 
@@ -144,11 +144,11 @@ def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, 
     state[4] = 0
     rc = node.peers_abandoned(ctl)
     if rc != OK:
-        return _tell_rail_peer(ctl, rc, msg_addr)
+        return tell_rail_peer(ctl, rc, msg_addr)
     fill_slot(c, x_addr, row_nb, plan, P, rank, k, head, block, k == 0)
     rc = node.stage_at(ctl, 0, 0, 0, 0, row_nb, code, _W, 0)
     if rc != OK and rc != MISMATCH:
-        return _tell_rail_peer(ctl, rc, msg_addr)
+        return tell_rail_peer(ctl, rc, msg_addr)
     local_bad = rc == MISMATCH
     if local_bad:
         node.keep_mismatch(c)
@@ -168,11 +168,11 @@ def _a2a2_round(ctl, x_addr, row_nb, plan, code, k, counts, ranks, g, msg_addr, 
     sockio.set_send(ops, 1, c.rail_fd, msg_addr, nb, send_tag,
                     sockio.realtime_ns() + 2 * c.timeout_ns)
     if sockio.kick(ops, RAIL_ROWS, scratch) != sockio.IO_OK:
-        if _heard_told(ctl, ops, state):
+        if heard_told(ctl, ops, state, c.rail_recv):
             return RAIL_FAILED
         node.abandon(ctl, c.rail_peer)
         return RAIL_FAILED
-    rc = _rail_wait(ctl, ops, pollfds, scratch, state)
+    rc = rail_wait(ctl, ops, pollfds, scratch, state, c.rail_recv, 0)
     if rc != OK:
         return rc
     got_nb, got_tag = ops[0, sockio.OP_HDR_N], ops[0, sockio.OP_HDR_TAG]
