@@ -283,7 +283,18 @@ def alltoall(x: Buffer, send_counts: Any = None, comm: MPI.Comm | None = None,
 def _alltoall_run(ctx, plan, P, addr, row_n, row_nb, fmt, code, expect_total, make_out):
     """The all-to-all's entry, by topology and by what the output's size needs."""
     try:
-        if ctx.alltoall is not None:  # several nodes: the Python algorithm
+        if ctx.alltoall is not None and expect_total is not None:
+            # several nodes, the output's size known: made first, then filled
+            try:
+                result, out_addr = make_out(expect_total)
+            except HarmpiArgumentError as exc:
+                refuse(ctx.comm, kind.COLL_ALLTOALL, exc)
+                raise
+            rc = ctx.run_python(lambda call: ctx.alltoall.run_sized(call, row_nb, plan, out_addr),
+                                Call(addr, row_n, fmt, code, "alltoall"))
+            if rc:
+                ctx.raise_status(rc, addr, row_n, fmt, code, "alltoall")
+        elif ctx.alltoall is not None:  # several nodes: the Python algorithm
             got = []
             rc = ctx.run_python(lambda call: got.append(ctx.alltoall.run(call, row_nb, plan,
                                                                          make_out)),
@@ -320,6 +331,8 @@ def _native_alltoall_failed(x, rc):
     if rc <= _NATIVE_BAD_PAIR_BASE:
         raise _a2a.pair_error(ctx.topo.rank, "alltoall",
                               *divmod(_NATIVE_BAD_PAIR_BASE - rc, ctx.topo.size))
+    if ctx.alltoall is not None:  # (several nodes: the algorithm says what failed)
+        rc = ctx.alltoall.native_failed(Call(addr, row_n, fmt, code, "alltoall"), rc)
     ctx.raise_status(rc, addr, row_n, fmt, code, "alltoall")
 
 

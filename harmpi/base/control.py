@@ -81,6 +81,8 @@ FIELDS = (
     ("split_pos", "its slot position (small one-node step)"),
     ("gather_table", "allgather: int64[L, G] communicator rank of (local rank, node)"),
     ("gather_nodes", "allgather: G"),
+    ("a2a_args", "all-to-all over the tcp rail: address of its int64 words "
+                 "(harmpi.algorithms.alltoall.many_nodes_tcp.ARGS_WORDS)"),
     ("cma_pid", "one-node allgather: this rank's pid when local ranks read each other's memory "
                 "(harmpi.node.cma), else 0"),
     ("hook_fn", "mpiprogress hook (4 adjacent words): MPI_Iprobe's address"),

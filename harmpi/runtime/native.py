@@ -232,16 +232,17 @@ def attach(ctx):
         return None
     mod.attach(int(ctx.ctl.ctypes.data), control.offset("gate"), int(ctx.entry_cfunc),
                tuple(FORMAT_IDS.items()), _fallback)
-    # one node: the all-to-all step is compiled too (a module built from an
-    # older _native.cpp has no attach_alltoall: the API keeps its Python path)
-    if ctx.alltoall is None and hasattr(mod, "attach_alltoall"):
+    # one node, and 2^k nodes over the tcp rail: the all-to-all is compiled
+    # too (a module built from an older _native.cpp has no attach_alltoall:
+    # the API keeps its Python path)
+    if hasattr(mod, "attach_alltoall"):
         from ..algorithms.alltoall import ALLTOALL_CFUNC  # noqa: PLC0415
 
+        entry = ALLTOALL_CFUNC if ctx.alltoall is None else getattr(ctx.alltoall, "cfunc", 0)
         coll_shift, _ = kind.field("coll")
         digest_shift, digest_width = kind.field("digest")
-        mod.attach_alltoall(int(ALLTOALL_CFUNC), ctx.topo.size,
-                            kind.COLL_ALLTOALL << coll_shift, digest_shift,
-                            (1 << digest_width) - 1)
+        mod.attach_alltoall(int(entry), ctx.topo.size, kind.COLL_ALLTOALL << coll_shift,
+                            digest_shift, (1 << digest_width) - 1)
     # one node: the allgather step is compiled too (node.GATHER_STEP)
     if hasattr(mod, "attach_allgather"):
         from .. import node  # noqa: PLC0415

@@ -86,6 +86,37 @@ def test_even_split_around_block_boundaries(small_comm, edge, blocks):
     assert bits(harmpi.alltoall(x, comm=small_comm)) == bits(want)
 
 
+@pytest.mark.parametrize("edge", [-1, 0, 1])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_one_rank_nodes_move_the_rest_straight_around_chunk_boundaries(small_comm, topo, edge,
+                                                                       chunks):
+    """Several one-rank nodes over tcp: step 0 moves a block per pair through
+    the messages, the later steps the rest straight from x into out, in
+    chunks of DIRECT_SLOTS slots (many_nodes_tcp.span). Segments one row
+    short of, at and past 1-2 such chunks, each pair a different length
+    (uneven), and a bad expectation of the last pair after them."""
+    from harmpi.algorithms.alltoall.many_nodes_tcp import DIRECT_SLOTS
+
+    n, r = small_comm.Get_size(), small_comm.Get_rank()
+    if topo.local_size != 1 or n == 1:
+        pytest.skip("one-rank nodes")
+    row_nb = 8
+    slot = harmpi.init(small_comm).config.slot_nbytes
+    per = block_rows(small_comm, row_nb) + chunks * DIRECT_SLOTS * slot // row_nb + edge
+    matrix = np.array([[per + (i + j) % 3 - 1 for j in range(n)] for i in range(n)])
+    x, want = inputs("bf16", matrix, r, (4,), 31, "torch")
+    got, counts = harmpi.alltoall(x, matrix[r], comm=small_comm)
+    assert list(counts) == list(matrix[:, r])
+    assert bits(got) == bits(want)
+    expect = matrix[:, r].copy()
+    if r == n - 1:
+        expect[0] += 1
+    out = torch.full((int(expect.sum()), 4), -7.0, dtype=torch.bfloat16)
+    with pytest.raises(harmpi.HarmpiMismatchError, match="split sizes disagree"):
+        harmpi.alltoall(x, matrix[r], comm=small_comm, out=out, recv_counts=expect)
+    assert bool((out == -7.0).all())
+
+
 def _matrix(n, seed, high):
     return np.random.default_rng(seed).integers(0, high, (n, n))
 

@@ -69,7 +69,8 @@ from .plan import (
 )
 
 __all__ = ["ALLTOALL_STEP", "ALLTOALL_START", "ALLTOALL_FINISH", "ALLTOALL_CFUNC",
-           "alltoall_start", "alltoall_finish", "alltoall_step", "fill_slot", "own_rows", "direct"]
+           "alltoall_start", "alltoall_finish", "alltoall_step", "fill_slot", "write_header",
+           "own_rows", "direct"]
 
 _i64 = types.int64
 #: witness of the flag rounds (harmpi.node compiles them per storage type; with
@@ -90,6 +91,18 @@ def direct(c, nbytes):
 
 
 @numba.njit(cache=True, nogil=True)
+def write_header(c, x_addr, plan, P):
+    """Step 0's header in my slot of the next step: the plan's send and
+    expect rows, my pid and x's address."""
+    base = _slot_addr(c, c.steps & 1, c.local_rank)
+    hdr = numba.carray(_voidptr(base), (2 * P + 2,), np.int64)
+    for j in range(2 * P):  # (send, then expect: the plan's first 2P words)
+        hdr[j] = plan[j]
+    hdr[2 * P] = c.cma_pid
+    hdr[2 * P + 1] = x_addr
+
+
+@numba.njit(cache=True, nogil=True)
 def fill_slot(c, x_addr, row_nb, plan, P, me, k, head, block, with_header):
     """My slot of the next step: (step 0: the header, with my pid and x's
     address after it, then) chunk k of every segment bound for another rank
@@ -97,11 +110,7 @@ def fill_slot(c, x_addr, row_nb, plan, P, me, k, head, block, with_header):
     base = _slot_addr(c, c.steps & 1, c.local_rank)
     counts = send(plan, P)
     if with_header:
-        hdr = numba.carray(_voidptr(base), (2 * P + 2,), np.int64)
-        for j in range(2 * P):  # (send, then expect: the plan's first 2P words)
-            hdr[j] = plan[j]
-        hdr[2 * P] = c.cma_pid
-        hdr[2 * P + 1] = x_addr
+        write_header(c, x_addr, plan, P)
     off = send_off(plan, P)
     lo = k * block
     for j in range(P):

@@ -37,19 +37,18 @@ out of the message (local rows: out of the slot).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from ... import node
 from ...base.arena import FLAG_LINE_NBYTES
-from ...base.control import MISMATCH, OK, POISONED, RAIL_FAILED, RAIL_TIMEOUT
+from ...base.control import MISMATCH, OK, POISONED, RAIL_FAILED, RAIL_TIMEOUT, RAISED
 from ...base.kind import POISON_TAG, rail_tag
 from ...errors import HarmpiError, HarmpiMismatchError, HarmpiTimeoutError, HarmpiTransportError
 from . import many_nodes_tcp as many
 from . import rail_message as rail
 from .one_node import fill_slot, own_rows
 from .plan import (
+    bad_pair_at,
     expect,
     geometry,
     new_plan,
@@ -92,11 +91,13 @@ class HierAlltoall:
         #: nodes they are many_nodes_tcp's (no other path takes more than two)
         har2 = ctx.har2()
         self.compiled = har2 is not None and har2.compiled
-        self.many = self.G > 2
-        if self.many and not (self.compiled and many.alltoall_compiled(self.G)):
+        self.many = self.compiled and many.alltoall_compiled(self.G)
+        if self.G > 2 and not self.many:
             raise ValueError(f"the rail all-to-all on {self.G} nodes needs a compiled tcp rail "
                              "and 2^k nodes (harmpi.runtime.entries picks MpiAlltoall otherwise)")
         cap = self.msg_head + self.L * self.block
+        self.state = np.zeros(many.STATE_WORDS, np.int64)
+        self.cfunc = 0
         if self.many:
             cap = many.msg_nbytes(ctx.config.slot_nbytes, self.G, self.L)
             #: my message of a turn, and each node's message to me
@@ -105,12 +106,20 @@ class HierAlltoall:
             #: every rank's send and expect rows ([sender, receiver], [receiver, sender])
             self.send_tab = np.zeros((self.P, self.P), np.int64)
             self.expect_tab = np.zeros((self.P, self.P), np.int64)
+            #: the whole call compiled, for harmpi._C's even split (the
+            #: control block points at the arrays it reads)
+            self.cfunc = many.A2AG_CFUNC
+            self.args = np.array([self.send_tab.ctypes.data, self.expect_tab.ctypes.data,
+                                  self.ranks.ctypes.data, self.state.ctypes.data,
+                                  self.msg.ctypes.data, self.bufs.ctypes.data, self.G, self.g,
+                                  cap], np.int64)
+            assert self.args.size == many.ARGS_WORDS
+            ctx.ctl[0]["a2a_args"] = self.args.ctypes.data
         else:
             self.send_bufs = {p: np.empty(cap, np.uint8) for p in self.peers}
             self.recv_bufs = {p: np.empty(cap, np.uint8) for p in self.peers}
         self.recv = np.zeros(self.P, np.int64)
         self.counts = np.zeros((self.L, self.P), np.int64)
-        self.state = np.zeros(7, np.int64)
         self.roff = np.zeros(self.P, np.int64)
         #: the told message this rank sends when it gives up before its rail
         #: message (the Python path), and the sends posted, kept to their end
@@ -191,6 +200,20 @@ class HierAlltoall:
                     raise failed
                 return out
 
+    def run_sized(self, call, row_nb, plan, out_addr):
+        """run() into an output already sized from the counts this rank
+        expects (an even split, or recv_counts): on 2^k nodes over tcp one
+        compiled call (many_nodes_tcp.A2AG_RUN); None."""
+        if not self.many:
+            self.run(call, row_nb, plan, lambda _total: (None, out_addr))
+            return
+        rc = many.A2AG_RUN(self.ctx.ctl, call.addr, out_addr, row_nb, plan, call.code)
+        if rc:
+            self._round_failed(call, rc)
+        bad = int(plan[bad_pair_at(self.P)])
+        if bad >= 0:
+            raise pair_error(self.ctx.topo.rank, call.op, *divmod(bad, self.P))
+
     def _run_many(self, call, row_nb, plan, make_out):
         """run() on 2^k > 2 nodes over tcp (many_nodes_tcp): per step one
         compiled call for the rounds and the G - 1 turns, one for the copies.
@@ -198,17 +221,15 @@ class HierAlltoall:
         ctx, ctl, P, state = self.ctx, self.ctx.ctl, self.P, self.state
         self._send_offsets(plan)
         tag = rail_tag(row_nb, call.code)
-        bufs, cap = self.bufs.ctypes.data, self.bufs.shape[1]
+        bufs, cap, msg = self.args[many.A_BUFS], self.args[many.A_CAP], self.args[many.A_MSG]
         out = out_addr = None
         k = 0
         while True:
-            t0 = time.monotonic()
-            rc = many.A2AG_ROUND(ctl, call.addr, row_nb, plan, call.code, k, self.send_tab,
-                                 self.expect_tab, self.ranks, self.g, self.msg.ctypes.data, bufs,
+            rc = many.A2AG_ROUND(ctl, call.addr, out_addr or 0, row_nb, plan, call.code, k,
+                                 self.send_tab, self.expect_tab, self.ranks, self.g, msg, bufs,
                                  cap, tag, state)
             if rc:
-                # (a later turn waits longer: say how long this one did)
-                self._round_failed(call, rc, time.monotonic() - t0)
+                self._round_failed(call, rc)
             if k == 0:
                 if state[1] >= 0:
                     raise pair_error(ctx.topo.rank, call.op, *divmod(int(state[1]), P))
@@ -224,9 +245,19 @@ class HierAlltoall:
         world = self.ranks[:, self.l]
         return int(np.flatnonzero(world == self.ctx.ctl[0]["rail_peer"])[0])
 
-    def _round_failed(self, call, rc, waited_s=None):
-        """Raise for A2A2_ROUND's (A2AG_ROUND's) failed status ``rc``, after
-        ``waited_s`` in the round (None: two deadlines)."""
+    def native_failed(self, call, rc):
+        """The status to raise for the compiled whole call (harmpi._C's even
+        split, many_nodes_tcp.A2AG_CFUNC) that failed with ``rc``: as the
+        Python path's, RAISED with the context's pending error."""
+        try:
+            self._round_failed(call, rc)
+        except HarmpiError as exc:
+            self.ctx.pending_error = exc
+            return RAISED
+        return rc
+
+    def _round_failed(self, call, rc):
+        """Raise for A2A2_ROUND's (A2AG_ROUND's) failed status ``rc``."""
         ctx, state = self.ctx, self.state
         if rc == POISONED:
             raise self._rail_mismatch(call, int(state[3]), int(ctx.ctl[0]["err_peer"]))
@@ -235,7 +266,8 @@ class HierAlltoall:
                                    self._turn_peer() if self.many else None)
         if rc == RAIL_TIMEOUT:  # (after the extra deadline: say how long it waited)
             peer = self._turn_peer() if self.many else self.peers[0]
-            waited_s = 2 * ctx.config.timeout_s if waited_s is None else round(waited_s, 1)
+            # (turn t of many_nodes_tcp waits t + 2 deadlines from its step's start)
+            waited_s = (int(state[7]) + 2 if self.many else 2) * ctx.config.timeout_s
             self.transport.raise_timeout(RAIL_ROWS, (peer, peer), waited_s, call,
                                          ops=ctx.har2().ops)
         ctx.fail(rc, call)
