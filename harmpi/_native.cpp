@@ -119,9 +119,14 @@ int format_of(const at::Tensor& t) {
   return fmt;
 }
 
-// the entry's status; it may wait for other ranks, so callers drop the GIL
+// the entry's status; it may wait for other ranks, so callers drop the GIL.
+// kNotMine where the context's all-reduce is not compiled (several nodes:
+// the context is attached for its all-to-all alone)
 int64_t run_entry(const at::Tensor& t, int fmt) {
   const Served& s = g_served;
+  if (s.entry == nullptr) {
+    return kNotMine;
+  }
   return s.entry(reinterpret_cast<int64_t>(s.ctl), reinterpret_cast<int64_t>(t.data_ptr()),
                  t.numel(), fmt);
 }

@@ -520,6 +520,9 @@ def _native_status(ctx):
         return "off (HARMPI_NATIVE=0 or Config(native=False))"
     if ctx is _STATE.world and _STATE.native is not None:
         return "serving harmpi.allreduce(t) for this context"
+    if ctx is _STATE.world and _STATE.native_alltoall is not None:
+        return ("harmpi.alltoall(t) (an even split) served for this context; "
+                "harmpi.allreduce(t) takes its Python path (several nodes)")
     status = _native_module.status()
     if status == "loaded":
         return ("loaded; not serving this context (it serves the world communicator's "

@@ -322,7 +322,7 @@ class Context:
     def _refused_in_mpi(self, coll):
         """The algorithm whose peers meet in MPI on the set-up communicator,
         not in the flags, for a refused ``coll`` (its refuse()), or None: the
-        all-to-all on more than two nodes, the allgather on uneven nodes."""
+        all-to-all MpiAlltoall runs, the allgather on uneven nodes."""
         if coll == kind.COLL_ALLTOALL and isinstance(self.alltoall, MpiAlltoall):
             return self.alltoall
         if coll == kind.COLL_ALLGATHER and isinstance(self.gather, HierAllgather) \

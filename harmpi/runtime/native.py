@@ -222,9 +222,10 @@ def _fallback(t, rc, group=""):
 
 
 def attach(ctx):
-    """Serve the context ``ctx`` (its default entry must be compiled: a
-    non-zero ``ctx.entry_cfunc``); returns the module's ``allreduce(t)``,
-    or None if the module is not available."""
+    """Serve the context ``ctx`` (its default entry compiled: a non-zero
+    ``ctx.entry_cfunc``, or its all-to-all: ``ctx.alltoall.cfunc``; the
+    module declines an all-reduce without an entry); returns the module's
+    ``allreduce(t)``, or None if the module is not available."""
     from .torchbuf import FORMAT_IDS  # noqa: PLC0415 - torch is loaded by now
 
     mod = load()

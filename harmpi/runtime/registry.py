@@ -256,15 +256,19 @@ class Registry:
 
     def attach_native(self):
         """Let harmpi.native serve harmpi.allreduce(t) for the world context,
-        once torch is in use and the context's default entry is compiled."""
+        once torch is in use and the context's default entry is compiled (and
+        harmpi.alltoall(t) where its all-to-all is: one node, or 2^k nodes
+        over the tcp rail, whose all-reduce is not)."""
         ctx = self.world
         if self.torch is None or ctx is None or ctx.broken is not None:
             return
-        if not ctx.entry_cfunc or not ctx.config.native:
+        a2a_cfunc = getattr(ctx.alltoall, "cfunc", 0)
+        if not (ctx.entry_cfunc or a2a_cfunc) or not ctx.config.native:
             return
         from . import native  # noqa: PLC0415 - imports torch's C++ side
 
-        self.native = native.attach(ctx)
+        served = native.attach(ctx)
+        self.native = served if ctx.entry_cfunc else None
         self.native_alltoall = native.alltoall()
         self.native_allgather = native.allgather()
 

@@ -43,7 +43,7 @@ A late rank: its node's ranks time out in their flag round and tell every
 rail peer (the told message replaces their step messages); a rank whose
 turn fails tells the peers of its remaining turns the same way, so the
 ranks that wait on them name the late rank. For that turn t waits until
-t + 2 deadlines after its step began (two_nodes_tcp.rail_wait): a peer
+t + 2 deadlines after its step began (rail_told.rail_wait): a peer
 stuck in an earlier turn gives up and tells first. A rank that never
 arrives thus fails every other rank within G deadlines.
 
@@ -83,7 +83,7 @@ from .plan import (
     spread_even_rows,
 )
 from .rail_message import TOLD_NBYTES, local_out
-from .two_nodes_tcp import heard_told, rail_wait, tell_rail_peer
+from .rail_told import heard_told, rail_wait, tell_rail_peer
 
 __all__ = ["A2AG_ROUND", "A2AG_COPY", "A2AG_RUN", "A2AG_CFUNC", "ARGS_WORDS", "STATE_WORDS",
            "partner", "msg_nbytes", "alltoall_compiled"]

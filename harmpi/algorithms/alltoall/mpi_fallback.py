@@ -1,9 +1,11 @@
-"""The all-to-all for nodes of different sizes, or more than two: a polled MPI_Ialltoallv.
+"""The all-to-all the rails do not serve: a polled MPI_Ialltoallv.
 
-Used when rails do not span every node (nodes of different sizes), or on
-three or more nodes, where a pair that disagrees would be seen by its two
-nodes only. Steps, on harmpi's duplicate of the communicator, every wait
-polled under the context's deadline (harmpi.base.topology):
+Used when rails do not span every node (nodes of different sizes), and on
+more than two nodes where many_nodes_tcp does not run (a node count that
+is no power of two, or a rail other than compiled tcp): there a pair that
+disagrees would be seen by its two nodes only. Steps, on harmpi's
+duplicate of the communicator, every wait polled under the context's
+deadline (harmpi.base.topology):
   1. MPI_Iallgather of every rank's record: arrival time, (row bytes,
      kind), the rows it sends each rank and the rows it expects from each;
      a late rank, or any difference in (row bytes, kind), fails every rank
@@ -41,7 +43,8 @@ REFUSED_ROW_NBYTES = -1
 
 
 class MpiAlltoall:
-    """Nodes of different sizes (rails do not span every node): a polled
+    """Nodes of different sizes, or node counts no rail serves (module
+    docstring): a polled
     MPI_Ialltoallv on harmpi's duplicate of the communicator, after a polled
     exchange of (row bytes, kind) and arrival times and one of the counts
     (every rank checks every pair, as on one node). The data moves through
@@ -54,8 +57,9 @@ class MpiAlltoall:
         self.ctx = ctx
         sizes = list(ctx.topo.node_sizes)
         why = (f"nodes hold {sizes} ranks (uneven), so rails do not span every node"
-               if not ctx.topo.uniform else f"{len(sizes)} nodes (a pair that disagrees must "
-               "fail on every node, which one rail exchange cannot tell)")
+               if not ctx.topo.uniform else f"{len(sizes)} nodes, not 2^k over the compiled "
+               "tcp rail (a pair that disagrees must fail on every node, which one rail "
+               "exchange cannot tell)")
         ctx.log_once(f"alltoall: {why}; using MPI_Ialltoallv on the communicator")
 
     def _records(self, row_nb, code, sends, wants, label):

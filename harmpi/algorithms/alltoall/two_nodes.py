@@ -1,11 +1,14 @@
-"""The all-to-all on two nodes of L ranks each: one rail exchange per step.
+"""The all-to-all across equal nodes of L ranks: HierAlltoall, the context's entry.
 
-Rank (g, l)'s rail peer is (g', l), local rank l of the other node; the
+Rank (g, l)'s rail peer on node h is (h, l), local rank l there; the
 nodes' ranks may be numbered in any order (``ranks``: [g, l] -> rank).
-Three or more nodes, or nodes of different sizes, take MpiAlltoall
-(mpi_fallback): there a pair that disagrees would be seen by its two nodes
-only. Over tcp each step runs compiled (two_nodes_tcp); over any other
-transport, as Python around compiled copies (HierAlltoall.run). Per step:
+Over a compiled tcp rail on 2^k nodes (two included) the steps are
+many_nodes_tcp's, compiled: a call sized from the counts this rank
+expects (an even split, recv_counts) is one compiled call (A2AG_RUN; from
+C++, A2AG_CFUNC), else one per step and one for its copies. Other node
+counts, or nodes of different sizes, take MpiAlltoall (mpi_fallback).
+Over any other transport, two nodes run the Python loop below
+(HierAlltoall._run_loop), per step:
   1. as on one node: header and blocks into my slot, one flag round;
   2. pack one message for (g', l) (rail_message): does node g have more
      steps, the rows each local rank sends (g', l), my expectations from
@@ -18,8 +21,8 @@ transport, as Python around compiled copies (HierAlltoall.run). Per step:
   5. copy out: local senders from their slots, remote senders from the
      message, my own rows from x.
 
-Invariants: node g's "more" flag reaches every rank of both nodes, so all
-ranks run the same number of steps. Both ends of a rail check the counts
+Invariants (the loop): node g's "more" flag reaches every rank of both
+nodes, so all ranks run the same number of steps. Both ends of a rail check the counts
 that cross it against the receiver's expectation. A bad pair inside a
 node is seen by that node's ranks only: they run every step without
 copying out, then raise. A late rank: its node's ranks time out in step
@@ -29,8 +32,8 @@ rank it waited for), and a rail wait gives its peer one more deadline to
 send it: every rank of both nodes names the late rank, as the
 all-reduce's ranks do.
 
-Cost per step: two flag rounds and one message to the other node per
-rank (all rails in parallel): rows cross the network once. Every byte is
+Cost per step (the loop): two flag rounds and one message to the other
+node per rank (all rails in parallel): rows cross the network once. Every byte is
 copied into my slot, packed from the slots into the message, and copied
 out of the message (local rows: out of the slot).
 """
@@ -44,6 +47,7 @@ from ...base.arena import FLAG_LINE_NBYTES
 from ...base.control import MISMATCH, OK, POISONED, RAIL_FAILED, RAIL_TIMEOUT, RAISED
 from ...base.kind import POISON_TAG, rail_tag
 from ...errors import HarmpiError, HarmpiMismatchError, HarmpiTimeoutError, HarmpiTransportError
+from ..rail_turns import RAIL_ROWS
 from . import many_nodes_tcp as many
 from . import rail_message as rail
 from .one_node import fill_slot, own_rows
@@ -60,7 +64,6 @@ from .plan import (
     send_off,
     spread_even_rows,
 )
-from .two_nodes_tcp import A2A2_COPY, A2A2_ROUND, RAIL_ROWS
 
 __all__ = ["HierAlltoall", "warm_up"]
 
@@ -68,7 +71,8 @@ _W = np.empty(0, np.uint16)  # (one_node's witness of the flag rounds)
 
 
 class HierAlltoall:
-    """The two-node all-to-all (module docstring), as a context's entry.
+    """The all-to-all across equal nodes (module docstring), as a context's
+    entry: 2^k nodes over a compiled tcp rail, or two over another rail.
     Every node holds L ranks (the context offers MPI_Alltoallv otherwise);
     they may be numbered in any order (``ranks``)."""
 
@@ -132,8 +136,6 @@ class HierAlltoall:
         Returns out."""
         if self.many:
             return self._run_many(call, row_nb, plan, make_out)
-        if self.compiled:
-            return self._run_compiled(call, row_nb, plan, make_out)
         return self._run_loop(call, row_nb, plan, make_out)
 
     def _run_loop(self, call, row_nb, plan, make_out):
@@ -173,33 +175,6 @@ class HierAlltoall:
                     raise failed
                 return out
 
-    def _run_compiled(self, call, row_nb, plan, make_out):
-        """run() on two nodes over tcp: per step one compiled call for the
-        rounds and the exchange (A2A2_ROUND), one for the copies."""
-        ctx, ctl, P, state = self.ctx, self.ctx.ctl, self.P, self.state
-        self._send_offsets(plan)
-        tag = rail_tag(row_nb, call.code)
-        msg = self.send_bufs[self.peers[0]]
-        out = out_addr = failed = None
-        k = 0
-        while True:
-            rc = A2A2_ROUND(ctl, call.addr, row_nb, plan, call.code, k, self.counts, self.ranks,
-                            self.g, msg.ctypes.data, tag, state)
-            if rc:
-                self._round_failed(call, rc)
-            if k == 0:
-                if state[1] >= 0:  # (see run())
-                    failed = pair_error(ctx.topo.rank, call.op, *divmod(int(state[1]), P))
-                else:
-                    out, out_addr = make_out(int(recv(plan, P).sum()))
-            if failed is None:
-                A2A2_COPY(ctl, call.addr, out_addr, row_nb, plan, k, self.ranks, self.g)
-            k += 1
-            if not state[2]:
-                if failed is not None:
-                    raise failed
-                return out
-
     def run_sized(self, call, row_nb, plan, out_addr):
         """run() into an output already sized from the counts this rank
         expects (an even split, or recv_counts): on 2^k nodes over tcp one
@@ -215,7 +190,7 @@ class HierAlltoall:
             raise pair_error(self.ctx.topo.rank, call.op, *divmod(bad, self.P))
 
     def _run_many(self, call, row_nb, plan, make_out):
-        """run() on 2^k > 2 nodes over tcp (many_nodes_tcp): per step one
+        """run() on 2^k nodes over tcp (many_nodes_tcp): per step one
         compiled call for the rounds and the G - 1 turns, one for the copies.
         A bad pair is seen by every rank after step 0, and none goes on."""
         ctx, ctl, P, state = self.ctx, self.ctx.ctl, self.P, self.state
@@ -257,7 +232,7 @@ class HierAlltoall:
         return rc
 
     def _round_failed(self, call, rc):
-        """Raise for A2A2_ROUND's (A2AG_ROUND's) failed status ``rc``."""
+        """Raise for A2AG_ROUND's (A2AG_RUN's, A2AG_CFUNC's) failed status ``rc``."""
         ctx, state = self.ctx, self.state
         if rc == POISONED:
             raise self._rail_mismatch(call, int(state[3]), int(ctx.ctl[0]["err_peer"]))
