@@ -1,7 +1,8 @@
 """harmpi across four real hosts: four network namespaces on this machine
 joined through a Linux bridge (tests/support/netns.py, ``Hosts``), so Open MPI
-sees four nodes and harmpi takes its 4-node path (recursive doubling over its
-tcp rail) across real veth links. Also a quick check of the bridged harness
+sees four nodes and harmpi takes its 4-node paths (the all-reduce's
+recursive doubling, the all-to-all's compiled turns over its tcp rail)
+across real veth links. Also a quick check of the bridged harness
 itself. Skips where namespaces (with a bridge) can't be made."""
 
 from __future__ import annotations
@@ -52,6 +53,29 @@ SCRIPT = textwrap.dedent(
                 ok = bool(np.all(np.abs(got - exact) <= bound))
                 digests = world.allgather(zlib.crc32(x.view(ints).numpy().tobytes()))
                 results[f"{name}/{count}/{rep}"] = ok and len(set(digests)) == 1
+    # the all-to-all's compiled turns over the four hosts' rails: an even
+    # split (from C++ where harmpi._C is built), uneven counts whose rest
+    # past the first chunk moves straight from x into out (one-rank hosts),
+    # and an expectation one rank gets wrong, seen by every rank
+    for per in (3, 40_000):
+        x = torch.arange(n * per * 2, dtype=torch.float32).reshape(n * per, 2) + 1e6 * r
+        want = torch.cat([torch.arange(n * per * 2, dtype=torch.float32).reshape(n * per, 2)
+                          [r * per:(r + 1) * per] + 1e6 * k for k in range(n)])
+        results[f"a2a/even/{per}"] = bool(torch.equal(harmpi.alltoall(x), want))
+        counts = [(per + 7 * r + 3 * j) % (per + 5) for j in range(n)]
+        rows = [[(per + 7 * k + 3 * j) % (per + 5) for j in range(n)] for k in range(n)]
+        x = torch.arange(sum(counts), dtype=torch.float64) + 1e7 * r
+        got, recv = harmpi.alltoall(x, counts)
+        parts = [torch.arange(sum(rows[k]), dtype=torch.float64)[sum(rows[k][:r]):
+                 sum(rows[k][:r + 1])] + 1e7 * k for k in range(n)]
+        results[f"a2a/uneven/{per}"] = (recv == [rows[k][r] for k in range(n)]
+                                        and bool(torch.equal(got, torch.cat(parts))))
+        expect = [rows[k][r] + (r == n - 1 and k == 0) for k in range(n)]
+        try:
+            harmpi.alltoall(x, counts, recv_counts=expect)
+            results[f"a2a/bad/{per}"] = False
+        except harmpi.HarmpiMismatchError as exc:
+            results[f"a2a/bad/{per}"] = "split sizes disagree" in str(exc)
     # a size mismatch across the hosts fails on every rank, cleanly
     t = torch.full((10 + (r == n - 1),), float(r + 1))
     before = t.clone()
