@@ -1,4 +1,4 @@
-"""The all-to-all over the tcp rail on G = 2^k > 2 nodes, compiled: a call per step and its copies.
+"""The all-to-all over the tcp rail on G = 2^k nodes (two included), compiled.
 
 G nodes of L ranks (P = G L), numbered in any order (``ranks``: [g, l] ->
 rank); rank (g, l)'s rail peers are (h, l) on every other node h, reached
@@ -24,7 +24,13 @@ through the sockets the compiled all-reduce keeps in the control block
      none goes on), the receive counts, and the steps K for the longest
      segment (every rank computes the same K).
 A2AG_COPY, step k: my own rows (step 0), the local senders' chunks from
-their slots, node h's from its buffer.
+their slots, node h's from its buffer. One-rank nodes (L = 1): step 0's
+slot holds the header alone and its messages at most FIRST_NBYTES a pair,
+packed from x; the later steps skip the slot and the flag round, and each
+turn sends the next DIRECT_SLOTS slots' worth of my segment for h straight
+from x and receives h's for me straight into out (_direct_turn). A2AG_RUN
+(A2AG_CFUNC for C callers) runs every step and its copies in one call
+when out is sized before the call (an even split, or recv_counts).
 
 Why every rank sees the same verdict: after step 0's turns every rank
 holds every rank's send and expect rows (each node sent its rows to every
