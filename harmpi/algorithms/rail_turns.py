@@ -77,8 +77,8 @@ from ..base.kind import ABANDON_TAG
 from ..transports import sockio
 
 __all__ = ["RAIL_ROWS", "PIPE_ROWS", "HALVING_MIN_NBYTES", "rail_rsag2", "rail_views",
-           "rail_outcome", "rail_complete", "post_exchange", "select_peer", "rail_turn", "got",
-           "fold_in", "rail_doubling", "rail_halving", "use_halving"]
+           "rail_outcome", "disagreed_then_left", "rail_complete", "post_exchange", "select_peer",
+           "rail_turn", "got", "fold_in", "rail_doubling", "rail_halving", "use_halving"]
 
 _voidptr = control.voidptr
 
@@ -105,21 +105,22 @@ def rail_views(c):
 
 
 @numba.njit(cache=True, nogil=True)
-def _disagreed_then_left(ops):
+def disagreed_then_left(ops):
     """The peer's whole message came, then its abandon notice, and its tag
-    is not the one this rank sent with its own (finished) part: the two
-    ran different calls, and the peer already failed its side. The step
-    fails here as the disagreement it is (the caller's check of the
-    message), not as a peer that gave up, so both ends raise the same
-    error: with two compiled ends, a peer's give-up after a disagreement
-    between collectives (failures.mismatch_is_clean) could reach the
-    socket before this rank read the message."""
+    is not the one this rank posted with its own part: the two ran
+    different calls, and the peer already failed its side. The step fails
+    here as the disagreement it is (the caller's check of the message),
+    not as a peer that gave up, so both ends raise the same error: with two
+    compiled ends, a peer's give-up after a disagreement between
+    collectives (failures.mismatch_is_clean) could reach the socket before
+    this rank read the message. This rank's own part need not have gone:
+    a peer that left first may have closed its socket before it was sent
+    (the receive row, first in the op table, fails before the send starts)."""
     return (ops[0, sockio.OP_STATE] == sockio.ST_FAILED
             and ops[0, sockio.OP_ERRNO] == sockio.ERR_ABANDONED
             and ops[0, sockio.OP_HDR_TAG] != ABANDON_TAG
             and ops[0, sockio.OP_DONE] == sockio.HEADER_NBYTES + ops[0, sockio.OP_HDR_N]
             and ops[1, sockio.OP_KIND] == sockio.KIND_SEND
-            and ops[1, sockio.OP_STATE] == sockio.ST_DONE
             and ops[0, sockio.OP_HDR_TAG] != ops[1, sockio.OP_HDR_TAG])
 
 
@@ -132,7 +133,7 @@ def rail_outcome(ctl, ops, io):
     c = ctl[0]
     if io == sockio.IO_INTERRUPTED:
         return node.interrupted(ctl)
-    if io != sockio.IO_OK and _disagreed_then_left(ops):
+    if io != sockio.IO_OK and disagreed_then_left(ops):
         return OK   # (the caller's check of the message fails the step)
     if io != sockio.IO_OK:
         node.abandon(ctl, c.rail_peer)
@@ -179,6 +180,8 @@ def post_exchange(ctl, ops, scratch, recv_addr, recv_cap, send_addr, send_nbytes
         ops[1, sockio.OP_STATE] = sockio.ST_DONE
         ops[1, sockio.OP_KIND] = -1
     if sockio.kick(ops, RAIL_ROWS, scratch) != sockio.IO_OK:
+        if disagreed_then_left(ops):
+            return OK   # (the caller's check of the message fails the step)
         node.abandon(ctl, c.rail_peer)
         return RAIL_FAILED
     return OK

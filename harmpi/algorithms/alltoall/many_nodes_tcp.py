@@ -81,7 +81,7 @@ from ...base.control import voidptr as _voidptr
 from ...base.kind import POISON_TAG, rail_tag
 from ...base.sync import monotonic_ns
 from ...transports import sockio
-from ..rail_turns import rail_views, select_peer
+from ..rail_turns import disagreed_then_left, rail_views, select_peer
 from .one_node import fill_slot, own_rows, write_header
 from .plan import (
     bad_pair_at,
@@ -315,6 +315,8 @@ def _exchange(ctl, t, step_ns, msg_addr, send_addr, send_nb, send_tag, recv_addr
     sockio.set_send(ops, 1, c.rail_fd, send_addr, send_nb, send_tag,
                     sockio.realtime_ns() + max(until - now, c.timeout_ns))
     if sockio.kick(ops, 2, scratch) != sockio.IO_OK:
+        if disagreed_then_left(ops):
+            return OK   # (the peer ran another call: the turn's check says so)
         if not heard_told(ctl, ops, state, told_addr):
             node.abandon(ctl, c.rail_peer)
         return _tell_from(ctl, RAIL_FAILED, msg_addr, G, g, t + 1)
